@@ -1,0 +1,144 @@
+"""Check a stage's result against the float64 reference (every lesson 01-06, the tests, the bench).
+
+The tolerance rule is the one the flash-attn test suite uses: a kernel in some precision may be
+wrong by at most ``multiplier`` (2) times the error that PyTorch's own attention makes in that
+same precision, plus a floor: twice the rounding error of merely storing the reference in that
+precision (flash-attn's ``(ref + 0.3 - 0.3) - ref``). So the bar moves with the precision and
+the shape, and a kernel is held to "as good as PyTorch", not to a hand-picked number.
+
+``check`` prints one fixed-format line and raises ``CheckFailed`` (an AssertionError) when the
+rule is broken, so a failing check fails a notebook under nbval as well as a pytest test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .reference import attention_mask, reference
+
+__all__ = ["CheckFailed", "CheckResult", "check", "torch_error", "storage_floor"]
+
+
+class CheckFailed(AssertionError):
+    """A stage's output broke the tolerance rule (or held NaN/Inf where the reference has none)."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    max_err: float
+    tol: float
+    lse_err: float | None = None
+    lse_tol: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        ok = self.max_err <= self.tol
+        if self.lse_err is not None:
+            ok = ok and self.lse_err <= self.lse_tol
+        return bool(ok)
+
+    def line(self) -> str:
+        def part(err, tol):
+            return f"max |err| {err:.1e} {'≤' if err <= tol else '>'} tol {tol:.1e}"
+
+        text = f"{self.name}: {part(self.max_err, self.tol)}"
+        if self.lse_err is not None:
+            text += f", lse {part(self.lse_err, self.lse_tol)}"
+        return f"{text} {'✓' if self.passed else '✗'}"
+
+
+def _dtype_name(x) -> str:
+    return str(x.dtype).replace("torch.", "")
+
+
+def _to_numpy64(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        return x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def _max_abs_err(a: np.ndarray, ref: np.ndarray, rows_valid: np.ndarray | None = None) -> float:
+    """max |a - ref| where NaN/Inf in `a` (and not in ref) count as infinite error."""
+    diff = np.abs(a - ref)
+    bad = ~np.isfinite(a) & np.isfinite(ref)
+    diff = np.where(bad, np.inf, diff)
+    both_inf = ~np.isfinite(a) & ~np.isfinite(ref) & (a == ref)  # e.g. LSE -inf for empty rows
+    diff = np.where(both_inf, 0.0, diff)
+    if rows_valid is not None:
+        diff = diff[rows_valid]
+    return float(np.max(diff)) if diff.size else 0.0
+
+
+def storage_floor(ref: np.ndarray, dtype: str) -> float:
+    """2x the rounding error of storing `ref` in `dtype` (flash-attn's ``ref + 0.3 - 0.3``)."""
+    import torch
+
+    r = torch.from_numpy(np.where(np.isfinite(ref), ref, 0.0))
+    stored = (r.to(getattr(torch, dtype)) + 0.3 - 0.3).double()
+    return 2.0 * float((stored - r).abs().max()) if r.numel() else 0.0
+
+
+def torch_error(q, k, v, out_ref, lse_ref, *, dtype: str, device: str, causal=False,
+                key_padding_mask=None, scale=None):
+    """PyTorch's own error against the reference when it computes in `dtype` on `device`.
+
+    Returns (max |SDPA - ref| over rows that see a key, max |logsumexp - lse_ref|).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    def as_torch(x):
+        if not hasattr(x, "detach"):
+            x = torch.from_numpy(np.asarray(x, dtype=np.float64))
+        return x.detach().to(device=device, dtype=getattr(torch, dtype))
+
+    tq, tk, tv = as_torch(q), as_torch(k), as_torch(v)
+    B, H, Lq, D = tq.shape
+    Lk = tk.shape[2]
+    allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)
+    rows_valid = np.broadcast_to(allowed.any(-1), (B, H, Lq))
+    mask = torch.from_numpy(allowed).to(device)
+    with torch.no_grad():
+        out = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, scale=scale)
+        s = (tq @ tk.transpose(-1, -2)) * (scale if scale is not None else D ** -0.5)
+        s = s.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s.float() if dtype in ("float16", "bfloat16") else s, dim=-1)
+        if dtype in ("float16", "bfloat16"):
+            lse = lse.to(getattr(torch, dtype))  # the rounding a kernel storing LSE in dtype would see
+    out_err = _max_abs_err(_to_numpy64(out), out_ref, rows_valid)
+    lse_err = _max_abs_err(_to_numpy64(lse), lse_ref, rows_valid)
+    return out_err, lse_err
+
+
+def check(name: str, out, q, k, v, *, lse=None, causal: bool = False, key_padding_mask=None,
+          scale: float | None = None, ref=None, multiplier: float = 2.0, verbose: bool = True,
+          raise_on_failure: bool = True) -> CheckResult:
+    """Compare `out` (and optionally `lse`) with the float64 reference; print one line; raise on failure.
+
+    `ref` may hold a precomputed ``(out, lse)`` from :func:`reference` for these inputs.
+    PyTorch's error is measured in `out`'s dtype, on `out`'s device (CPU for NumPy arrays).
+    """
+    out_ref, lse_ref = ref if ref is not None else reference(
+        q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    dtype = _dtype_name(out)
+    device = str(out.device) if hasattr(out, "device") and not isinstance(out, np.ndarray) else "cpu"
+    if np.shape(out) != out_ref.shape:
+        raise CheckFailed(f"{name}: output shape {tuple(np.shape(out))} != reference shape {out_ref.shape}")
+    pt_err, pt_lse_err = torch_error(q, k, v, out_ref, lse_ref, dtype=dtype, device=device,
+                                     causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    err = _max_abs_err(_to_numpy64(out), out_ref)
+    tol = multiplier * pt_err + storage_floor(out_ref, dtype)
+    lse_err = lse_tol = None
+    if lse is not None:
+        lse_dtype = _dtype_name(lse)
+        lse_err = _max_abs_err(_to_numpy64(lse), lse_ref)
+        lse_tol = multiplier * pt_lse_err + storage_floor(lse_ref, lse_dtype)
+    result = CheckResult(name, err, tol, lse_err, lse_tol)
+    if verbose:
+        print(result.line())
+    if raise_on_failure and not result.passed:
+        raise CheckFailed(result.line())
+    return result

@@ -1,0 +1,70 @@
+"""Moving arrays between the caller's world (NumPy or torch) and the numba kernels (lessons 02-04).
+
+On a GPU, every buffer a stage needs is allocated as a torch CUDA tensor and handed to numba
+through ``__cuda_array_interface__`` (zero copy). That way torch's allocator sees all of it, so
+:func:`wb_kernels.timing.peak_memory` measures what the kernels really use, and a caller's CUDA
+tensors are read in place. On the simulator, buffers are plain NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backend import BACKEND
+
+__all__ = ["is_torch", "to_work", "empty", "zeros", "kernel_view", "like_input"]
+
+
+def is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def to_work(x, dtype=np.float32):
+    """The caller's array as a contiguous `dtype` buffer where the kernels run."""
+    if BACKEND.is_gpu:
+        import torch
+
+        t = x if is_torch(x) else torch.from_numpy(np.asarray(x))
+        return t.to(device="cuda", dtype=getattr(torch, np.dtype(dtype).name)).contiguous()
+    if is_torch(x):
+        x = x.detach().cpu().numpy()
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+def empty(shape, dtype=np.float32):
+    """An uninitialised buffer where the kernels run."""
+    if BACKEND.is_gpu:
+        import torch
+
+        return torch.empty(tuple(shape), dtype=getattr(torch, np.dtype(dtype).name), device="cuda")
+    return np.empty(shape, dtype=dtype)
+
+
+def zeros(shape, dtype=np.float32):
+    if BACKEND.is_gpu:
+        import torch
+
+        return torch.zeros(tuple(shape), dtype=getattr(torch, np.dtype(dtype).name), device="cuda")
+    return np.zeros(shape, dtype=dtype)
+
+
+def kernel_view(buffer):
+    """What a numba kernel launch takes for `buffer` (a zero-copy device view on a GPU)."""
+    if BACKEND.is_gpu:
+        from numba import cuda
+
+        return cuda.as_cuda_array(buffer)
+    return buffer
+
+
+def like_input(result, template):
+    """Return `result` in the caller's kind: NumPy for NumPy input, torch on the input's device
+    for torch input."""
+    if is_torch(template):
+        import torch
+
+        t = result if is_torch(result) else torch.from_numpy(np.asarray(result))
+        return t.to(template.device)
+    if is_torch(result):
+        return result.detach().cpu().numpy()
+    return np.asarray(result)

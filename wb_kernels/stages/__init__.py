@@ -1,0 +1,52 @@
+"""The ladder of attention kernels, one module per stage (lessons 01-05).
+
+Every module in this folder that defines ``STAGE`` (a :class:`Stage`) is a stage; ``wb_kernels.attention``
+finds them here, so adding a stage means adding one module and nothing else. A stage's ``forward``
+receives inputs that :mod:`wb_kernels.api` has already validated, and returns ``(out, lse)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+__all__ = ["Stage", "available_stages", "get_stage"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str  # what users pass as stage=...
+    lesson: str  # notebook that teaches it, e.g. "02_naive_gpu"
+    summary: str  # one line for listings and error messages
+    forward: Callable  # (q, k, v, *, causal, key_padding_mask, scale) -> (out, lse)
+    dtypes: tuple  # accepted input dtypes, e.g. ("float32",)
+    head_dims: Optional[tuple] = None  # accepted D, None = any
+    needs_gpu: bool = False  # True: refuses to run on the simulator / CPU tensors
+    # extra device bytes beyond the inputs, from (B, H, Lq, Lk, D); used to refuse sizes that can't fit
+    workspace_bytes: Optional[Callable[[int, int, int, int, int], int]] = None
+    # rough seconds on numba's CUDA simulator, from (B, H, Lq, Lk, D); used to refuse sizes that would hang
+    simulator_seconds: Optional[Callable[[int, int, int, int, int], float]] = None
+    order: int = 0  # position on the ladder
+    linear_memory: bool = False  # True: no L x L buffer (the flash stages), suggested when others can't fit
+
+
+def available_stages() -> dict:
+    """All stages found in this package, in ladder order: {name: Stage}."""
+    found = []
+    for module_info in pkgutil.iter_modules(__path__):
+        if module_info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        stage = getattr(module, "STAGE", None)
+        if isinstance(stage, Stage):
+            found.append(stage)
+    return {s.name: s for s in sorted(found, key=lambda s: s.order)}
+
+
+def get_stage(name: str) -> Stage:
+    stages = available_stages()
+    if name not in stages:
+        raise ValueError(f"stage={name!r} is not a stage of this package; available: {', '.join(stages)}")
+    return stages[name]

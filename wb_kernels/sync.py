@@ -1,0 +1,67 @@
+"""One source of truth between the lessons and the package (lessons 02-05; checked by CI).
+
+A module marks a piece of code a lesson shows in full with
+
+    # region: scores_kernel
+    ...
+    # endregion
+
+(``// region: name`` and ``// endregion`` in CUDA sources). A lesson shows it in a code cell whose
+first line is ``# region: scores_kernel (wb_kernels/stages/naive.py)``, followed by exactly the
+same text. The learner may edit and re-run that cell; ``tests/test_lesson_sync.py`` fails when a
+committed notebook and the package drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+__all__ = ["module_regions", "notebook_regions", "region_source", "PACKAGE_ROOT"]
+
+PACKAGE_ROOT = Path(__file__).resolve().parent
+_START = re.compile(r"^\s*(?:#|//) region: (\w+)\s*$")
+_END = re.compile(r"^\s*(?:#|//) endregion\s*$")
+_CELL_HEADER = re.compile(r"^# region: (\w+) \((wb_kernels/[\w/.]+)\)\s*$")
+
+
+def module_regions(path) -> dict:
+    """{name: source text} of the regions in a package file (markers excluded, text dedented not)."""
+    regions, name, lines = {}, None, []
+    for line in Path(path).read_text().splitlines():
+        if name is None:
+            match = _START.match(line)
+            if match:
+                name, lines = match.group(1), []
+        elif _END.match(line):
+            regions[name] = "\n".join(lines).strip("\n")
+            name = None
+        else:
+            lines.append(line)
+    if name is not None:
+        raise ValueError(f"{path}: region {name!r} has no endregion")
+    return regions
+
+
+def region_source(relative_path: str, name: str) -> str:
+    """The text of region `name` in ``wb_kernels/<...>`` (a path relative to the repository)."""
+    path = PACKAGE_ROOT.parent / relative_path
+    regions = module_regions(path)
+    if name not in regions:
+        raise KeyError(f"{relative_path} has no region {name!r}; it has {sorted(regions)}")
+    return regions[name]
+
+
+def notebook_regions(notebook_path) -> list:
+    """[(name, relative module path, cell text after the header)] for every region cell of a notebook."""
+    found = []
+    for cell in json.loads(Path(notebook_path).read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        first, _, rest = source.partition("\n")
+        match = _CELL_HEADER.match(first)
+        if match:
+            found.append((match.group(1), match.group(2), rest.strip("\n")))
+    return found

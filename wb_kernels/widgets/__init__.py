@@ -1,0 +1,39 @@
+"""The logic behind each lesson's sliders, as plain functions (inputs -> data / figure).
+
+One module per lesson (``cpu_reference`` for 01, ...). Lessons only wire these functions to
+ipywidgets with :func:`sequence_length_slider`; pytest calls the same functions without a browser.
+"""
+
+from __future__ import annotations
+
+__all__ = ["sequence_length_slider", "link_slider"]
+
+
+def sequence_length_slider(values, value=None, description="L"):
+    """A slider over a fixed list of sequence lengths (powers of two read better than a range)."""
+    import ipywidgets as widgets
+
+    values = list(values)
+    return widgets.SelectionSlider(options=values, value=value if value is not None else values[len(values) // 2],
+                                   description=description, continuous_update=False)
+
+
+def link_slider(slider, draw):
+    """Show ``draw(L)`` (a matplotlib Figure or anything displayable) below `slider`, redrawn on change.
+
+    Returns the widget to display. `draw` runs in the callback, so an exception there surfaces in the
+    output area (and the browser test sees it) instead of vanishing.
+    """
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    output = widgets.Output()
+
+    def redraw(change=None):
+        with output:
+            output.clear_output(wait=True)
+            display(draw(slider.value))
+
+    slider.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([slider, output])
