@@ -13,13 +13,13 @@ from .backend import BACKEND, banner, device_name  # noqa: I001  (must come firs
 from .api import attention, validate
 from .check import CheckFailed, CheckResult, check
 from .inputs import random_padding_mask, random_qkv
-from .reference import reference
+from .reference import attention_mask, reference, safe_softmax
 from .stages import available_stages, get_stage
 from .timing import peak_memory, time_call
 
 __all__ = [
     "BACKEND", "banner", "device_name", "attention", "validate", "check", "CheckFailed", "CheckResult",
-    "random_qkv", "random_padding_mask", "reference", "available_stages", "get_stage", "peak_memory",
+    "random_qkv", "random_padding_mask", "reference", "attention_mask", "safe_softmax", "available_stages", "get_stage", "peak_memory",
     "time_call",
 ]
 __version__ = "0.1.0"

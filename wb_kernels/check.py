@@ -62,7 +62,8 @@ def _to_numpy64(x) -> np.ndarray:
 
 def _max_abs_err(a: np.ndarray, ref: np.ndarray, rows_valid: np.ndarray | None = None) -> float:
     """max |a - ref| where NaN/Inf in `a` (and not in ref) count as infinite error."""
-    diff = np.abs(a - ref)
+    with np.errstate(invalid="ignore"):  # inf - inf: handled just below
+        diff = np.abs(a - ref)
     bad = ~np.isfinite(a) & np.isfinite(ref)
     diff = np.where(bad, np.inf, diff)
     both_inf = ~np.isfinite(a) & ~np.isfinite(ref) & (a == ref)  # e.g. LSE -inf for empty rows

@@ -1,0 +1,67 @@
+"""pyproject.toml and environment.yml name the same dependencies; the README's commands exist."""
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _spec(requirement: str) -> str:
+    """The version constraint without spaces or extras, e.g. '>=1.24,<2.5'."""
+    req = re.sub(r"\[.*?\]", "", requirement.split(";")[0]).replace(" ", "")
+    return req[len(_name(req)):]
+
+
+def pyproject_requirements() -> dict:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in ("lab", "test"):
+        reqs += project["optional-dependencies"][extra]
+    return {_name(r): _spec(r) for r in reqs}
+
+
+def environment_requirements() -> dict:
+    reqs = {}
+    for line in (ROOT / "environment.yml").read_text().splitlines():
+        match = re.match(r"^\s*-\s+([A-Za-z0-9_.\-\[\]]+[^#]*?)\s*(#.*)?$", line)
+        if not match or match.group(1).rstrip(":") in ("pip", "conda-forge"):
+            continue
+        req = match.group(1)
+        if _name(req) in ("python",):
+            continue
+        reqs[_name(req)] = _spec(req)
+    return reqs
+
+
+def test_environment_yml_matches_pyproject():
+    assert environment_requirements() == pyproject_requirements()
+
+
+def test_numpy_is_pinned_below_2_5():
+    assert "<2.5" in pyproject_requirements()["numpy"]
+
+
+def test_torch_requirement_admits_the_cpu_build():
+    # a requirement that torch 2.13.0 satisfies keeps `make test` from pulling the CUDA build
+    spec = pyproject_requirements()["torch"]
+    assert spec.startswith(">=") and "<" not in spec
+    assert "TORCH_SPEC ?= torch==2.13.0" in (ROOT / "Makefile").read_text()
+
+
+def test_readme_names_the_two_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    assert "make lab" in readme and "make test" in readme
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", ci, re.M)
+
+
+def test_lab_binds_loopback_with_a_token():
+    makefile = (ROOT / "Makefile").read_text()
+    lab = makefile.split("\nlab:")[1].split("\n\n")[0]
+    assert "--ServerApp.ip=127.0.0.1" in lab
+    assert "token=''" not in lab and 'token=""' not in lab and "disable_check_xsrf" not in lab
