@@ -84,14 +84,20 @@ class _L2Flusher:
         self.buffer.zero_()
 
 
-def time_call(fn, *args, warmup: int = 3, repeats: int = 20, flush_l2: bool = False, **kwargs) -> Timing:
-    """Time ``fn(*args, **kwargs)``: `warmup` untimed calls, then `repeats` timed ones."""
+def time_call(fn, *args, warmup: int = 3, repeats: int = 20, flush_l2: bool = False, device: str = "auto",
+              **kwargs) -> Timing:
+    """Time ``fn(*args, **kwargs)``: `warmup` untimed calls, then `repeats` timed ones.
+
+    `device`: "cuda" (CUDA events), "cpu" (a host clock), or "auto": cuda when kernels run on a GPU.
+    """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device={device!r}: use 'auto', 'cuda' or 'cpu'")
     for _ in range(warmup):
         fn(*args, **kwargs)
     samples = []
-    if on_gpu():
+    if device == "cuda" or (device == "auto" and on_gpu()):
         import torch
 
         flush = _L2Flusher() if flush_l2 else None
@@ -130,12 +136,16 @@ class MemoryUse:
         return f"peak {self.peak_mib:.2f} MiB ({self.device})"
 
 
-def peak_memory(fn, *args, **kwargs):
+def peak_memory(fn, *args, device: str = "auto", **kwargs):
     """Run ``fn(*args, **kwargs)`` once; return ``(result, MemoryUse)``.
 
+    `device`: "cuda" (torch's allocator), "host" (tracemalloc), or "auto": cuda when kernels run on a
+    GPU. CPU code such as the NumPy reference needs "host" on a GPU machine too.
     The result stays alive until the peak is read, so its own allocation is counted.
     """
-    if on_gpu():
+    if device not in ("auto", "cuda", "host"):
+        raise ValueError(f"device={device!r}: use 'auto', 'cuda' or 'host'")
+    if device == "cuda" or (device == "auto" and on_gpu()):
         import torch
 
         torch.cuda.synchronize()

@@ -32,9 +32,10 @@ def cpu_times(lengths, B: int = 1, H: int = 4, D: int = 64, repeats: int = 3) ->
     numpy_ms, torch_ms = [], []
     for L in lengths:
         q, k, v = random_qkv(B, H, L, D, seed=L)
-        numpy_ms.append(time_call(reference, q, k, v, warmup=1, repeats=repeats).median_ms)
+        numpy_ms.append(time_call(reference, q, k, v, warmup=1, repeats=repeats, device="cpu").median_ms)
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-        torch_ms.append(time_call(F.scaled_dot_product_attention, tq, tk, tv, warmup=1, repeats=repeats).median_ms)
+        torch_ms.append(time_call(F.scaled_dot_product_attention, tq, tk, tv, warmup=1, repeats=repeats,
+                                  device="cpu").median_ms)
     return {"L": list(lengths), "numpy_ms": numpy_ms, "torch_ms": torch_ms}
 
 
