@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh [STEP ...]      steps: env tests notebooks bench tune (default: env tests notebooks bench)
 #
-# Wheels for packages the machine lacks may wait in .whl/ (see CONTRIBUTING notes in the README); they are
+# Wheels for packages the machine lacks may wait in .whl/ (README, "Checking on a GPU"); they are
 # installed into a private folder first. Everything the run produces is collected into one tarball,
 # $OUT/gpu_results.tgz (OUT defaults to ./gpu-out): logs, executed notebooks, results files and figures.
 set -uo pipefail
