@@ -21,6 +21,9 @@ __all__ = ["Backend", "BACKEND", "banner", "cuda_gpu_count", "select_backend"]
 
 SIMULATOR = "simulator"
 GPU = "gpu"
+# numba's real CUDA compiler without a device: only for compiling kernels to PTX (wb_kernels.resources
+# runs it in a subprocess, because the simulator cannot compile). Launching anything fails.
+COMPILE_ONLY = "compile-only"
 
 
 def cuda_gpu_count() -> int:
@@ -70,11 +73,14 @@ def select_backend(environ=os.environ, gpu_count=cuda_gpu_count) -> Backend:
     `environ` and `gpu_count` are parameters so that tests can exercise every branch.
     """
     requested = environ.get("WB_BACKEND", "auto").strip().lower()
-    if requested not in ("auto", GPU, SIMULATOR):
+    if requested not in ("auto", GPU, SIMULATOR, COMPILE_ONLY):
         raise ValueError(f"WB_BACKEND={requested!r}: use 'auto', 'gpu' or 'simulator'")
     if requested == "auto" and environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         requested = SIMULATOR
 
+    if requested == COMPILE_ONLY:
+        environ["NUMBA_ENABLE_CUDASIM"] = "0"
+        return Backend(COMPILE_ONLY, "requested: compile kernels to PTX, no device")
     if requested == SIMULATOR:
         backend = Backend(SIMULATOR, "requested")
     else:
