@@ -1,21 +1,27 @@
 """The one public entry point, ``attention(q, k, v, stage=..., causal=...)`` (all lessons, tests, bench).
 
 Everything is validated here, before any kernel is launched or any buffer allocated, and each
-error names the argument, the value it got and what is accepted.
+error names the argument, the value it got and what is accepted (``tests/test_api_errors.py``).
+Here, too, the package keeps its promises about edge cases for every stage at once: inputs are made
+contiguous once, and NaN/Inf in the inputs give the result SDPA gives (``tests/test_edge_cases.py``),
+even from kernels compiled with fast math, which may assume that no value is ever NaN or Inf.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import os
+import warnings
 
 import numpy as np
 
 from .backend import BACKEND
 from .device import is_torch, like_input
+from .reference import attention_mask
 from .stages import available_stages, get_stage
 
-__all__ = ["attention", "validate", "SIMULATOR_MAX_SECONDS"]
+__all__ = ["attention", "validate", "propagate_non_finite", "SIMULATOR_MAX_SECONDS"]
 
 # Sizes the simulator would need longer than this for are refused (override: WB_SIM_MAX_SECONDS).
 SIMULATOR_MAX_SECONDS = float(os.environ.get("WB_SIM_MAX_SECONDS", "120"))
@@ -41,18 +47,50 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _kind(x) -> str:
+    return "torch tensor" if is_torch(x) else "NumPy array"
+
+
+def _as_flag(name: str, value) -> bool:
+    """True/False from a bool-like value; refuses strings ("False" is truthy) and other numbers."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    if (isinstance(value, np.ndarray) or is_torch(value)) and tuple(value.shape) == () \
+            and _dtype_name(value) == "bool":
+        return bool(value.item())
+    raise TypeError(f"{name}: expected True or False (or 0/1), got {value!r} of type {type(value).__name__}")
+
+
+def _check_scale(scale):
+    if scale is None:
+        return None
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a finite number or None (= 1/sqrt(D)), got {scale!r} of type "
+                        f"{type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale: expected a finite number or None (= 1/sqrt(D)), got {scale!r}")
+    return float(scale)
+
+
 def validate(q, k, v, *, stage: str = "reference", causal: bool = False, key_padding_mask=None,
              scale=None):
     """Raise a clear ValueError/TypeError/MemoryError for anything `stage` cannot run. Returns the Stage."""
-    spec = get_stage(stage) if isinstance(stage, str) else None
-    if spec is None:
-        raise TypeError(f"stage={stage!r}: must be a stage name, one of {', '.join(available_stages())}")
+    if not isinstance(stage, str):
+        raise TypeError(f"stage: expected a stage name (str), one of {', '.join(available_stages())}; "
+                        f"got {stage!r} of type {type(stage).__name__}")
+    spec = get_stage(stage)  # ValueError naming the stages there are
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (is_torch(x) or isinstance(x, np.ndarray)):
             raise TypeError(f"{name}: expected a NumPy array or torch tensor, got {type(x).__name__}")
         if x.ndim != 4:
             raise ValueError(f"{name}: expected rank 4 (B, H, L, D), got rank {x.ndim} with shape {tuple(x.shape)}")
+    kinds = {name: _kind(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    if len(set(kinds.values())) != 1:
+        raise TypeError(f"q, k, v: expected all NumPy arrays or all torch tensors, got "
+                        + ", ".join(f"{name} a {kind}" for name, kind in kinds.items()))
     (B, H, Lq, D), (Bk, Hk, Lk, Dk), (Bv, Hv, Lv, Dv) = q.shape, k.shape, v.shape
     if (Bk, Hk) != (B, H) or (Bv, Hv) != (B, H):
         raise ValueError(f"batch/heads differ: q has (B, H)=({B}, {H}), k ({Bk}, {Hk}), v ({Bv}, {Hv}); they must match")
@@ -65,10 +103,11 @@ def validate(q, k, v, *, stage: str = "reference", causal: bool = False, key_pad
 
     dtypes = {_dtype_name(x) for x in (q, k, v)}
     if len(dtypes) != 1:
-        raise TypeError(f"q, k, v have different dtypes {sorted(dtypes)}; use one dtype")
+        raise TypeError(f"q, k, v have different dtypes ({_dtype_name(q)}, {_dtype_name(k)}, {_dtype_name(v)}); "
+                        "use one dtype")
     dtype = dtypes.pop()
     if dtype not in spec.dtypes:
-        raise TypeError(f"stage {stage!r} does not take dtype {dtype}; it accepts {', '.join(spec.dtypes)}")
+        raise TypeError(f"q, k, v: stage {stage!r} does not take dtype {dtype}; it accepts {', '.join(spec.dtypes)}")
     if spec.head_dims is not None and D not in spec.head_dims:
         raise ValueError(f"stage {stage!r} does not support head dim D={D}; it supports D in {list(spec.head_dims)}")
 
@@ -90,10 +129,12 @@ def validate(q, k, v, *, stage: str = "reference", causal: bool = False, key_pad
             raise ValueError(f"key_padding_mask: expected shape (B, Lk)=({B}, {Lk}), got {tuple(key_padding_mask.shape)}")
         if _dtype_name(key_padding_mask) != "bool":
             raise TypeError(f"key_padding_mask: expected dtype bool (True = key takes part), got {_dtype_name(key_padding_mask)}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal: expected True or False, got {causal!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"scale: expected a finite number or None (= 1/sqrt(D)), got {scale!r}")
+        mask_device = _device_of(key_padding_mask)
+        if mask_device not in ("cpu", device):
+            raise ValueError(f"key_padding_mask: is on {mask_device} but q, k, v are on {device}; "
+                             "put it on the CPU or on their device")
+    _as_flag("causal", causal)
+    _check_scale(scale)
 
     if spec.workspace_bytes is not None:
         need = spec.workspace_bytes(B, H, Lq, Lk, D)
@@ -115,21 +156,147 @@ def validate(q, k, v, *, stage: str = "reference", causal: bool = False, key_pad
     return spec
 
 
+def _contiguous(x):
+    """`x` as a C-contiguous array of the same kind, copied only if it is not one already.
+
+    Kernels index raw memory, and ``torch.from_numpy`` refuses negative strides; torch tensors are
+    also detached, because the stages compute forward only (no autograd).
+    """
+    if is_torch(x):
+        return x.detach().contiguous()
+    return np.ascontiguousarray(x)
+
+
+def _may_hold_non_finite(q, k) -> bool:
+    """Whether q or k may hold a NaN or an Inf: one pass over each and one number back.
+
+    A sum is NaN or Inf when any term is (+Inf + -Inf gives NaN); it can also overflow for huge finite
+    inputs, which only sends those to the exact (slower) path of propagate_non_finite, where nothing
+    is changed.
+    """
+    if is_torch(q):
+        import torch
+
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        sums = torch.stack([q.sum(dtype=acc), k.sum(dtype=acc)])
+        return not bool(torch.isfinite(sums).all())
+    with np.errstate(over="ignore", invalid="ignore"):
+        return not (np.isfinite(q.sum(dtype=np.float64)) and np.isfinite(k.sum(dtype=np.float64)))
+
+
+def _numpy64(x) -> np.ndarray:
+    if is_torch(x):
+        return x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def propagate_non_finite(out, lse, q, k, *, causal=False, key_padding_mask=None, scale=None):
+    """Make NaN/Inf in q and k reach `out` and `lse` as they do in SDPA (see :func:`attention`).
+
+    A row gets NaN (all of its output and its LSE) when it sees at least one key and either its query
+    holds a NaN/Inf, or its score with some key it attends is NaN or +Inf (a NaN in that key, or an
+    Inf that meets a query value of the same sign or a zero). Scores that come out -Inf leave the key
+    out of the row, as in SDPA; the kernels handle those themselves. Values (v) need nothing here:
+    ``P @ V`` carries their NaN/Inf in every kernel. Returns ``(out, lse)``, changed in place where
+    possible. Costs O(B*H*Lq*D) plus O(Lq*D) per key that holds a NaN/Inf.
+    """
+    qn, kn = _numpy64(q), _numpy64(k)
+    B, H, Lq, D = qn.shape
+    Lk = kn.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)[:, 0]  # (B, Lq, Lk)
+    poisoned = ~np.isfinite(qn).all(-1)  # (B, H, Lq)
+    bad_keys = ~np.isfinite(kn).all(-1)  # (B, H, Lk)
+    chunk = 256  # keys per step: bounds the (Lq, chunk) scores held at once
+    with np.errstate(invalid="ignore", over="ignore"):
+        for b, h in zip(*np.nonzero(bad_keys.any(-1))):
+            keys = np.flatnonzero(bad_keys[b, h])
+            for first in range(0, len(keys), chunk):
+                some = keys[first:first + chunk]
+                scores = scale * (qn[b, h] @ kn[b, h, some].T)  # (Lq, len(some)), IEEE: inf*0 = NaN
+                hot = (np.isnan(scores) | (scores == np.inf)) & allowed[b][:, some]
+                poisoned[b, h] |= hot.any(-1)
+    poisoned &= allowed.any(-1)[:, None, :]  # a row that sees no key stays 0, LSE -inf
+    if not poisoned.any():
+        return out, lse
+    if is_torch(out):
+        import torch
+
+        rows = torch.from_numpy(poisoned).to(out.device)
+        return (out.masked_fill(rows[..., None], float("nan")),
+                lse.masked_fill(rows, float("nan")) if lse is not None else None)
+    out = np.array(out, copy=True)
+    out[poisoned] = np.nan
+    if lse is not None:
+        lse = np.array(lse, copy=True)
+        lse[poisoned] = np.nan
+    return out, lse
+
+
 def attention(q, k, v, *, stage: str = "reference", causal: bool = False, key_padding_mask=None,
-              scale: float | None = None, return_lse: bool = False):
+              scale: float | None = None, return_lse: bool = False, check_finite: bool = True):
     """Exact attention softmax(scale * q k^T [masked]) v with the chosen stage's kernel.
 
-    q: (B, H, Lq, D); k, v: (B, H, Lk, D), NumPy arrays or torch tensors (CPU, or CUDA on a GPU).
-    causal: query i attends keys j <= i (top-left alignment, as SDPA's is_causal).
-    key_padding_mask: bool (B, Lk), True = the key takes part.
-    scale: defaults to 1/sqrt(D).
-    Returns the output (B, H, Lq, D) in the caller's kind (NumPy or torch on q's device), and with
-    ``return_lse=True`` also the per-row log-sum-exp (B, H, Lq) in float32 (float64 for the reference).
-    Rows that see no key get zeros (and LSE -inf).
+    Inputs
+        q: (B, H, Lq, D); k, v: (B, H, Lk, D); all NumPy arrays or all torch tensors (CPU, or CUDA on a
+        GPU), of one dtype the stage accepts (``wb.get_stage(name).dtypes``) and a head dim D it supports.
+        Non-contiguous inputs (slices, transposes) are copied once; torch tensors are used detached
+        (forward only, no autograd).
+    causal
+        query i attends keys j <= i: *top-left* alignment, as SDPA's ``is_causal=True``, also when
+        Lq != Lk. With Lq=2, Lk=4, row 0 sees key 0 and row 1 keys 0-1 (keys 2-3 are seen by nobody);
+        with Lq=4, Lk=2, rows 1-3 all see both keys. (flash-attn's bottom-right alignment, for decoding,
+        is a different mask.) Accepts True/False, NumPy bools and 0/1.
+    key_padding_mask
+        bool (B, Lk), True = the key takes part (SDPA's boolean ``attn_mask`` convention), on the CPU
+        or the inputs' device.
+    scale
+        a finite number; defaults to 1/sqrt(D).
+
+    Returns the output (B, H, Lq, D) in the caller's kind (NumPy, or torch on q's device), and with
+    ``return_lse=True`` also the per-row log-sum-exp (B, H, Lq) (float32; float64 for the reference).
+
+    Edge cases, the same for every stage:
+        - A row that sees no key (every key masked) gets zeros and LSE -inf, never NaN.
+        - Large logits (|scale * q.k| up to 1e4 and beyond) do not overflow: the row maximum is
+          subtracted before exp.
+        - NaN/Inf in the inputs propagate as in PyTorch's SDPA (checked against its math backend):
+          a NaN or Inf in query row i makes output row i NaN; a NaN in key row j makes every row that
+          attends key j NaN; an Inf in key row j makes a row's score +Inf, -Inf or NaN depending on the
+          query's signs: +Inf and NaN make the row NaN, -Inf leaves key j out of that row; a NaN/Inf
+          in v[j, d] reaches column d of every row that attends key j. LSE is NaN (or +Inf) in rows
+          that are NaN. Exceptions: a row that sees no key stays 0 even if its query is NaN; and
+          whether a NaN/Inf in a *masked* key's k or v reaches a row is not specified (SDPA's math
+          backend lets it through, as it adds the mask as a -Inf bias; the stages here never use a
+          masked key's k, but may multiply its v by 0, and 0 * NaN = NaN).
+          The kernels themselves may assume finite inputs (the flash kernels are compiled with fast
+          math), so this function keeps the promise: it looks for NaN/Inf in q and k first (one pass
+          over each) and, when there are any, marks the rows SDPA would make NaN
+          (:func:`propagate_non_finite`). ``check_finite=False`` skips that pass; the result for
+          non-finite inputs is then whatever the kernel makes of them.
+
+    Raises, before launching anything: TypeError (wrong kind or dtype of an argument, unknown kind of
+    stage name), ValueError (shapes that disagree, unsupported head dim, an unknown stage, CPU inputs
+    for a GPU-only stage, a size the simulator would take minutes for), MemoryError (a stage's Lq x Lk
+    buffers would not fit: the message says how much they need and suggests the flash stages).
     """
     spec = validate(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    out, lse = spec.forward(q, k, v, causal=bool(causal), key_padding_mask=key_padding_mask, scale=scale)
-    out = like_input(out, q)
+    causal, scale = _as_flag("causal", causal), _check_scale(scale)
+    caller_q = q
+    q, k, v = (_contiguous(x) for x in (q, k, v))
+    if key_padding_mask is not None:
+        key_padding_mask = _contiguous(key_padding_mask)
+    non_finite = check_finite and _may_hold_non_finite(q, k)
+    with warnings.catch_warnings():
+        if non_finite or BACKEND.is_simulator:
+            # NumPy arithmetic (the reference, and every kernel on the simulator) warns about NaN/Inf that
+            # are the right answer here; a GPU computes the same silently
+            warnings.simplefilter("ignore", RuntimeWarning)
+        out, lse = spec.forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    out, lse = like_input(out, caller_q), like_input(lse, caller_q)
+    if non_finite:
+        out, lse = propagate_non_finite(out, lse, q, k, causal=causal, key_padding_mask=key_padding_mask,
+                                        scale=scale)
     if return_lse:
-        return out, like_input(lse, q)
+        return out, lse
     return out

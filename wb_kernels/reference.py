@@ -9,7 +9,10 @@ Conventions shared by every stage of the package:
   ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` does when Lq != Lk);
 - ``key_padding_mask`` is a bool array (B, Lk), True where the key takes part (SDPA's boolean
   ``attn_mask`` convention);
-- a query row that sees no key at all gets output 0 and LSE -inf, never NaN.
+- a query row that sees no key at all gets output 0 and LSE -inf, never NaN;
+- NaN and Inf in the inputs propagate as in SDPA's math: a NaN (or an Inf that makes a score NaN
+  or +inf) reaches every row that attends the key or query holding it (details and the rule every
+  stage follows: :func:`wb_kernels.api.attention`).
 """
 
 from __future__ import annotations
@@ -45,13 +48,16 @@ def naive_softmax(scores: np.ndarray, axis: int = -1) -> np.ndarray:
 def safe_softmax(scores: np.ndarray, axis: int = -1) -> np.ndarray:
     """Softmax with the row maximum subtracted first: exp never sees a positive argument.
 
-    Rows that are all -inf (fully masked) give zeros instead of NaN.
+    Rows that are all -inf (fully masked) give zeros instead of NaN. A NaN or +inf score still
+    makes its row NaN, as in torch's softmax (non-finite inputs must not turn into plausible numbers).
     """
-    row_max = scores.max(axis=axis, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    e = np.exp(scores - row_max)
-    total = e.sum(axis=axis, keepdims=True)
-    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf rows: their NaN is the answer
+        row_max = scores.max(axis=axis, keepdims=True)
+        row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+        e = np.exp(scores - row_max)
+        total = e.sum(axis=axis, keepdims=True)
+        # total is 0 only for an all -inf row; NaN != 0, so a NaN row divides and stays NaN
+        return np.divide(e, total, out=np.zeros_like(e), where=total != 0)
 
 
 def reference(q, k, v, *, causal: bool = False, key_padding_mask=None, scale: float | None = None):
@@ -65,12 +71,14 @@ def reference(q, k, v, *, causal: bool = False, key_padding_mask=None, scale: fl
     Lk = k.shape[2]
     if scale is None:
         scale = 1.0 / np.sqrt(D)
-    scores = scale * np.einsum("bhqd,bhkd->bhqk", q, k)  # (B, H, Lq, Lk): the O(L^2) matrix S
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf inputs propagate, silently
+        scores = scale * np.einsum("bhqd,bhkd->bhqk", q, k)  # (B, H, Lq, Lk): the O(L^2) matrix S
     allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)
     scores = np.where(allowed, scores, -np.inf)
     probs = safe_softmax(scores)  # P, also O(L^2)
-    out = np.einsum("bhqk,bhkd->bhqd", probs, v)
-    with np.errstate(divide="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = np.einsum("bhqk,bhkd->bhqd", probs, v)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         row_max = scores.max(axis=-1)
         finite_max = np.where(np.isfinite(row_max), row_max, 0.0)
         lse = finite_max + np.log(np.exp(scores - finite_max[..., None]).sum(axis=-1))

@@ -1,0 +1,85 @@
+"""Inputs for tests that run every stage of the package (test_edge_cases.py, test_properties.py).
+
+Stages join these tests by existing: the list comes from ``wb.available_stages()``. A stage that needs
+a GPU is skipped on the simulator, with that reason; everything else runs everywhere, at the small
+sizes the simulator can afford, and the same code feeds CUDA tensors to every stage on a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wb_kernels as wb
+
+STAGES = wb.available_stages()
+ON_GPU = wb.BACKEND.is_gpu
+
+# How far a finite output of a stage may be from the float64 reference in the NaN/Inf tests, where the
+# tolerance rule of wb.check cannot run (it compares whole arrays, NaN rows included): a few hundred
+# ulps of each precision at the sizes used there (L <= 20, N(0, 1) inputs).
+LOOSE_TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+def stage_params(names=None):
+    """pytest params, one per stage; GPU-only stages carry a skip mark on the simulator."""
+    params = []
+    for name in names or STAGES:
+        stage = STAGES[name]
+        marks = []
+        if stage.needs_gpu and not ON_GPU:
+            marks.append(pytest.mark.skip(reason=f"stage {name!r} needs a CUDA GPU; this run uses the numba simulator"))
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+def run_dtype(stage) -> str:
+    """float32 where the stage takes it (every numba stage), else its first dtype (fp16 for wmma)."""
+    return "float32" if "float32" in stage.dtypes else stage.dtypes[0]
+
+
+def head_dim(stage, wanted: int = 16) -> int:
+    """The smallest head dim the stage supports that is >= `wanted` (or `wanted` if it takes any)."""
+    if stage.head_dims is None:
+        return wanted
+    larger = [d for d in sorted(stage.head_dims) if d >= wanted]
+    return larger[0] if larger else max(stage.head_dims)
+
+
+def framework_for(dtype: str) -> tuple:
+    """(framework, device) for random_qkv: CUDA tensors on a GPU; NumPy where it has the dtype."""
+    if ON_GPU:
+        return "torch", "cuda"
+    return ("numpy", None) if dtype != "bfloat16" else ("torch", "cpu")
+
+
+def make_inputs(stage, B, H, Lq, D, *, Lk=None, seed=0, std=1.0, dtype=None):
+    """q, k, v for `stage`, in a dtype and place it accepts. Returns NumPy float64 copies too."""
+    dtype = dtype or run_dtype(stage)
+    framework, device = framework_for(dtype)
+    q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, dtype=dtype, framework=framework, device=device, seed=seed, std=std)
+    return q, k, v
+
+
+def like_inputs(array: np.ndarray, template):
+    """A NumPy array (a mask, or inputs edited in NumPy) in the kind and place of `template`."""
+    if hasattr(template, "detach"):
+        import torch
+
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        if array.dtype != np.bool_:
+            t = t.to(template.dtype)
+        return t.to(template.device)
+    if array.dtype == np.bool_:
+        return array
+    return np.ascontiguousarray(array.astype(template.dtype))
+
+
+def numpy64(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        return x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def dtype_name(x) -> str:
+    return str(x.dtype).replace("torch.", "")

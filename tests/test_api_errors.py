@@ -1,0 +1,270 @@
+"""Bad input to wb.attention: each is refused before any kernel runs, with an error that names the argument,
+the value it got and what is accepted (issue: robustness). Validation runs before a stage is launched, so
+the shape checks run here for every stage, GPU-only ones included, without a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import wb_kernels as wb
+from wb_kernels import api
+
+from stage_cases import ON_GPU, STAGES, head_dim, make_inputs, run_dtype, stage_params
+
+
+def expect(error, *patterns):
+    """pytest.raises(error) whose message contains every pattern (regular expressions)."""
+    return pytest.raises(error, match="".join(f"(?=[\\s\\S]*{p})" for p in patterns))
+
+
+def small_inputs(name, B=1, H=2, Lq=5, Lk=6, framework="numpy"):
+    """Valid inputs for stage `name` (its dtype and head dim), CPU arrays: validation never gets to the device."""
+    stage = STAGES[name]
+    dtype = run_dtype(stage)
+    if dtype == "bfloat16":
+        framework = "torch"
+    return wb.random_qkv(B, H, Lq, head_dim(stage), Lk=Lk, dtype=dtype, framework=framework)
+
+
+ALL_STAGES = list(STAGES)
+
+
+# --- shapes: the same rules for every stage ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL_STAGES)
+def test_rank_other_than_4(name):
+    q, k, v = small_inputs(name)
+    with expect(ValueError, r"^q:", "rank 4", r"rank 3", re.escape(f"shape {tuple(q[0].shape)}")):
+        wb.attention(q[0], k, v, stage=name)
+    with expect(ValueError, r"^k:", "rank 4", "rank 5"):
+        wb.attention(q, k[None], v, stage=name)
+
+
+@pytest.mark.parametrize("name", ALL_STAGES)
+def test_batch_or_heads_differ(name):
+    q, k, v = small_inputs(name)
+    with expect(ValueError, "batch/heads", re.escape("q has (B, H)=(1, 2)"), re.escape("k (2, 2)"), "must match"):
+        wb.attention(q, np.concatenate([k, k]) if isinstance(k, np.ndarray) else torch.cat([k, k]), v, stage=name)
+    with expect(ValueError, "batch/heads", re.escape("v (1, 1)")):
+        wb.attention(q, k, v[:, :1], stage=name)
+
+
+@pytest.mark.parametrize("name", ALL_STAGES)
+def test_head_dims_differ(name):
+    q, k, v = small_inputs(name)
+    D = q.shape[-1]
+    with expect(ValueError, "head dim differs", f"q has D={D}", f"k D={D}", f"v D={D // 2}", "must match"):
+        wb.attention(q, k, v[..., : D // 2], stage=name)
+
+
+@pytest.mark.parametrize("name", ALL_STAGES)
+def test_v_length_differs_from_k(name):
+    q, k, v = small_inputs(name, Lk=6)
+    with expect(ValueError, "v has Lk=5 keys", "k has Lk=6", "same length"):
+        wb.attention(q, k, v[:, :, :5], stage=name)
+
+
+@pytest.mark.parametrize("name", ALL_STAGES)
+def test_empty_dimension(name):
+    q, k, v = small_inputs(name)
+    with expect(ValueError, "empty input", re.escape(f"q {tuple(q[:, :, :0].shape)}"), ">= 1"):
+        wb.attention(q[:, :, :0], k, v, stage=name)
+
+
+# --- kinds and dtypes ----------------------------------------------------------------------------------
+
+def test_not_an_array():
+    q, k, v = small_inputs("reference")
+    with expect(TypeError, r"^q:", "NumPy array or torch tensor", "got list"):
+        wb.attention(q.tolist(), k, v)
+    with expect(TypeError, r"^v:", "got NoneType"):
+        wb.attention(q, k, None)
+
+
+def test_numpy_and_torch_mixed():
+    q, k, v = small_inputs("reference")
+    with expect(TypeError, "all NumPy arrays or all torch tensors", "q a NumPy array", "k a torch tensor"):
+        wb.attention(q, torch.from_numpy(k), v)
+
+
+def test_dtypes_differ():
+    q, k, v = small_inputs("reference")
+    with expect(TypeError, "different dtypes", re.escape("(float32, float64, float32)"), "one dtype"):
+        wb.attention(q, k.astype(np.float64), v)
+
+
+@pytest.mark.parametrize("name", ALL_STAGES)
+def test_dtype_the_stage_does_not_take(name):
+    stage = STAGES[name]
+    refused = next(d for d in ("float64", "float16", "int32") if d not in stage.dtypes)
+    q, k, v = small_inputs(name, framework="numpy" if run_dtype(stage) != "bfloat16" else "torch")
+    q, k, v = (x.astype(refused) if isinstance(x, np.ndarray) else x.to(getattr(torch, refused)) for x in (q, k, v))
+    with expect(TypeError, r"q, k, v", f"stage '{name}'", f"dtype {refused}", "accepts " + re.escape(", ".join(stage.dtypes))):
+        wb.attention(q, k, v, stage=name)
+
+
+@pytest.mark.parametrize("name", [n for n, s in STAGES.items() if s.head_dims is not None])
+def test_head_dim_the_stage_does_not_support(name):
+    stage = STAGES[name]
+    D = next(d for d in range(8, 1000, 4) if d not in stage.head_dims)
+    q, k, v = wb.random_qkv(1, 1, 4, D, dtype=run_dtype(stage), framework="torch" if run_dtype(stage) == "bfloat16" else "numpy")
+    with expect(ValueError, f"stage '{name}'", f"head dim D={D}", re.escape(str(list(stage.head_dims)))):
+        wb.attention(q, k, v, stage=name)
+
+
+@pytest.mark.parametrize("name", [n for n, s in STAGES.items() if s.needs_gpu])
+def test_cpu_inputs_for_a_gpu_only_stage(name):
+    q, k, v = small_inputs(name, framework="torch")
+    with expect(ValueError, f"stage '{name}'", "only on a CUDA GPU", "CUDA torch tensors", "got inputs on cpu"):
+        wb.attention(q, k, v, stage=name)
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU, CUDA inputs are what the stages take")
+def test_gpu_inputs_on_the_simulator_are_refused():
+    """A CPU-only torch cannot make CUDA tensors; stand-ins that say they are on cuda:0 stand for them."""
+    q, k, v = small_inputs("naive", framework="torch")
+
+    def on_cuda(x):
+        return type("Tensor", (), {"__module__": "torch", "ndim": x.ndim, "shape": x.shape, "dtype": x.dtype,
+                                   "device": "cuda:0"})()
+
+    with expect(ValueError, "inputs are on cuda:0", "CUDA simulator", "pass CPU data"):
+        wb.attention(on_cuda(q), on_cuda(k), on_cuda(v), stage="naive")
+    with expect(ValueError, "different devices", re.escape("['cpu', 'cuda:0']"), "one device"):
+        wb.attention(on_cuda(q), k, v, stage="naive")
+
+
+# --- stage names ---------------------------------------------------------------------------------------
+
+def test_unknown_stage():
+    q, k, v = small_inputs("reference")
+    with expect(ValueError, "stage='flash2'", "not a stage", "available: " + re.escape(", ".join(STAGES))):
+        wb.attention(q, k, v, stage="flash2")
+
+
+@pytest.mark.parametrize("stage", [None, 3, wb.get_stage("reference")])
+def test_stage_that_is_not_a_name(stage):
+    q, k, v = small_inputs("reference")
+    with expect(TypeError, r"^stage:", "stage name", re.escape(", ".join(STAGES)), type(stage).__name__):
+        wb.attention(q, k, v, stage=stage)
+
+
+# --- masks ---------------------------------------------------------------------------------------------
+
+def test_mask_of_the_wrong_kind():
+    q, k, v = small_inputs("reference", B=2, Lk=6)
+    with expect(TypeError, r"^key_padding_mask:", "bool array", re.escape("(B, Lk)=(2, 6)"), "got list"):
+        wb.attention(q, k, v, key_padding_mask=[[True] * 6] * 2)
+
+
+@pytest.mark.parametrize("shape", [(2, 7), (6,), (2, 1, 1, 6), (1, 6)])
+def test_mask_of_the_wrong_shape(shape):
+    q, k, v = small_inputs("reference", B=2, Lk=6)
+    with expect(ValueError, r"^key_padding_mask:", re.escape("expected shape (B, Lk)=(2, 6)"), re.escape(f"got {shape}")):
+        wb.attention(q, k, v, key_padding_mask=np.ones(shape, dtype=bool))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint8", "int64"])
+def test_mask_of_the_wrong_dtype(dtype):
+    q, k, v = small_inputs("reference", B=2, Lk=6)
+    with expect(TypeError, r"^key_padding_mask:", "dtype bool", "True = key takes part", f"got {dtype}"):
+        wb.attention(q, k, v, key_padding_mask=np.ones((2, 6), dtype=dtype))
+    with expect(TypeError, r"^key_padding_mask:", f"got {dtype}"):
+        wb.attention(q, k, v, key_padding_mask=torch.ones((2, 6), dtype=getattr(torch, dtype)))
+
+
+# --- causal and scale ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", ["True", "False", None, 2, 0.5, [True]])
+def test_causal_that_is_not_bool_like(causal):
+    q, k, v = small_inputs("reference")
+    with expect(TypeError, r"^causal:", "True or False", re.escape(repr(causal)), type(causal).__name__):
+        wb.attention(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [1, 0, np.bool_(True), np.bool_(False), np.array(True), torch.tensor(False)])
+def test_bool_like_causal_is_accepted(causal):
+    q, k, v = small_inputs("reference")
+    expected = wb.attention(q, k, v, causal=bool(causal))
+    np.testing.assert_array_equal(wb.attention(q, k, v, causal=causal), expected)
+
+
+@pytest.mark.parametrize("scale", ["0.5", True, [0.5], torch.tensor(0.5)])
+def test_scale_of_the_wrong_type(scale):
+    q, k, v = small_inputs("reference")
+    with expect(TypeError, r"^scale:", "finite number or None", type(scale).__name__):
+        wb.attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -np.inf])
+def test_scale_that_is_not_finite(scale):
+    q, k, v = small_inputs("reference")
+    with expect(ValueError, r"^scale:", "finite number", re.escape(repr(scale))):
+        wb.attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.25), np.float64(0.25), 0.25])
+def test_numpy_scalar_scale_is_accepted(scale):
+    q, k, v = small_inputs("reference")
+    np.testing.assert_array_equal(wb.attention(q, k, v, scale=scale), wb.attention(q, k, v, scale=0.25))
+
+
+# --- sizes that cannot fit or would take minutes ---------------------------------------------------------
+
+def huge_inputs(stage, L, D):
+    """(1, 1, L, D) inputs of zero stride: any size, no memory. Validation must refuse before touching them."""
+    dtype = run_dtype(stage)
+    one = np.zeros((1, 1, 1, D), dtype=dtype if dtype != "bfloat16" else "float16")
+    q = np.broadcast_to(one, (1, 1, L, D))
+    return q, q, q
+
+
+@pytest.mark.parametrize("name", [n for n, s in STAGES.items() if s.workspace_bytes is not None and not s.linear_memory
+                                  and not s.needs_gpu])
+def test_quadratic_stages_refuse_what_cannot_fit(name):
+    stage = STAGES[name]
+    L, D = 1_000_000, head_dim(stage)  # Lq x Lk float32 matrices: terabytes
+    q, k, v = huge_inputs(stage, L, D)
+    need = stage.workspace_bytes(1, 1, L, L, D)
+    flash = [n for n, s in STAGES.items() if s.linear_memory]
+    where = "GPU" if ON_GPU and name != "reference" else "host"
+    with expect(MemoryError, f"stage '{name}' needs {need / 2**30:.2f} GiB of {where} memory", f"{L} x {L}",
+                "is free", "O\\(L\\)", re.escape("/".join(flash))):
+        wb.attention(q, k, v, stage=name)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the simulator's time limit applies only on the simulator")
+@pytest.mark.parametrize("name", [n for n, s in STAGES.items() if s.simulator_seconds is not None and not s.needs_gpu])
+def test_simulator_refuses_sizes_that_would_take_minutes(name):
+    stage = STAGES[name]
+    L = 4096 if not stage.linear_memory else 65536
+    D = head_dim(stage)
+    q, k, v = huge_inputs(stage, L, D)
+    seconds = stage.simulator_seconds(1, 1, L, L, D)
+    assert seconds > api.SIMULATOR_MAX_SECONDS
+    with expect(ValueError, f"stage '{name}'", f"Lq={L} Lk={L} D={D}", f"about {seconds:.0f} s",
+                "CUDA simulator", "WB_SIM_MAX_SECONDS", "run on a GPU"):
+        wb.attention(q, k, v, stage=name)
+
+
+@pytest.mark.parametrize("name", [n for n, s in STAGES.items() if not s.needs_gpu])
+def test_error_comes_before_any_launch(name, monkeypatch):
+    """validate() raises before the stage's forward is called (a launch would hang or run out of memory)."""
+    stage = STAGES[name]
+    launched = []
+    import dataclasses
+
+    import wb_kernels.stages as stages_module
+
+    spy = dataclasses.replace(stage, forward=lambda *a, **kw: launched.append(1))
+    monkeypatch.setattr(stages_module, "get_stage", lambda n: spy)
+    monkeypatch.setattr(api, "get_stage", lambda n: spy)
+    q, k, v = small_inputs(name)
+    with pytest.raises(ValueError):
+        wb.attention(q, k, v[:, :, :2], stage=name)
+    assert launched == []

@@ -1,0 +1,196 @@
+"""The CUDA build of the tensor-core stage (wb_kernels/cuda_build.py) under stress (issue: robustness):
+a changed source rebuilds, two processes building at once do not corrupt the cache, and a compile
+error surfaces the compiler's own message.
+
+What needs no GPU runs everywhere: the cache key, the cross-process file lock, and nvcc's error
+messages (where nvcc is installed). Building with load_inline needs a CUDA GPU and a CUDA torch; those
+tests skip on the simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import wb_kernels as wb
+from wb_kernels import cuda_build
+
+REPO = Path(__file__).resolve().parent.parent
+gpu_only = pytest.mark.skipif(not (wb.BACKEND.is_gpu and torch.version.cuda),
+                              reason="load_inline builds need a CUDA GPU and a CUDA build of torch")
+FLAGS = ["-O3", "-gencode", "arch=compute_90,code=sm_90"]  # fixed flags: the key must not need a GPU
+
+
+def marked(source: str, tag: str) -> str:
+    """`source` with a harmless change: a new cache key without touching the kernel."""
+    return source + f"\n// {tag}\n"
+
+
+# --- a changed source rebuilds -----------------------------------------------------------------------
+
+def test_the_cache_key_follows_the_file_on_disk(tmp_path, monkeypatch):
+    copy = tmp_path / "flash_wmma.cu"
+    copy.write_text(cuda_build.package_source())
+    monkeypatch.setattr(cuda_build, "SOURCE_PATH", copy)
+    before = cuda_build.extension_name(cuda_build.current_source(), FLAGS)
+    assert cuda_build.extension_name(cuda_build.current_source(), FLAGS) == before  # unchanged: cached
+    copy.write_text(copy.read_text().replace("tile_sum += p[t];", "tile_sum += 1.0f * p[t];"))
+    after = cuda_build.extension_name(cuda_build.current_source(), FLAGS)
+    assert after != before and after.startswith("wb_flash_wmma_")
+
+
+def test_the_cache_key_follows_edited_regions():
+    name = next(iter(cuda_build.module_regions(cuda_build.SOURCE_PATH)))
+    shipped = cuda_build.module_regions(cuda_build.SOURCE_PATH)[name]
+    original = cuda_build.extension_name(cuda_build.current_source(), FLAGS)
+    try:
+        cuda_build.set_region(name, shipped + "\n// a learner's edit", verbose=False)
+        edited = cuda_build.extension_name(cuda_build.current_source(), FLAGS)
+        cuda_build.set_region(name, shipped, verbose=False)  # back to the shipped text: the shipped key
+        assert edited != original
+        assert cuda_build.extension_name(cuda_build.current_source(), FLAGS) == original
+    finally:
+        cuda_build.reset_regions()
+
+
+def test_the_cache_key_follows_flags_and_toolchain(monkeypatch):
+    source = cuda_build.package_source()
+    key = cuda_build.extension_name(source, FLAGS)
+    assert cuda_build.extension_name(source, FLAGS[:-1] + ["arch=compute_80,code=sm_80"]) != key
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert cuda_build.extension_name(source, FLAGS) != key  # another torch: its ABI may differ
+
+
+# --- two processes at once ----------------------------------------------------------------------------
+
+LOCK_HOLDER = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    from wb_kernels.cuda_build import _file_lock
+    with _file_lock(Path(sys.argv[1])):
+        entered = time.monotonic()
+        time.sleep(float(sys.argv[2]))
+        left = time.monotonic()
+    print(json.dumps([entered, left]))
+""")
+
+
+def test_the_build_lock_excludes_another_process(tmp_path):
+    """Two processes that take the build lock at once hold it one after the other, never together."""
+    lock = tmp_path / "wb_flash_wmma_test.lock"
+    env = {"PYTHONPATH": str(REPO), "WB_BACKEND": "simulator", "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(lock), "1.0"], stdout=subprocess.PIPE,
+                              text=True, env=env) for _ in range(2)]
+    spans = sorted(json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1]) for p in procs)
+    assert all(p.returncode == 0 for p in procs)
+    (first_in, first_out), (second_in, second_out) = spans
+    assert second_in >= first_out, f"both held the lock: {spans}"
+
+
+def test_a_process_that_dies_releases_the_lock(tmp_path):
+    """flock is released by the kernel when its holder dies: no stale lock blocks later builds."""
+    lock = tmp_path / "wb_flash_wmma_dead.lock"
+    env = {"PYTHONPATH": str(REPO), "WB_BACKEND": "simulator", "PATH": "/usr/bin:/bin"}
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(lock), "60"], env=env,
+                              stdout=subprocess.DEVNULL)
+    time.sleep(2.0)  # let it take the lock
+    holder.kill()
+    holder.wait(timeout=30)
+    start = time.monotonic()
+    with cuda_build._file_lock(lock):
+        waited = time.monotonic() - start
+    assert waited < 5.0
+
+
+CONCURRENT_BUILD = textwrap.dedent("""
+    import sys, torch
+    import wb_kernels as wb
+    from wb_kernels import cuda_build
+    source = cuda_build.package_source() + "\\n// concurrent build test " + sys.argv[1] + "\\n"
+    module = cuda_build.build(source)
+    q, k, v = wb.random_qkv(1, 2, 100, 64, dtype="float16", framework="torch", device="cuda", seed=1)
+    out, lse = wb.get_stage("wmma").forward(q, k, v, causal=True, key_padding_mask=None, scale=None, module=module)
+    wb.check("wmma", out, q, k, v, lse=lse, causal=True, verbose=False)
+    print(cuda_build.extension_name(source, cuda_build.build_flags()))
+""")
+
+
+@gpu_only
+def test_two_processes_building_the_same_source_at_once(tmp_path):
+    """Both get a working extension; the cache holds one build that a third process then only loads."""
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "WB_CUDA_CACHE": str(tmp_path / "cache")}
+    tag = str(time.time_ns())
+    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT_BUILD, tag], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    names = {out.strip().splitlines()[-1] for out, _ in results}
+    assert len(names) == 1
+    builds = [d for d in (tmp_path / "cache").iterdir() if d.is_dir()]
+    assert [d.name for d in builds] == list(names)
+    start = time.monotonic()
+    third = subprocess.run([sys.executable, "-c", CONCURRENT_BUILD, tag], capture_output=True, text=True, env=env,
+                           timeout=600)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert time.monotonic() - start < 60, "the third process rebuilt instead of loading the cached extension"
+
+
+@gpu_only
+def test_a_changed_source_is_rebuilt_and_the_old_one_kept():
+    original = cuda_build.build(cuda_build.package_source())
+    changed = cuda_build.build(marked(cuda_build.package_source(), f"rebuild test {time.time_ns()}"))
+    assert changed is not original and changed.__name__ != original.__name__
+    assert cuda_build.build(cuda_build.package_source()) is original
+
+
+# --- a compile error surfaces the compiler's message ------------------------------------------------------
+
+BROKEN = ("tile_sum += p[t];", "tile_sum += p_undefined_in_this_scope[t];")
+
+
+def _nvcc_or_skip():
+    try:
+        cuda_build.find_nvcc()
+    except cuda_build.NvccNotFound as error:
+        pytest.skip(str(error))
+
+
+def _broken_line() -> int:
+    lines = cuda_build.package_source().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if BROKEN[0] in line)
+
+
+def test_nvcc_error_names_the_identifier_the_file_and_the_line():
+    _nvcc_or_skip()
+    broken = cuda_build.package_source().replace(*BROKEN)
+    with pytest.raises(cuda_build.CudaBuildError) as raised:
+        cuda_build.nvcc_compile_report("sm_80", source=broken)
+    message = str(raised.value)
+    assert "p_undefined_in_this_scope" in message and "is undefined" in message
+    assert f"flash_wmma.cu({_broken_line()})" in message
+    assert "sm_80" in message and len(message.splitlines()) < 20
+
+
+def test_nvcc_syntax_error_is_reported_not_swallowed():
+    _nvcc_or_skip()
+    broken = cuda_build.package_source().replace(BROKEN[0], "tile_sum += p[t]  // missing semicolon", 1)
+    with pytest.raises(cuda_build.CudaBuildError, match=r"flash_wmma\.cu\(\d+\): error"):
+        cuda_build.nvcc_compile_report("sm_90", source=broken)
+
+
+@gpu_only
+def test_load_inline_error_names_the_identifier_and_the_line():
+    broken = marked(cuda_build.package_source().replace(*BROKEN), f"broken {time.time_ns()}")
+    with pytest.raises(cuda_build.CudaBuildError) as raised:
+        cuda_build.build(broken)
+    message = str(raised.value)
+    assert "p_undefined_in_this_scope" in message and f"flash_wmma.cu({_broken_line()})" in message
+    assert "ninja" not in message.lower() and len(message.splitlines()) < 30

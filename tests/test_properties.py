@@ -1,0 +1,158 @@
+"""Property tests (hypothesis): every stage against the float64 reference with the tolerance rule, on random
+shapes, head dims, dtypes, masks, scales, logit sizes and memory layouts (issue: robustness).
+
+Two profiles, chosen automatically (or by HYPOTHESIS_PROFILE=ci|gpu):
+
+- ``ci`` on the simulator: tiny sizes (L <= 24, B*H <= 2, the smallest head dim of each stage) and a
+  number of examples per stage that fits a time budget computed from the stage's own simulator cost
+  model, so the file takes well under 90 s on 2 cores. Derandomized: CI sees the same examples each run.
+- ``gpu`` when a CUDA GPU runs the kernels: L up to 700, B and H up to 4, every head dim and dtype the
+  stage takes, 100 random examples per stage.
+
+Each example prints nothing; a failure shows the shrunk problem and the check line.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+import wb_kernels as wb
+
+from stage_cases import ON_GPU, STAGES, head_dim, like_inputs, run_dtype, stage_params
+
+settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("gpu", deadline=None, max_examples=100, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("gpu" if ON_GPU else "ci")
+if PROFILE not in ("ci", "gpu"):
+    raise ValueError(f"HYPOTHESIS_PROFILE={PROFILE!r}: use 'ci' or 'gpu'")
+
+# ci: simulator seconds each stage may spend, and how much slower than its cost model the simulator runs
+# on 2 busy cores (measured: up to ~4x for the tiled stage).
+CI_SECONDS_PER_STAGE = 20.0
+COST_MODEL_SLACK = 4.0
+CI_MAX_LENGTH = 24
+CI_MAX_EXAMPLES = 25
+
+
+def plan(stage, profile=None) -> dict:
+    """Sizes and number of examples for `stage` under `profile` (default: the active one)."""
+    if (profile or PROFILE) == "gpu":
+        return {"max_len": 700, "max_b": 4, "max_h": 4, "max_bh": 16, "head_dims": stage.head_dims or (16, 32, 64, 128),
+                "dtypes": stage.dtypes, "examples": settings.get_profile("gpu").max_examples}
+    D = head_dim(stage)
+    cost = (stage.simulator_seconds(2, 1, CI_MAX_LENGTH, CI_MAX_LENGTH, D) * COST_MODEL_SLACK
+            if stage.simulator_seconds else 0.05)
+    examples = int(max(3, min(CI_MAX_EXAMPLES, CI_SECONDS_PER_STAGE / cost)))
+    dtypes = tuple(d for d in stage.dtypes if d in ("float32", "float64")) or (run_dtype(stage),)
+    return {"max_len": CI_MAX_LENGTH, "max_b": 2, "max_h": 2, "max_bh": 2, "head_dims": (D,), "dtypes": dtypes,
+            "examples": examples}
+
+
+@st.composite
+def problems(draw, stage, p):
+    """One attention problem: shapes, dtype, flags, mask, scale, logit size, layout, seed."""
+    B = draw(st.integers(1, p["max_b"]))
+    H = draw(st.integers(1, max(1, min(p["max_h"], p["max_bh"] // B))))
+    Lq = draw(st.integers(1, p["max_len"]))
+    Lk = draw(st.one_of(st.just(Lq), st.integers(1, p["max_len"])))
+    D = draw(st.sampled_from(sorted(p["head_dims"])))
+    dtype = draw(st.sampled_from(sorted(p["dtypes"])))
+    causal = draw(st.booleans())
+    mask_kind = draw(st.sampled_from(["none", "random", "prefix", "one_batch_empty"]))
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0)))
+    std = draw(st.sampled_from([0.3, 1.0, 3.0]))  # logits from ~0.1 to ~10 (and 30 with a large scale)
+    layout = draw(st.sampled_from(["contiguous", "heads_last", "strided"]))
+    framework = draw(st.sampled_from(["numpy", "torch"])) if not ON_GPU and dtype != "bfloat16" else "torch"
+    seed = draw(st.integers(0, 2**31 - 1))
+    return dict(B=B, H=H, Lq=Lq, Lk=Lk, D=D, dtype=dtype, causal=causal, mask_kind=mask_kind, scale=scale,
+                std=std, layout=layout, framework=framework, seed=seed)
+
+
+def build(problem):
+    """The inputs and mask a problem describes (NumPy mask for wb.check, and one in the inputs' kind)."""
+    P = problem
+    device = "cuda" if ON_GPU else None
+    q, k, v = wb.random_qkv(P["B"], P["H"], P["Lq"], P["D"], Lk=P["Lk"], dtype=P["dtype"], framework=P["framework"],
+                            device=device, seed=P["seed"], std=P["std"])
+    if P["layout"] == "heads_last":  # (B, L, H, D) in memory, viewed as (B, H, L, D), as models store them
+        q, k, v = (_heads_last(x) for x in (q, k, v))
+    elif P["layout"] == "strided":  # every other row of a twice-as-long buffer
+        q, k, v = (_strided(x) for x in (q, k, v))
+    rng = np.random.default_rng(P["seed"])
+    if P["mask_kind"] == "none":
+        keep = None
+    elif P["mask_kind"] == "random":
+        keep = rng.random((P["B"], P["Lk"])) < 0.7
+    elif P["mask_kind"] == "prefix":
+        keep = wb.random_padding_mask(P["B"], P["Lk"], seed=P["seed"])
+    else:
+        keep = rng.random((P["B"], P["Lk"])) < 0.7
+        keep[0] = False
+    mask = None if keep is None else like_inputs(keep, q)
+    return q, k, v, keep, mask
+
+
+def _heads_last(x):
+    if hasattr(x, "detach"):
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    return np.swapaxes(np.ascontiguousarray(np.swapaxes(x, 1, 2)), 1, 2)
+
+
+def _strided(x):
+    if hasattr(x, "detach"):
+        import torch
+
+        return torch.repeat_interleave(x, 2, dim=2)[:, :, ::2]
+    return np.repeat(x, 2, axis=2)[:, :, ::2]
+
+
+@pytest.mark.parametrize("name", stage_params())
+def test_stage_matches_reference_on_random_problems(name):
+    stage = STAGES[name]
+    p = plan(stage)
+
+    @settings(parent=settings.get_profile(PROFILE), max_examples=p["examples"])
+    @given(problem=problems(stage, p))
+    def one_problem(problem):
+        note(f"{name}: {problem}")
+        q, k, v, keep, mask = build(problem)
+        out, lse = wb.attention(q, k, v, stage=name, causal=problem["causal"], key_padding_mask=mask,
+                                scale=problem["scale"], return_lse=True)
+        assert type(out) is type(q) and tuple(out.shape) == tuple(q.shape)
+        if hasattr(q, "device"):
+            assert out.device == q.device
+        wb.check(name, out, q, k, v, lse=lse, causal=problem["causal"], key_padding_mask=keep,
+                 scale=problem["scale"], verbose=False)
+
+    one_problem()
+
+
+def test_ci_plan_fits_the_time_budget():
+    """The ci profile's examples, priced by each stage's cost model, stay inside the file's budget."""
+    if PROFILE != "ci":
+        pytest.skip("the time budget is the ci profile's")
+    total = 0.0
+    for stage in STAGES.values():
+        if stage.needs_gpu:
+            continue
+        p = plan(stage)
+        D = p["head_dims"][0]
+        per_example = stage.simulator_seconds(2, 1, CI_MAX_LENGTH, CI_MAX_LENGTH, D) if stage.simulator_seconds else 0.01
+        total += p["examples"] * per_example
+        assert p["examples"] >= 3
+    assert total < 60, f"the ci profile would need about {total:.0f} s of simulator time"
+
+
+def test_gpu_plan_covers_every_head_dim_and_dtype():
+    for stage in STAGES.values():
+        p = plan(stage, "gpu")
+        assert set(p["dtypes"]) == set(stage.dtypes)
+        assert stage.head_dims is None or set(p["head_dims"]) == set(stage.head_dims)
+        assert p["max_len"] > 256 and p["examples"] == 100  # past the tile sizes of every GPU kernel
