@@ -28,8 +28,18 @@ def main() -> int:
     for path in paths:
         start = time.perf_counter()
         nb = nbformat.read(path, as_version=4)
+        cell_start = {}
+
+        def started(cell, cell_index, **_):
+            cell_start[cell_index] = time.perf_counter()
+
+        def finished(cell, cell_index, **_):
+            # per-cell progress, so a slow or stuck cell is named while the run goes on
+            print(f"  {path.name} cell {cell_index}: {time.perf_counter() - cell_start[cell_index]:.1f} s", flush=True)
+
         client = NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
-                                resources={"metadata": {"path": str(path.parent)}})
+                                resources={"metadata": {"path": str(path.parent)}},
+                                on_cell_start=started, on_cell_executed=finished)
         try:
             client.execute()
         except Exception as error:  # report which lesson broke, keep the traceback short

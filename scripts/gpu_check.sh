@@ -2,18 +2,23 @@
 # The whole GPU check, the same way every time: unit tests, lessons executed and checked under nbval,
 # benchmarks. Run from the repository root on a machine with an NVIDIA GPU, torch with CUDA and numba-cuda.
 #
-#   scripts/gpu_check.sh [STEP ...]      steps: env tests notebooks bench tune (default: env tests notebooks bench)
+#   scripts/gpu_check.sh [STEP ...]      steps: env tests notebooks bench traffic tune
+#                                        (default: env tests notebooks bench traffic)
+#   NOTEBOOKS="notebooks/04_*.ipynb" scripts/gpu_check.sh notebooks     only some lessons
+#   TESTS="tests/test_flash.py" scripts/gpu_check.sh tests             only some tests
 #
 # Wheels for packages the machine lacks may wait in .whl/ (README, "Checking on a GPU"); they are
-# installed into a private folder first. Everything the run produces is collected into one tarball,
-# $OUT/gpu_results.tgz (OUT defaults to ./gpu-out): logs, executed notebooks, results files and figures.
+# installed into a private folder first. Output goes to $OUT (default ./gpu-out) as it happens:
+# gpu_check.log, and gpu_results.tgz (logs, executed notebooks, results, figures), re-packed after
+# every step so that a run stopped part-way still returns what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT" logs
+LOG="$OUT/gpu_check.log"
 export PYTHONUNBUFFERED=1 WB_BACKEND=gpu
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(env tests notebooks bench)
+[ ${#steps[@]} -gt 0 ] || steps=(env tests notebooks bench traffic)
 has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -25,40 +30,46 @@ else
 fi
 python3 -m ipykernel install --user --name python3 >/dev/null 2>&1 || true
 
+pack() { tar czf "$OUT/gpu_results.tgz" logs notebooks $(ls -d results figures 2>/dev/null); }
 status=0
-run_step() {  # name, command...: log to logs/<name>.log, remember failures, go on with the next step
-  local name=$1; shift
-  echo "== $name: $*"
+run_step() {  # name, seconds, command...: log to logs/<name>.log and $LOG, stop it after `seconds`
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit} s): $*" | tee -a "$LOG"
   local t0=$SECONDS
-  "$@" > "logs/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc after $((SECONDS - t0)) s"
-  tail -n 25 "logs/$name.log"
-  [ $rc -eq 0 ] || status=1
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "logs/$name.log" >> "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+  tail -n 15 "logs/$name.log"
+  [ "$rc" -eq 0 ] || status=1
+  pack
 }
 
 if has env; then
   { nvidia-smi; python3 -c "import sys, torch, numpy, numba; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda); print('numpy', numpy.__version__, 'numba', numba.__version__)"; \
     python3 -c "import wb_kernels as wb; print(wb.banner())"; } > logs/env.log 2>&1
-  cat logs/env.log
+  tee -a "$LOG" < logs/env.log
 fi
 if has tests; then
-  run_step tests python3 -m pytest -q -p no:cacheprovider tests -x --timeout=900 -o addopts=""
+  # shellcheck disable=SC2086
+  run_step tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} -W ignore::numba.core.errors.NumbaPerformanceWarning
 fi
 if has notebooks; then
-  run_step execute python3 scripts/execute_notebooks.py
-  run_step nbval python3 -m pytest -q -p no:cacheprovider notebooks --nbval --nbval-current-env \
-    --nbval-sanitize-with tests/nbval_sanitize.cfg
+  # shellcheck disable=SC2086
+  run_step execute "${EXECUTE_LIMIT:-600}" python3 scripts/execute_notebooks.py --timeout 300 ${NOTEBOOKS:-}
+  # shellcheck disable=SC2086
+  run_step nbval "${NBVAL_LIMIT:-600}" python3 -m pytest -q -p no:cacheprovider ${NOTEBOOKS:-notebooks} --nbval \
+    --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 fi
-if has bench && python3 -c "import wb_kernels.bench" 2>/dev/null; then
-  run_step bench python3 -m wb_kernels.bench --preset all --out results/ --figures
+if has bench && [ -e wb_kernels/bench.py ]; then
+  run_step bench "${BENCH_LIMIT:-600}" python3 -m wb_kernels.bench --preset all --out results/ --figures
+fi
+if has traffic && [ -e scripts/measure_traffic.py ]; then
+  run_step traffic 240 python3 scripts/measure_traffic.py
 fi
 if has tune; then
   for script in scripts/tune_*.py; do
-    [ -e "$script" ] && run_step "$(basename "$script" .py)" python3 "$script" --out results/
+    [ -e "$script" ] && run_step "$(basename "$script" .py)" 420 python3 "$script" --out results/
   done
 fi
-
-tar czf "$OUT/gpu_results.tgz" logs notebooks $(ls -d results figures 2>/dev/null)
-echo "== collected into $OUT/gpu_results.tgz; overall status $status"
+echo "== collected into $OUT/gpu_results.tgz; overall status $status" | tee -a "$LOG"
 exit $status
