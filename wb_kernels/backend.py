@@ -100,6 +100,9 @@ def select_backend(environ=os.environ, gpu_count=cuda_gpu_count) -> Backend:
             "Restart the kernel and run `import wb_kernels` before importing numba."
         )
     environ["NUMBA_ENABLE_CUDASIM"] = "1" if backend.is_simulator else "0"
+    # The lessons launch deliberately small grids to check kernels; numba would warn about low occupancy
+    # on every such launch (on a GPU only), and that stderr would differ from the simulator's output.
+    environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
     return backend
 
 
