@@ -35,15 +35,16 @@ lab: $(VENV)/.lab
 	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) \
 		--ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
-# Unit tests, then every notebook under strict nbval (outputs compared cell by cell).
+# Unit tests, then every notebook under strict nbval (outputs compared cell by cell). Figures the
+# lessons draw during the tests go to test-artifacts/, so testing leaves the committed ones alone.
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q tests notebooks $(NBVAL_FLAGS)
+	WB_FIGURES_DIR=$(CURDIR)/test-artifacts/figures $(BIN)/python -m pytest -q tests notebooks $(NBVAL_FLAGS)
 
 unit: $(VENV)/.test
-	$(BIN)/python -m pytest -q tests
+	WB_FIGURES_DIR=$(CURDIR)/test-artifacts/figures $(BIN)/python -m pytest -q tests
 
 notebooks: $(VENV)/.test
-	$(BIN)/python -m pytest -q notebooks $(NBVAL_FLAGS)
+	WB_FIGURES_DIR=$(CURDIR)/test-artifacts/figures $(BIN)/python -m pytest -q notebooks $(NBVAL_FLAGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -6,6 +6,7 @@ lesson that draws the same figure leaves the committed file unchanged.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -63,9 +64,13 @@ def new_figure(ncols: int = 1, nrows: int = 1, width: float | None = None, heigh
 
 
 def figures_dir() -> Path:
-    """The repository's figures/ folder (next to the package), else ./figures."""
+    """Where figures go: $WB_FIGURES_DIR if set (the tests point it away from the committed
+    figures), else the repository's figures/ folder (next to the package), else ./figures."""
     repo = Path(__file__).resolve().parent.parent
-    target = repo / "figures" if (repo / "pyproject.toml").exists() else Path.cwd() / "figures"
+    if os.environ.get("WB_FIGURES_DIR"):
+        target = Path(os.environ["WB_FIGURES_DIR"])
+    else:
+        target = repo / "figures" if (repo / "pyproject.toml").exists() else Path.cwd() / "figures"
     target.mkdir(parents=True, exist_ok=True)
     return target
 

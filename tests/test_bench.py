@@ -1,0 +1,404 @@
+"""The benchmark CLI, its results file, figures, README table and lesson 06's dashboard functions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import wb_kernels as wb
+from wb_kernels import api, bench, bench_figures, stages
+from wb_kernels.reference import reference
+from wb_kernels.stages import Stage
+from wb_kernels.widgets import dashboard
+
+ON_SIMULATOR = wb.BACKEND.is_simulator
+needs_gpu = pytest.mark.skipif(ON_SIMULATOR, reason="needs a CUDA GPU: wb_kernels runs on the CUDA simulator here")
+
+# The smallest sweep that still exercises a stage, the reference and two baselines, causal and not.
+TINY = ["--stages", "reference", "--baselines", "sdpa,sdpa-math,torch-eager", "--lengths", "8,13",
+        "--head-dims", "16", "--batch-heads", "1,1", "--causal", "both", "--seconds", "0.005", "--min-repeats", "2", "--no-progress", "--no-figures"]
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "tiny.json"
+    assert bench.main(TINY + ["--out", str(out)]) == 0
+    return out
+
+
+def test_help_runs_as_a_module():
+    done = subprocess.run([sys.executable, "-m", "wb_kernels.bench", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    for text in ("--preset", "smoke", "tensor-cores", "--time-budget", "--update-readme", "--figures"):
+        assert text in done.stdout
+
+
+def test_flop_and_byte_counts():
+    assert bench.attention_flops(1, 1, 4, 4, 2, causal=False) == 4 * 4 * 4 * 2
+    assert bench.attention_flops(2, 3, 8, 8, 16, causal=True) == 4 * 2 * 3 * 8 * 8 * 16 / 2
+    # q, k, v read once and the output written once, 2 bytes each in fp16
+    assert bench.minimum_bytes(1, 1, 4, 4, 2, itemsize=2) == 2 * (4 * 2) * 4
+
+
+def test_presets_cover_the_requested_configurations():
+    public = {(c.B, c.H, c.L, c.D) for s in bench.PRESETS["public"] for c in s.configs}
+    assert public == set(bench.PUBLIC_CONFIGS)
+    ladder = bench.PRESETS["ladder"][0]
+    assert {"naive", "tiled", "sdpa", "sdpa-math"} <= set(ladder.contenders)
+    assert {(c.L, c.D) for c in ladder.configs} == {(L, D) for L in bench.LADDER_LENGTHS for D in (64, 128)}
+    flash = bench.PRESETS["flash-fp32"][0]
+    assert all(c.dtype == "float32" and c.B * c.L == 16384 and c.H == 16 for c in flash.configs)
+    assert min(c.L for c in flash.configs) == 1024 and max(c.L for c in flash.configs) == 16384
+    tensor = bench.PRESETS["tensor-cores"][0]
+    assert {"wmma", "sdpa-flash", "sdpa"} <= set(tensor.contenders)
+    assert {(c.dtype, c.causal) for c in tensor.configs} == {(d, c) for d in ("float16", "bfloat16")
+                                                             for c in (False, True)}
+
+
+def test_torch_reference_matches_the_numpy_reference():
+    torch = pytest.importorskip("torch")
+    q, k, v = wb.random_qkv(1, 1, 13, 16, framework="torch", seed=3)
+    for causal in (False, True):
+        out, lse = bench._torch_reference(q, k, v, causal)
+        out_ref, lse_ref = reference(q, k, v, causal=causal)
+        np.testing.assert_allclose(out, out_ref, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(lse, lse_ref, rtol=0, atol=1e-12)
+    del torch
+
+
+def test_tiny_sweep_records_every_measurement(tiny_results):
+    results = bench.load_results(tiny_results)
+    env = results["environment"]
+    for key in ("date", "backend", "device", "torch", "numba", "cuda", "driver", "gpu", "python"):
+        assert key in env
+    assert env["backend"] == wb.BACKEND.name
+    records = results["records"]
+    contenders = {"reference", "sdpa", "sdpa-math", "torch-eager"}
+    assert {r["contender"] for r in records} == contenders
+    assert len(records) == len(contenders) * 2 * 2  # two lengths, causal and not
+    for r in records:
+        assert r["status"] == "ok", r
+        assert r["check"]["passed"], r["check"]
+        assert r["repeats"] >= 2 and len(r["samples_ms"]) == r["repeats"]
+        assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        flops = bench.attention_flops(r["B"], r["H"], r["Lq"], r["Lk"], r["D"], r["causal"])
+        assert r["flops"] == flops
+        assert r["tflops"] == pytest.approx(flops / (r["median_ms"] / 1e3) / 1e12, rel=1e-3)
+        assert r["tokens_per_s"] == pytest.approx(r["B"] * r["Lq"] / (r["median_ms"] / 1e3), rel=1e-3)
+        assert r["peak_bytes"] >= 0
+        assert set(r["speedup_vs"]) == {"sdpa", "sdpa-math", "torch-eager"} - {r["contender"]}
+    by_key = {r["key"]: r for r in records}
+    one = by_key[bench.record_key("torch-eager", bench.Config(1, 1, 13, 16, "float32", True))]
+    sdpa = by_key[bench.record_key("sdpa", bench.Config(1, 1, 13, 16, "float32", True))]
+    assert one["speedup_vs"]["sdpa"] == pytest.approx(sdpa["median_ms"] / one["median_ms"], rel=1e-3)
+    ref = by_key[bench.record_key("reference", bench.Config(1, 1, 8, 16, "float32", False))]
+    assert ref["workspace_bytes"] == 3 * 8 * 8 * 8
+
+
+def test_resume_skips_what_is_done(tiny_results, tmp_path, capsys):
+    out = tmp_path / "resume.json"
+    out.write_text(tiny_results.read_text())
+    before = bench.load_results(out)
+    assert bench.main(TINY + ["--out", str(out)]) == 0
+    assert "0 to run" in capsys.readouterr().out
+    assert bench.load_results(out)["records"] == before["records"]
+    # one more length: only its measurements run, the old ones stay as they were
+    more = [x if x != "8,13" else "8,13,5" for x in TINY]
+    assert bench.main(more + ["--out", str(out)]) == 0
+    after = bench.load_results(out)
+    old = {r["key"]: r for r in before["records"]}
+    assert len(after["records"]) == len(before["records"]) * 3 // 2
+    for r in after["records"]:
+        if r["key"] in old:
+            assert r["median_ms"] == old[r["key"]]["median_ms"]
+        else:
+            assert r["Lq"] == 5
+    # --fresh starts over
+    assert bench.main(TINY + ["--out", str(out), "--fresh"]) == 0
+    assert len(bench.load_results(out)["records"]) == len(before["records"])
+
+
+def test_results_file_is_written_atomically_and_is_strict_json(tiny_results):
+    text = tiny_results.read_text()
+    json.loads(text)
+    assert "NaN" not in text and "Infinity" not in text
+    assert not tiny_results.with_suffix(".json.tmp").exists()
+
+
+def _fake_registry(monkeypatch, *extra):
+    """Add stages to the registry that every module consults."""
+    real = stages.available_stages()
+    fake = {**real, **{s.name: s for s in extra}}
+    for module in (stages, api, bench):
+        monkeypatch.setattr(module, "available_stages", lambda: dict(fake))
+
+
+def _reference_forward(q, k, v, *, causal, key_padding_mask, scale):
+    return reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+
+
+@pytest.mark.skipif(not ON_SIMULATOR, reason="the refusal is what the simulator does")
+def test_gpu_only_stage_is_refused_with_a_clear_message(monkeypatch, capsys, tmp_path):
+    gpu_stage = Stage(name="gpu_only_demo", lesson="-", summary="needs a GPU", forward=_reference_forward,
+                      dtypes=("float32",), needs_gpu=True, order=99)
+    _fake_registry(monkeypatch, gpu_stage)
+    code = bench.main(["--stages", "gpu_only_demo", "--lengths", "8", "--head-dims", "16", "--no-progress",
+                       "--out", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "'gpu_only_demo' runs only on a CUDA GPU" in err and "simulator" in err
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(not ON_SIMULATOR, reason="the refusal is what the simulator does")
+def test_real_gpu_stages_and_gpu_presets_are_refused_on_the_simulator(capsys, tmp_path):
+    for name, stage in wb.available_stages().items():
+        if stage.needs_gpu:
+            assert bench.main(["--stages", name, "--out", str(tmp_path / "x.json"), "--no-progress"]) == 2
+            assert f"stage {name!r} runs only on a CUDA GPU" in capsys.readouterr().err
+    for preset in ("ladder", "tensor-cores", "all", "honesty"):
+        assert bench.main(["--preset", preset, "--out", str(tmp_path / "x.json")]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert bench.main(["--stages", "no_such_stage", "--out", str(tmp_path / "x.json")]) == 2
+    assert "neither a stage" in capsys.readouterr().err
+
+
+def test_a_size_the_stage_refuses_is_recorded_as_skipped(monkeypatch, tmp_path):
+    huge = Stage(name="huge_workspace_demo", lesson="-", summary="asks for more memory than exists",
+                 forward=_reference_forward, dtypes=("float32",), workspace_bytes=lambda B, H, Lq, Lk, D: 1 << 62,
+                 order=98)
+    _fake_registry(monkeypatch, huge)
+    out = tmp_path / "skip.json"
+    assert bench.main(["--stages", "huge_workspace_demo", "--baselines", "sdpa", "--lengths", "8", "--no-figures",
+                       "--batch-heads", "1,1",
+                       "--head-dims", "16", "--seconds", "0.005", "--no-progress", "--out", str(out)]) == 0
+    records = {r["contender"]: r for r in bench.load_results(out)["records"]}
+    assert records["huge_workspace_demo"]["status"] == "skipped"
+    assert records["huge_workspace_demo"]["reason"].startswith("MemoryError: stage 'huge_workspace_demo' needs")
+    assert records["huge_workspace_demo"]["workspace_bytes"] == 1 << 62
+    assert records["sdpa"]["status"] == "ok"
+
+
+def test_a_wrong_stage_is_not_timed(monkeypatch, tmp_path):
+    def wrong_forward(q, k, v, *, causal, key_padding_mask, scale):
+        out, lse = reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        return out + 1e-3, lse
+
+    wrong = Stage(name="off_by_a_bit_demo", lesson="-", summary="wrong on purpose", forward=wrong_forward,
+                  dtypes=("float32",), order=97)
+    _fake_registry(monkeypatch, wrong)
+    out = tmp_path / "wrong.json"
+    flags = ["--stages", "off_by_a_bit_demo", "--baselines", "", "--lengths", "8", "--head-dims", "16",
+             "--batch-heads", "1,1", "--no-progress", "--no-figures", "--seconds", "0.005", "--out", str(out)]
+    assert bench.main(flags) == 0
+    (record,) = bench.load_results(out)["records"]
+    assert record["status"] == "failed" and record["reason"].startswith("check: off_by_a_bit_demo")
+    assert not record["check"]["passed"] and "median_ms" not in record
+    # on request it is timed, and flagged wherever it is shown
+    assert bench.main(flags + ["--fresh", "--time-failed-checks"]) == 0
+    (record,) = bench.load_results(out)["records"]
+    assert record["status"] == "ok" and record["check_failed"] and record["median_ms"] > 0
+
+
+def test_figures_are_drawn_from_a_results_file(tiny_results, tmp_path):
+    results = bench.load_results(tiny_results)
+    paths = bench_figures.save_all(results, directory=tmp_path)
+    assert [p.name for p in paths] == [f"{name}.png" for name in bench_figures.FIGURE_NAMES]
+    assert all(p.stat().st_size > 5000 for p in paths)
+    view = bench_figures.default_view(results)
+    data = bench_figures.series(results, view)
+    assert set(data) == {r["contender"] for r in results["records"]}
+    fig = bench_figures.latency_figure(results, view)
+    (ax,) = fig.axes
+    drawn = {line.get_label(): line for line in ax.get_lines()}
+    sdpa = [r for r in data["sdpa"]]
+    assert list(drawn["sdpa"].get_xdata()) == [r["Lq"] for r in sdpa]
+    assert list(drawn["sdpa"].get_ydata()) == [r["median_ms"] for r in sdpa]
+    # with ceilings (a GPU run measures them) the roofline draws the roof: min(peak, bandwidth x intensity)
+    results["ceilings"] = {"float32_matmul_tflops": 50.0, "copy_gbps": 3000.0}
+    roof_ax = bench_figures.roofline_figure(results, view).axes[0]
+    roof = [line for line in roof_ax.get_lines() if not line.get_label().startswith(tuple(data))][0]
+    x, y = roof.get_xdata(), roof.get_ydata()
+    np.testing.assert_allclose(y, np.minimum(50.0, 3000.0 * 1e9 * x / 1e12))
+
+
+def _public_results(with_stage=True):
+    records = []
+    for causal in (False, True):
+        for i, (B, H, L, D) in enumerate(bench.PUBLIC_CONFIGS):
+            for name, ms in (("sdpa", 1.0 + i), ("wmma", 2.0 + i)):
+                if name == "wmma" and not with_stage:
+                    continue
+                config = bench.Config(B, H, L, D, "float16", causal)
+                flops = bench.attention_flops(B, H, L, L, D, causal)
+                records.append({"key": bench.record_key(name, config), "contender": name, "status": "ok",
+                                "kind": "baseline" if name == "sdpa" else "stage", "median_ms": ms,
+                                "tflops": flops / ms / 1e9})
+    return {"environment": {"gpu": "Test GPU", "cuda": "13.0", "torch": "2.11", "driver": "580", "date": "2026-11-21"},
+            "records": records}
+
+
+def test_readme_table_lists_the_public_configurations():
+    table = bench.readme_table(_public_results(), source="results/x.json")
+    lines = table.splitlines()
+    assert "Test GPU" in lines[0] and "results/x.json" in lines[0]
+    header = [line for line in lines if line.startswith("| B |")][0]
+    present = [c for c in ("wmma", "sdpa") if c in wb.available_stages() or c == "sdpa"]
+    assert header == "| B | H | L | D | causal | " + " | ".join(present) + " |"
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| B |")]
+    assert len(rows) == 2 * len(bench.PUBLIC_CONFIGS)
+    assert rows[0].startswith("| 1 | 16 | 512 | 64 | no | ")
+    assert "1 (" in rows[0]  # sdpa's 1.0 ms, as 3 significant digits
+
+
+def test_update_readme_rewrites_only_the_block(tmp_path):
+    results = tmp_path / "r.json"
+    bench.save_results(_public_results(), results)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nbefore\n{bench.README_START}\nold table\n{bench.README_END}\nafter\n")
+    bench.update_readme(results, readme)
+    text = readme.read_text()
+    assert text.startswith("# Title\n\nbefore\n") and text.endswith(f"{bench.README_END}\nafter\n")
+    assert "old table" not in text and "| B | H | L | D |" in text
+    bench.update_readme(results, readme)
+    assert readme.read_text() == text  # idempotent
+    readme.write_text("no markers")
+    with pytest.raises(bench.Refused, match="perf-table:start"):
+        bench.update_readme(results, readme)
+
+
+def test_readme_table_is_up_to_date_with_the_committed_gpu_results():
+    path = bench.committed_results("gpu")
+    if path is None:
+        pytest.skip("no GPU results file is committed under results/ yet")
+    readme = bench.REPO_ROOT / "README.md"
+    text = readme.read_text() if readme.exists() else ""
+    assert bench.README_START in text and bench.README_END in text, (
+        f"README.md needs a {bench.README_START} ... {bench.README_END} block; then run "
+        f"python -m wb_kernels.bench --update-readme {path.relative_to(bench.REPO_ROOT)}")
+    block = text.split(bench.README_START, 1)[1].split(bench.README_END, 1)[0].strip("\n")
+    expected = bench.readme_table(bench.load_results(path), source=str(path.relative_to(bench.REPO_ROOT)))
+    assert block == expected, (f"README.md's performance table is stale: run python -m wb_kernels.bench "
+                               f"--update-readme {path.relative_to(bench.REPO_ROOT)}")
+
+
+def test_committed_results_files_are_complete():
+    for path in sorted((bench.REPO_ROOT / "results").rglob("*.json")):
+        results = bench.load_results(path)
+        if not (isinstance(results, dict) and "records" in results):
+            continue  # not a benchmark file (e.g. a tuning log)
+        assert results["schema"] == bench.SCHEMA_VERSION
+        env = results["environment"]
+        for key in ("date", "backend", "device", "torch", "numba", "cuda", "driver", "gpu"):
+            assert key in env, (path, key)
+        if env["backend"] == "gpu":
+            assert env["gpu"] and env["driver"] and env["cuda"], path
+            assert results["ceilings"]["float16_matmul_tflops"] > 0
+        for r in results["records"]:
+            assert r["status"] in ("ok", "skipped", "failed"), r
+            if r["status"] == "ok" and r["kind"] == "stage":
+                assert r["check"]["passed"] or r.get("check_failed"), r
+
+
+def test_dashboard_functions(tiny_results):
+    results = bench.load_results(tiny_results)
+    options = dashboard.choices(results)
+    assert options == {"dtype": ["float32"], "D": [16], "causal": [False, True]}
+    assert dashboard.lengths(results, "float32", 16, True) == [8, 13]
+    rows = dashboard.summary_rows(results, "float32", 16, True, 13)
+    assert len(rows) == len({r["contender"] for r in results["records"]})
+    assert any(row.strip().startswith("sdpa-math:") and "x sdpa" in row for row in rows)
+    fig = dashboard.draw(results, "float32", 16, False, 8)
+    assert len(fig.axes) == 6
+    with pytest.raises(ValueError, match="no timings for float16"):
+        dashboard.draw(results, "float16", 16, False)
+
+
+def test_dashboard_widget_builds(tiny_results):
+    pytest.importorskip("ipywidgets")
+    widget = dashboard.dashboard_widget(bench.load_results(tiny_results))
+    controls, slider, output = widget.children
+    assert [c.description for c in controls.children] == ["dtype", "D", "mask"]
+    assert list(slider.options) == [8, 13]
+    controls.children[2].value = True  # causal: the slider keeps its lengths, the output redraws
+    assert list(slider.options) == [8, 13]
+
+
+@needs_gpu
+def test_gpu_sweep_over_every_stage(tmp_path):
+    """Every GPU stage and the main baselines at small sizes, fp32 and fp16: all checked, all timed."""
+    out = tmp_path / "gpu.json"
+    gpu_stages = [name for name in wb.available_stages() if name != "reference"]
+    code = bench.main(["--stages", ",".join(gpu_stages), "--baselines", "sdpa,sdpa-math,torch-eager,sdpa-flash",
+                       "--lengths", "256,1000", "--head-dims", "64,128", "--dtypes", "float32,float16",
+                       "--batch-heads", "2,4", "--causal", "both", "--seconds", "0.05", "--no-progress",
+                       "--no-figures", "--out", str(out)])
+    assert code == 0
+    results = bench.load_results(out)
+    assert results["ceilings"]["float16_matmul_tflops"] > 50
+    records = results["records"]
+    for r in records:
+        if r["kind"] == "stage":
+            assert r["status"] == "ok", r
+            assert r["device"] == "cuda" and r["l2_flushed"]
+    assert {r["contender"] for r in records if r["status"] == "ok"} >= set(gpu_stages) | {"sdpa", "sdpa-math"}
+    flash_fp32 = [r for r in records if r["contender"] == "sdpa-flash" and r["dtype"] == "float32"]
+    assert all(r["status"] == "skipped" for r in flash_fp32)  # no FLASH kernel for fp32: a line, not a crash
+
+
+@needs_gpu
+def test_gpu_honesty_demos_measure_each_effect():
+    demos = bench.honesty_demos()
+    assert set(demos) == {"warmup", "async", "medians", "l2", "clocks", "zeros"}
+    assert "error" not in demos["warmup"], demos["warmup"]
+    assert demos["warmup"]["numba_kernel_first_ms"] > 10 * demos["warmup"]["numba_kernel_steady_median_ms"]
+    assert demos["async"]["cpu_timer_no_sync_ms"] < demos["async"]["cuda_events_ms"]
+    assert demos["medians"]["n"] == 300
+
+
+SYNTHETIC_DEMOS = {
+    "warmup": {"numba_kernel_first_ms": 300.0, "numba_kernel_steady_median_ms": 0.03, "sdpa_first_ms": 5.0,
+               "sdpa_steady_median_ms": 0.5, "sdpa_shape": "B1 H16 L1536 D128 fp16"},
+    "async": {"cpu_timer_no_sync_ms": 0.02, "cpu_timer_with_sync_ms": 0.95, "cuda_events_ms": 0.9},
+    "medians": {"n": 4, "median_ms": 0.1, "mean_ms": 0.2, "min_ms": 0.09, "max_ms": 0.5, "p5_ms": 0.09,
+                "p25_ms": 0.095, "p75_ms": 0.11, "p95_ms": 0.4, "samples_ms": [0.09, 0.1, 0.1, 0.5]},
+    "l2": {"sdpa_shape": "B1 H16 L1024 D64 fp16", "sdpa_warm_ms": 0.05, "sdpa_flushed_ms": 0.06, "copy_mib": 16,
+           "copy_warm_gbps": 5000.0, "copy_flushed_gbps": 2500.0, "l2_bytes": 50 * 2**20},
+    "clocks": {"first_ms": 2.0, "first5_median_ms": 1.8, "last20_median_ms": 1.5, "samples_ms": [2.0, 1.8, 1.5],
+               "sm_clock_mhz_idle": "345", "sm_clock_mhz_busy": "1980", "sm_clock_mhz_max": "1980"},
+    "zeros": {"matmul_random_ms": 1.5, "matmul_zeros_ms": 1.2, "matmul_random_tflops": 733.0,
+              "matmul_zeros_tflops": 916.0, "sdpa_random_ms": 0.9, "sdpa_zeros_ms": 0.85},
+}
+
+
+def test_honesty_lines_print_each_demonstration():
+    results = {"honesty": SYNTHETIC_DEMOS}
+    assert "10,000x" in dashboard.honesty_lines(results, "warmup")[1]
+    assert dashboard.honesty_lines(results, "async")[-1] == "the unsynchronized number is 45x too small"
+    assert "mean 0.2000 ms" in dashboard.honesty_lines(results, "medians")[0]
+    assert "(2.00x)" in dashboard.honesty_lines(results, "l2")[1]
+    assert "last 20: 1.20x)" in dashboard.honesty_lines(results, "clocks")[0]
+    assert "zeros take 0.80x the time" in dashboard.honesty_lines(results, "zeros")[0]
+    assert dashboard.honesty_lines({"honesty": None}, "l2") == [dashboard.NO_DEMOS]
+    assert "failed" in dashboard.honesty_lines({"honesty": {"warmup": {"error": "X"}}}, "warmup")[0]
+    with pytest.raises(ValueError):
+        dashboard.honesty_lines(results, "nonsense")
+    fig = dashboard.samples_figure(results)
+    assert len(fig.axes) == 2
+    assert dashboard.samples_figure({"honesty": None}) is None
+
+
+def test_out_may_name_a_folder_and_figures_may_follow_the_run(tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    flags = ["--stages", "", "--baselines", "sdpa", "--lengths", "8", "--head-dims", "16", "--batch-heads", "1,1",
+             "--seconds", "0.005", "--no-progress"]
+    assert bench.main(flags + ["--out", str(folder), "--no-figures"]) == 0
+    (written,) = folder.glob("*.json")
+    assert written.name == bench.default_output("cuda" if not ON_SIMULATOR else "cpu").name
+    assert bench.load_results(written)["records"][0]["status"] == "ok"
