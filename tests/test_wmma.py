@@ -1,0 +1,283 @@
+"""The tensor-core stage (lesson 05): the NumPy fragment model on the CPU, the WMMA kernel on a GPU.
+
+CPU tests hold the fragment model to the float64 reference with the tolerance rule, and test the
+pieces of the build machinery that need no GPU. GPU tests (skipped on the simulator) check the
+kernel over shapes, dtypes, masks and launch variants against the reference with the same rule,
+check that the model and the kernel agree to within rounding, and check the build cache and the
+readable compile errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wb_kernels as wb
+from wb_kernels import cuda_build
+from wb_kernels.fragment_model import fragment_model, round_to, ulp
+from wb_kernels.sync import module_regions
+
+torch = pytest.importorskip("torch")
+
+needs_gpu = pytest.mark.skipif(
+    wb.BACKEND.is_simulator,
+    reason="the WMMA kernel needs a CUDA GPU (sm_80+) and a CUDA build of torch; this machine runs the simulator")
+
+
+def as_torch(array, dtype):
+    return torch.from_numpy(np.ascontiguousarray(array)).to(getattr(torch, dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the fragment model and the build functions
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Lq, Lk, causal, padded", [
+    (1, 1, False, False), (1, 130, True, False), (65, 65, True, False), (100, 77, False, True),
+    (77, 200, True, True), (128, 192, False, False),
+])
+def test_model_meets_the_tolerance_rule(dtype, D, Lq, Lk, causal, padded):
+    q, k, v = wb.random_qkv(2, 1, Lq, D, Lk=Lk, dtype=dtype, framework="torch", seed=Lq * 7 + Lk)
+    mask = wb.random_padding_mask(2, Lk, seed=Lk) if padded else None
+    out, lse = fragment_model(q, k, v, dtype=dtype, causal=causal, key_padding_mask=mask)
+    wb.check(f"model {dtype} D={D}", as_torch(out, dtype), q, k, v, lse=torch.from_numpy(lse),
+             causal=causal, key_padding_mask=mask)
+
+
+def test_model_rows_without_keys_give_zero_and_minus_inf():
+    q, k, v = wb.random_qkv(1, 1, 70, 64, Lk=70, dtype="float16", seed=3)
+    mask = np.ones((1, 70), dtype=bool)
+    mask[0, :5] = False  # causal: query rows 0-4 see only keys 0-4, all padded out
+    out, lse = fragment_model(q, k, v, dtype="float16", causal=True, key_padding_mask=mask)
+    assert np.all(out[0, 0, :5] == 0) and np.all(lse[0, 0, :5] == -np.inf)
+    assert np.isfinite(out).all() and np.isfinite(lse[0, 0, 5:]).all()
+    ref_out, _ = wb.reference(q, k, v, causal=True, key_padding_mask=mask)
+    assert np.abs(out[0, 0, 5:] - ref_out[0, 0, 5:]).max() < 5e-3
+
+
+def test_bfloat16_rounding_matches_torch():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-8, 8, 10000),
+                        # exact ties between two bf16 numbers: round to the even one
+                        np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 0.0, -0.0], dtype=np.float32)])
+    expected = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(round_to(x, "bfloat16"), expected)
+    with np.errstate(over="ignore"):  # values beyond float16's range become inf in both
+        np.testing.assert_array_equal(round_to(x, "float16"), x.astype(np.float16).astype(np.float32))
+
+
+def test_ulp_is_the_spacing_of_the_format():
+    assert ulp(1.0, "float16") == 2 ** -10 and ulp(1.0, "bfloat16") == 2 ** -7
+    assert ulp(3.0, "float16") == 2 ** -9 and ulp(0.0, "float16") == 2 ** -24
+
+
+def test_rounding_p_is_what_costs_accuracy():
+    """The model's switches move the error the way the lesson says: keeping P in fp32 is closer to the
+    reference than rounding it to bf16, and fp16 accumulation of O is worse than fp32."""
+    q, k, v = wb.random_qkv(1, 2, 256, 64, dtype="float32", seed=11)
+    ref, _ = wb.reference(q, k, v)
+
+    def err(**switches):
+        o, _ = fragment_model(q, k, v, dtype="bfloat16", **switches)
+        return np.abs(o - ref).mean()
+
+    assert err(round_p=False) < err(round_p=True) < err(accumulate="bfloat16")
+
+
+def test_region_cells_record_edits_and_reset():
+    regions = module_regions(cuda_build.SOURCE_PATH)
+    assert {"async_tile_copy", "online_softmax_rows", "flash_wmma_kernel", "torch_launcher"} <= set(regions)
+    cell = [f"# region: online_softmax_rows ({cuda_build.SOURCE_NAME})\n"] + [
+        line + "\n" for line in regions["online_softmax_rows"].splitlines()]
+    code = "".join(cuda_build._region_cell_transform(cell))
+    try:
+        exec(compile(code, "<cell>", "exec"), {})
+        assert cuda_build.edited_regions() == [] and cuda_build.current_source() == cuda_build.package_source()
+        edited = regions["online_softmax_rows"].replace("tile_sum += p[t];", "tile_sum += 2.0f * p[t];")
+        assert cuda_build.set_region("online_softmax_rows", edited, verbose=False)
+        assert cuda_build.edited_regions() == ["online_softmax_rows"]
+        assert "tile_sum += 2.0f * p[t];" in cuda_build.current_source()
+        assert module_regions(cuda_build.SOURCE_PATH)["online_softmax_rows"] == regions["online_softmax_rows"]
+    finally:
+        cuda_build.reset_regions()
+    assert cuda_build.current_source() == cuda_build.package_source()
+    assert cuda_build._region_cell_transform(["x = 1\n"]) == ["x = 1\n"]
+
+
+def test_extension_name_follows_source_and_flags():
+    source = cuda_build.package_source()
+    flags = cuda_build.build_flags(gencode=["-gencode", "arch=compute_90,code=sm_90"])
+    name = cuda_build.extension_name(source, flags)
+    assert name == cuda_build.extension_name(source, list(flags))
+    assert name != cuda_build.extension_name(source + "\n// edited\n", flags)
+    assert name != cuda_build.extension_name(source, flags[:-1] + ["arch=compute_80,code=sm_80"])
+
+
+def test_compiler_output_is_trimmed_to_the_errors():
+    log = "\n".join(
+        ["[1/3] c++ -MMD -MF main.o.d ... (a long command line)"] * 30
+        + ['flash_wmma.cu(120): error: identifier "tile_summ" is undefined',
+           "              tile_summ += p[t];", "              ^", "",
+           "1 error detected in the compilation of \"flash_wmma.cu\".",
+           "ninja: build stopped: subcommand failed."])
+    trimmed = cuda_build._trim_compiler_output(log)
+    assert trimmed.splitlines()[0] == 'flash_wmma.cu(120): error: identifier "tile_summ" is undefined'
+    assert "tile_summ += p[t];" in trimmed and "c++ -MMD" not in trimmed and len(trimmed.splitlines()) <= 5
+
+
+@pytest.mark.parametrize("dtype, D, device, error, words", [
+    ("float16", 64, "cpu", ValueError, "CUDA"),
+    ("float32", 64, "cpu", TypeError, "float16, bfloat16"),
+    ("float16", 96, "cpu", ValueError, "[64, 128]"),
+])
+def test_clear_errors_for_what_the_kernel_cannot_take(dtype, D, device, error, words):
+    q, k, v = wb.random_qkv(1, 1, 8, D, dtype=dtype, framework="torch", device=device)
+    with pytest.raises(error, match=None) as raised:
+        wb.attention(q, k, v, stage="wmma")
+    assert words in str(raised.value)
+
+
+def test_stage_is_registered():
+    stage = wb.get_stage("wmma")
+    assert (stage.order, stage.lesson, stage.needs_gpu, stage.linear_memory) == (5, "05_flash_tensor_cores", True, True)
+    assert stage.dtypes == ("float16", "bfloat16") and stage.head_dims == (64, 128)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the kernel
+
+
+GPU_SHAPES = [  # (B, H, Lq, Lk): L = 1, ragged tiles, Lq != Lk both ways, several blocks
+    (1, 1, 1, 1), (2, 3, 1, 300), (1, 2, 65, 65), (2, 2, 128, 128), (1, 2, 200, 77), (2, 1, 77, 200),
+    (1, 2, 513, 1000),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_meets_the_tolerance_rule(dtype, D, causal, padded, shape):
+    B, H, Lq, Lk = shape
+    q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, dtype=dtype, framework="torch", device="cuda", seed=Lq + 3 * Lk)
+    mask = wb.random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
+    out, lse = wb.attention(q, k, v, stage="wmma", causal=causal, key_padding_mask=mask, return_lse=True)
+    assert out.dtype == q.dtype and out.device == q.device and lse.dtype == torch.float32
+    wb.check(f"wmma {dtype} D={D} {shape}", out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask)
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant", cuda_build.VARIANTS, ids=lambda v: f"warps{v[0]}-qregs{int(v[1])}-rows{16 * v[2]}")
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_launch_variant(variant, D):
+    from wb_kernels.stages import flash_tensor_cores as stage
+
+    for dtype in ("float16", "bfloat16"):
+        q, k, v = wb.random_qkv(2, 2, 300, D, Lk=333, dtype=dtype, framework="torch", device="cuda", seed=5)
+        for causal in (False, True):
+            out, lse = stage.forward(q, k, v, causal=causal, variant=variant)
+            wb.check(f"wmma {variant} {dtype} D={D}", out, q, k, v, lse=lse, causal=causal)
+
+
+@needs_gpu
+def test_kernel_rows_without_keys_give_zero_and_minus_inf():
+    q, k, v = wb.random_qkv(1, 2, 70, 64, dtype="float16", framework="torch", device="cuda", seed=3)
+    mask = torch.ones(1, 70, dtype=torch.bool, device="cuda")
+    mask[0, :5] = False
+    out, lse = wb.attention(q, k, v, stage="wmma", causal=True, key_padding_mask=mask, return_lse=True)
+    assert torch.all(out[:, :, :5] == 0) and torch.all(lse[:, :, :5] == float("-inf"))
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 5:]).all()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_model_and_kernel_agree(dtype, D):
+    """The model is honest: it predicts the kernel's output bit for bit for almost every element, and
+    elsewhere to within one unit in the last place (ulp) of the output dtype, counted at |out| but at
+    least at 0.5 (a P element whose rounding flips moves an output by up to ulp(p) |v| / l, however
+    small that output is). exp2 approximations and fp32 summation order are what flip roundings."""
+    q, k, v = wb.random_qkv(2, 4, 300, D, Lk=500, dtype=dtype, framework="torch", device="cuda", seed=17)
+    mask = wb.random_padding_mask(2, 500, seed=2, framework="torch", device="cuda")
+    for causal in (False, True):
+        out, lse = wb.attention(q, k, v, stage="wmma", causal=causal, key_padding_mask=mask, return_lse=True)
+        model_out, model_lse = fragment_model(q, k, v, dtype=dtype, causal=causal, key_padding_mask=mask)
+        reference_out, _ = wb.reference(q, k, v, causal=causal, key_padding_mask=mask)
+        kernel_out = out.float().cpu().numpy()
+        diff = np.abs(kernel_out - model_out)
+        units = diff / ulp(np.maximum(np.abs(model_out), 0.5), dtype)
+        identical = float(np.mean(diff == 0))
+        print(f"{dtype} D={D} causal={causal}: kernel vs model max {diff.max():.1e} ({units.max():.2f} ulp), "
+              f"{identical:.2%} identical; kernel vs reference max {np.abs(kernel_out - reference_out).max():.1e}; "
+              f"lse max diff {np.abs(lse.cpu().numpy() - model_lse)[np.isfinite(model_lse)].max():.1e}")
+        assert units.max() <= 1.0
+        assert identical >= 0.95
+        np.testing.assert_allclose(lse.cpu().numpy(), model_lse, rtol=0, atol=1e-4)
+
+
+@needs_gpu
+def test_build_is_cached_and_compile_errors_are_readable():
+    import time
+
+    t0 = time.perf_counter()
+    first = cuda_build.build(cuda_build.package_source())
+    assert cuda_build.build(cuda_build.package_source()) is first
+    assert time.perf_counter() - t0 < 600
+    broken = cuda_build.package_source().replace("tile_sum += p[t];", "tile_summ += p[t];")
+    with pytest.raises(cuda_build.CudaBuildError) as raised:
+        cuda_build.build(broken)
+    message = str(raised.value)
+    assert "tile_summ" in message and "error" in message and len(message.splitlines()) < 40
+    assert "flash_wmma.cu(" in message  # points at the .cu's own line numbers
+
+
+# ---------------------------------------------------------------------------------------------
+# The lesson's figures and numbers (wb_kernels.widgets.tensor_cores)
+
+
+def test_rounding_errors_rank_the_choices():
+    from wb_kernels.widgets import tensor_cores as tc
+
+    errors = tc.rounding_errors(128)
+    for dtype, by_choice in errors.items():
+        kernel, p32, o16 = (by_choice[label] for label, _ in tc.ROUNDING_CHOICES)
+        assert p32 * 100 < kernel < o16, (dtype, by_choice)
+        assert kernel < 1.5 * by_choice[tc.STORAGE]
+    assert errors["bfloat16"][tc.STORAGE] > 4 * errors["float16"][tc.STORAGE]
+
+
+def test_shared_memory_layout_adds_up_and_fits():
+    from wb_kernels.widgets import tensor_cores as tc
+
+    for D in (64, 128):
+        for variant in cuda_build.VARIANTS:
+            parts = tc.shared_memory_parts(D, *variant)
+            total = cuda_build.shared_memory_bytes(D, *variant)
+            assert sum(parts.values()) == total <= 227 * 1024
+            assert tc.blocks_per_sm(total) >= 1
+    assert tc.blocks_per_sm(cuda_build.shared_memory_bytes(128, 4, False, 1)) == 2
+    traffic = tc.traffic_per_tile(128)
+    assert traffic["total bytes"] == 2 * 64 * 128 * 2 + 2 * 16 * 64 * 4 + 2 * 16 * 64 * 2
+    assert traffic["tensor-core FLOPs"] == 4 * 16 * 64 * 128
+
+
+def test_figures_draw():
+    from matplotlib.figure import Figure
+
+    from wb_kernels.widgets import tensor_cores as tc
+
+    fake = {"device": "a GPU", "rows": [
+        {"dtype": "float16", "D": 128, "L": L, "causal": causal,
+         "tflops": {"sdpa_flash": 300.0, "sdpa_default": 600.0, "wmma_w4_r16_qsmem": 170.0}}
+        for L in (1024, 2048) for causal in (False, True)]}
+    for figure in (tc.draw_rounding(64), tc.draw_shared_memory(64), tc.draw_performance(fake)):
+        assert isinstance(figure, Figure)
+    committed = tc.load_tune_results()
+    if committed is not None:  # the lesson reads it: every row has the baselines and a WMMA variant
+        for row in committed["rows"]:
+            assert {"sdpa_flash", "sdpa_default"} <= set(row["tflops"])
+            assert any(name.startswith("wmma") for name in row["tflops"])
