@@ -102,7 +102,10 @@ def compile_ptx(kernel, signature: str, cc=(8, 0)) -> str:
                            "compiles in a separate process")
     from numba import cuda
 
-    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=tuple(cc), fastmath=_fastmath(kernel))
+    # launch bounds change how many registers ptxas may use, so compile with the kernel's own
+    launch_bounds = (getattr(kernel, "targetoptions", None) or {}).get("launch_bounds")
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=tuple(cc), fastmath=_fastmath(kernel),
+                              launch_bounds=launch_bounds)
     return ptx
 
 
