@@ -43,7 +43,8 @@ def main() -> int:
         try:
             client.execute()
         except Exception as error:  # report which lesson broke, keep the traceback short
-            print(f"FAILED {path.name}: {str(error).strip().splitlines()[-1][:400]}", file=sys.stderr)
+            last_line = (str(error).strip().splitlines() or [repr(error)])[-1]
+            print(f"FAILED {path.name}: {last_line[:400]}", file=sys.stderr)
             return 1
         nbformat.write(nb, path)
         print(f"executed {path.name} in {time.perf_counter() - start:.1f} s", flush=True)

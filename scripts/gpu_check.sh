@@ -51,7 +51,11 @@ if has env; then
 fi
 if has tests; then
   # shellcheck disable=SC2086
-  run_step tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} -W ignore::numba.core.errors.NumbaPerformanceWarning
+  # -v: every test's name and verdict is in the log as it finishes, so a run stopped at its limit
+  # still says which tests failed (pytest's own summary only comes at the end)
+  run_step tests "${TESTS_LIMIT:-420}" python3 -m pytest -v --tb=line -p no:cacheprovider ${TESTS:-tests} \
+    -W ignore::numba.core.errors.NumbaPerformanceWarning
+  grep -E "(FAILED|ERROR)( |$)" logs/tests.log | tee -a "$LOG" | head -n 40
 fi
 if has notebooks; then
   # shellcheck disable=SC2086
