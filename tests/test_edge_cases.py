@@ -172,7 +172,7 @@ def test_non_finite_inputs_propagate_as_in_sdpa(name, where, value, causal):
 def test_reference_follows_sdpa_math(where, value):
     """Without masks, the reference's NaN/Inf pattern is SDPA's (math backend, float64) exactly."""
     q, k, v = poisoned_inputs(STAGES["reference"], where, value)
-    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    q, k, v = (numpy64(x) for x in (q, k, v))  # CUDA tensors on a GPU: the reference runs on the CPU
     out = wb.attention(q, k, v)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         expected = F.scaled_dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v))).numpy()
