@@ -3,16 +3,11 @@
 from ..reference import reference
 from . import Stage
 
-
-def _forward(q, k, v, *, causal, key_padding_mask, scale):
-    return reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-
-
 STAGE = Stage(
     name="reference",
     lesson="01_cpu_reference",
     summary="float64 NumPy on the CPU, materializes S and P (O(L^2) memory)",
-    forward=_forward,
+    forward=reference,
     dtypes=("float16", "bfloat16", "float32", "float64"),
     # S and P in float64, plus the einsum's temporaries
     workspace_bytes=lambda B, H, Lq, Lk, D: 3 * 8 * B * H * Lq * Lk,

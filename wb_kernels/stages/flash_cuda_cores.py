@@ -410,10 +410,6 @@ def flash_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, c
 # endregion
 
 
-def _forward(q, k, v, *, causal, key_padding_mask, scale):
-    return flash_forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-
-
 def _simulator_seconds(B, H, Lq, Lk, D):
     # measured on a 2-core machine with SIMULATOR_CONFIG (16 x 16 tiles): 42 ms per tile at D = 32,
     # 80 ms at D = 64, 130 ms at D = 128
@@ -425,7 +421,7 @@ STAGE = Stage(
     name="flash",
     lesson="04_flash_cuda_cores",
     summary="FlashAttention-2 in numba.cuda on CUDA cores: online softmax, O(L) memory",
-    forward=_forward,
+    forward=flash_forward,
     dtypes=("float32",),
     head_dims=(16, 32, 64, 128),
     workspace_bytes=lambda B, H, Lq, Lk, D: 4 * B * H * Lq * (D + 1),  # O + LSE, float32

@@ -198,15 +198,11 @@ def simulator_seconds(B, H, Lq, Lk, D) -> float:
     return 1.2e-4 * threads + 1.5e-6 * accesses
 
 
-def _forward(q, k, v, *, causal, key_padding_mask, scale):
-    return naive_forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-
-
 STAGE = Stage(
     name="naive",
     lesson="02_naive_gpu",
     summary="numba.cuda, three kernels (S, softmax, PV), one thread per element; S and P in global memory",
-    forward=_forward,
+    forward=naive_forward,
     dtypes=("float32",),
     head_dims=(16, 32, 64, 128),
     workspace_bytes=workspace_bytes,

@@ -287,15 +287,11 @@ def simulator_seconds(B, H, Lq, Lk, D, tile=DEFAULT_TILE, softmax_threads=DEFAUL
     return B * H * seconds
 
 
-def _forward(q, k, v, *, causal, key_padding_mask, scale):
-    return tiled_forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-
-
 STAGE = Stage(
     name="tiled",
     lesson="03_tiled_gpu",
     summary="numba.cuda, shared-memory tiles for QK^T and PV, block-wide row softmax; S and P in global memory",
-    forward=_forward,
+    forward=tiled_forward,
     dtypes=("float32",),
     head_dims=(16, 32, 64, 128),
     workspace_bytes=workspace_bytes,
