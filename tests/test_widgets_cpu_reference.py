@@ -33,3 +33,32 @@ def test_heatmap_probabilities_respect_masks():
     np.testing.assert_allclose(p.sum(-1), 1.0)
     assert np.all(np.triu(p, 1) == 0) and np.all(p[:, 5:] == 0)
     assert len(mask_heatmaps(q, k, pad).axes) == 5  # four panels and a colorbar
+
+
+def test_link_slider_redraws_and_shows_what_it_is_computing():
+    from wb_kernels.widgets import link_slider, sequence_length_slider
+
+    seen = []
+    slider = sequence_length_slider([64, 128, 256], value=128)
+    box = link_slider(slider, lambda L: seen.append(L) or f"L={L}")
+    (row, output) = box.children
+    assert row.children[0] is slider and row.children[1].value == ""  # status cleared after drawing
+    slider.value = 256
+    assert seen == [128, 256]
+
+
+def test_link_slider_clears_its_status_when_the_callback_raises():
+    import pytest
+
+    from wb_kernels.widgets import link_slider, sequence_length_slider
+
+    def broken(L):
+        if L == 256:
+            raise RuntimeError("broken on purpose")
+        return L
+
+    slider = sequence_length_slider([64, 128, 256], value=128)
+    box = link_slider(slider, broken)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        slider.value = 256
+    assert box.children[0].children[1].value == ""

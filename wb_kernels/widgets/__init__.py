@@ -28,12 +28,17 @@ def link_slider(slider, draw):
     from IPython.display import display
 
     output = widgets.Output()
+    status = widgets.Label()  # says that work is under way: on the simulator a redraw can take seconds
 
     def redraw(change=None):
-        with output:
-            output.clear_output(wait=True)
-            display(draw(slider.value))
+        status.value = f"computing for {slider.description} = {slider.value} …"
+        try:
+            with output:
+                output.clear_output(wait=True)
+                display(draw(slider.value))
+        finally:
+            status.value = ""
 
     slider.observe(redraw, names="value")
     redraw()
-    return widgets.VBox([slider, output])
+    return widgets.VBox([widgets.HBox([slider, status]), output])

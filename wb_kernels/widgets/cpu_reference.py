@@ -29,8 +29,10 @@ def cpu_times(lengths, B: int = 1, H: int = 4, D: int = 64, repeats: int = 3) ->
     import torch
     import torch.nn.functional as F
 
+    from tqdm.auto import tqdm
+
     numpy_ms, torch_ms = [], []
-    for L in lengths:
+    for L in tqdm(lengths, desc="timing NumPy and torch", leave=False, disable=len(lengths) < 3):
         q, k, v = random_qkv(B, H, L, D, seed=L)
         numpy_ms.append(time_call(reference, q, k, v, warmup=1, repeats=repeats, device="cpu").median_ms)
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
