@@ -2,10 +2,12 @@
 # The whole GPU check, the same way every time: unit tests, lessons executed and checked under nbval,
 # benchmarks. Run from the repository root on a machine with an NVIDIA GPU, torch with CUDA and numba-cuda.
 #
-#   scripts/gpu_check.sh [STEP ...]      steps: env tests notebooks bench traffic tune
-#                                        (default: env tests notebooks bench traffic)
+#   scripts/gpu_check.sh [STEP ...]      steps: env build traffic tests properties bench notebooks tune
+#                                        (default: all but tune, in that order: the lessons come after
+#                                        the benchmark because lesson 06 shows the newest results file)
 #   NOTEBOOKS="notebooks/04_*.ipynb" scripts/gpu_check.sh notebooks     only some lessons
 #   TESTS="tests/test_flash.py" scripts/gpu_check.sh tests             only some tests
+#   TESTS_WORKERS=8 (default): pytest-xdist processes sharing the GPU for the unit tests; 0 = one process
 #
 # Wheels for packages the machine lacks may wait in .whl/ (README, "Checking on a GPU"); they are
 # installed into a private folder first. Output goes to $OUT (default ./gpu-out) as it happens:
@@ -18,7 +20,7 @@ mkdir -p "$OUT" logs
 LOG="$OUT/gpu_check.log"
 export PYTHONUNBUFFERED=1 WB_BACKEND=gpu
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(env tests notebooks bench traffic)
+[ ${#steps[@]} -gt 0 ] || steps=(env build traffic tests properties bench notebooks)
 has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -49,13 +51,34 @@ if has env; then
     python3 -c "import wb_kernels as wb; print(wb.banner())"; } > logs/env.log 2>&1
   tee -a "$LOG" < logs/env.log
 fi
+if has build; then
+  # the tensor-core extension, built once into the cache that the tests and lessons then load in milliseconds
+  run_step build 300 python3 -c "import time, wb_kernels; from wb_kernels import cuda_build; t = time.time(); \
+cuda_build.build(cuda_build.package_source()); print(f'flash_wmma extension ready in {time.time() - t:.1f} s')"
+fi
+if has traffic && [ -e scripts/measure_traffic.py ]; then
+  run_step traffic "${TRAFFIC_LIMIT:-240}" python3 scripts/measure_traffic.py --timeout $(( ${TRAFFIC_LIMIT:-240} - 20 ))
+fi
 if has tests; then
+  workers=()
+  if [ "${TESTS_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then workers=(-n "${TESTS_WORKERS:-8}"); fi
   # shellcheck disable=SC2086
   # -v: every test's name and verdict is in the log as it finishes, so a run stopped at its limit
-  # still says which tests failed (pytest's own summary only comes at the end)
-  run_step tests "${TESTS_LIMIT:-420}" python3 -m pytest -v --tb=line -p no:cacheprovider ${TESTS:-tests} \
-    -W ignore::numba.core.errors.NumbaPerformanceWarning
+  # still says which tests failed (pytest's own summary only comes at the end). The property tests
+  # have their own step, where hypothesis reports how many examples each ran.
+  run_step tests "${TESTS_LIMIT:-420}" python3 -m pytest -v --tb=line -p no:cacheprovider "${workers[@]}" \
+    ${TESTS:-tests} --ignore=tests/test_properties.py -W ignore::numba.core.errors.NumbaPerformanceWarning
   grep -E "(FAILED|ERROR)( |$)" logs/tests.log | tee -a "$LOG" | head -n 40
+fi
+if has properties; then
+  # the "gpu" hypothesis profile (chosen automatically on a GPU): larger shapes, more examples
+  run_step properties "${PROPERTIES_LIMIT:-300}" python3 -m pytest -v --tb=short -p no:cacheprovider \
+    tests/test_properties.py --hypothesis-show-statistics -W ignore::numba.core.errors.NumbaPerformanceWarning
+  grep -E "(FAILED|ERROR)( |$)|passing examples|Stopped because" logs/properties.log | tee -a "$LOG" | head -n 60
+fi
+if has bench && [ -e wb_kernels/bench.py ]; then
+  run_step bench "${BENCH_LIMIT:-600}" python3 -m wb_kernels.bench --preset "${BENCH_PRESET:-all}" --time-failed-checks \
+    --time-budget $(( ${BENCH_LIMIT:-600} - 60 ))  # a run cut short is resumed by the same command
 fi
 if has notebooks; then
   # shellcheck disable=SC2086
@@ -63,12 +86,6 @@ if has notebooks; then
   # shellcheck disable=SC2086
   run_step nbval "${NBVAL_LIMIT:-600}" python3 -m pytest -q -p no:cacheprovider ${NOTEBOOKS:-notebooks} --nbval \
     --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
-fi
-if has bench && [ -e wb_kernels/bench.py ]; then
-  run_step bench "${BENCH_LIMIT:-600}" python3 -m wb_kernels.bench --preset all --out results/ --figures
-fi
-if has traffic && [ -e scripts/measure_traffic.py ]; then
-  run_step traffic 240 python3 scripts/measure_traffic.py
 fi
 if has tune; then
   for script in scripts/tune_*.py; do

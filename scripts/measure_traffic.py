@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--ncu", default=shutil.which("ncu") or "ncu", help="path of Nsight Compute's ncu")
     parser.add_argument("--from-csv", type=Path, help="parse this ncu CSV instead of running ncu")
     parser.add_argument("--device-name", default="", help="with --from-csv: the GPU the CSV came from")
+    parser.add_argument("--timeout", type=float, default=600, help="give up on ncu after this many seconds")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -100,12 +101,17 @@ def main() -> None:
     if args.from_csv:
         text, device = args.from_csv.read_text(), args.device_name or "unknown GPU"
     else:
+        # --launch-count: the three kernels once each, then ncu lets the process run on unprofiled
         command = [args.ncu, "--csv", "--print-units", "base", "--clock-control", "none",
-                   "--metrics", ",".join(METRICS), "-k", "regex:" + "|".join(KERNELS),
+                   "--metrics", ",".join(METRICS), "-k", "regex:" + "|".join(KERNELS), "--launch-count", "3",
                    sys.executable, str(Path(__file__).resolve()), "--child",
                    "--B", str(args.B), "--H", str(args.H), "--L", str(args.L), "--D", str(args.D)]
         print("running:", " ".join(command), file=sys.stderr)
-        done = subprocess.run(command, capture_output=True, text=True)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired as stuck:
+            tail = lambda b: (b or b"").decode(errors="replace")[-3000:]  # noqa: E731
+            sys.exit(f"ncu did not finish in {args.timeout:.0f} s:\n{tail(stuck.stdout)}\n{tail(stuck.stderr)}")
         if done.returncode != 0:
             sys.exit(f"ncu failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         text = done.stdout

@@ -156,7 +156,8 @@ __device__ __forceinline__ float online_softmax_rows(
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
             const int col = col0 + 8 * j + t;
-            float xi = s[t] * scale_log2 + key_bias[col];
+            // select, not add: a NaN score at a masked key must not leak into the row (NaN + -inf = NaN)
+            float xi = key_bias[col] == 0.0f ? s[t] * scale_log2 : -INFINITY;
             if (causal_tile && key0 + col > query_index) xi = -INFINITY;
             x[4 * j + t] = xi;
             tile_max = fmaxf(tile_max, xi);
