@@ -11,7 +11,9 @@ import wb_kernels
 from wb_kernels.backend import select_backend
 
 
-def test_no_gpu_selects_simulator_and_sets_variable():
+def test_no_gpu_selects_simulator_and_sets_variable(monkeypatch):
+    # numba is already imported in this process (on a GPU machine in GPU mode); pretend it is not
+    monkeypatch.setattr("wb_kernels.backend._numba_already_simulating", lambda: None)
     env = {}
     backend = select_backend(env, gpu_count=lambda: 0)
     assert backend.is_simulator and backend.reason == "no CUDA GPU found"

@@ -68,3 +68,49 @@ def test_shape_mismatch_fails():
     q, k, v = wb.random_qkv(1, 1, 8, 16)
     with pytest.raises(wb.CheckFailed, match="shape"):
         wb.check("shape", np.zeros((1, 1, 8, 8), np.float32), q, k, v, verbose=False)
+
+
+def _sequential_fma_dot(a, b):
+    """float32 a . b the way a GPU thread accumulates: one fused multiply-add per term, in order."""
+    acc = np.float32(0)
+    for x, y in zip(a.astype(np.float64), b.astype(np.float64)):
+        acc = np.float32(np.float64(acc) + x * y)  # the float64 product of two float32 is exact: one rounding
+    return acc
+
+
+def test_a_single_key_lse_summed_in_another_order_passes():
+    """With one key the LSE is one dot product. cuBLAS/MKL may round it far better than a sequential FMA sum
+    by luck; the dot-product floor keeps such a correct kernel from failing (seed 36 did, before it)."""
+    q, k, v = wb.random_qkv(1, 1, 1, 32, Lk=1, dtype="float32", seed=36)
+    out, lse_ref = wb.reference(q, k, v)
+    score = np.float32(np.float32(32 ** -0.5) * _sequential_fma_dot(q[0, 0, 0], k[0, 0, 0]))
+    check = wb.check("fma order", out.astype(np.float32), q, k, v, lse=np.full((1, 1, 1), score), verbose=False)
+    assert check.passed and check.lse_err > 0
+    floor = _check_module().dot_product_floor(q, k, dtype="float32")
+    assert check.lse_err <= floor and check.lse_tol >= 2 * floor
+    # ... but the floor is rounding-sized: an LSE off by 100 floors still fails
+    with pytest.raises(wb.CheckFailed):
+        wb.check("off", out.astype(np.float32), q, k, v, lse=np.full((1, 1, 1), score + np.float32(100 * floor)),
+                 verbose=False)
+
+
+def test_dot_product_floor_ignores_non_finite_inputs_and_masked_keys():
+    check = _check_module()
+    q, k, _ = wb.random_qkv(1, 1, 2, 16, Lk=3, dtype="float64", seed=1)
+    base = check.dot_product_floor(q, k, dtype="float32")
+    assert 0 < base < 1e-5
+    k_big = k.copy()
+    k_big[0, 0, 2] *= 1e6
+    keep = np.array([[True, True, False]])
+    masked = check.dot_product_floor(q, k_big, dtype="float32", key_padding_mask=keep)
+    assert masked == check.dot_product_floor(q, k[:, :, :2], dtype="float32")  # the huge masked key is ignored
+    k_bad = k.copy()
+    k_bad[0, 0, 1, 0] = np.inf
+    assert np.isfinite(check.dot_product_floor(q, k_bad, dtype="float32"))
+    assert check.dot_product_floor(q, k, dtype="float64") < base * 1e-8
+
+
+def _check_module():
+    import sys
+
+    return sys.modules["wb_kernels.check"]  # `wb_kernels.check` the attribute is the function
