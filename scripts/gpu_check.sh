@@ -2,7 +2,7 @@
 # The whole GPU check, the same way every time: unit tests, lessons executed and checked under nbval,
 # benchmarks. Run from the repository root on a machine with an NVIDIA GPU, torch with CUDA and numba-cuda.
 #
-#   scripts/gpu_check.sh [STEP ...]      steps: env build traffic tests properties bench notebooks tune
+#   scripts/gpu_check.sh [STEP ...]      steps: env build traffic tests properties accuracy bench notebooks tune
 #                                        (default: all but tune, in that order: the lessons come after
 #                                        the benchmark because lesson 06 shows the newest results file)
 #   NOTEBOOKS="notebooks/04_*.ipynb" scripts/gpu_check.sh notebooks     only some lessons
@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1 WB_BACKEND=gpu
 export WB_FAILURE_LOG=$PWD/logs/failures.log  # tests/conftest.py: each failure's traceback as it happens
 rm -f "$WB_FAILURE_LOG"
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(env build traffic tests properties bench notebooks)
+[ ${#steps[@]} -gt 0 ] || steps=(env build traffic tests properties accuracy bench notebooks)
 has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -77,6 +77,10 @@ if has properties; then
   run_step properties "${PROPERTIES_LIMIT:-300}" python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/test_properties.py --hypothesis-show-statistics -W ignore::numba.core.errors.NumbaPerformanceWarning
   grep -E "(FAILED|ERROR)( |$)|passing examples|Stopped because" logs/properties.log | tee -a "$LOG" | head -n 60
+fi
+if has accuracy; then
+  # each fp32 stage's error next to every PyTorch path's, from ordinary to very peaked softmax
+  run_step accuracy 150 python3 scripts/error_vs_pytorch.py
 fi
 if has bench && [ -e wb_kernels/bench.py ]; then
   run_step bench "${BENCH_LIMIT:-600}" python3 -m wb_kernels.bench --preset "${BENCH_PRESET:-all}" --time-failed-checks \

@@ -234,6 +234,10 @@ class LabServer:
 
 @pytest.fixture(scope="module")
 def lab_server():
+    import importlib.util
+
+    if importlib.util.find_spec("jupyterlab") is None:  # e.g. a GPU machine with only the kernel-side packages
+        skip_or_fail("JupyterLab is not installed (pip install -e '.[lab]', or `make lab` once)")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for stale in [*ARTIFACTS.glob("*.png"), ARTIFACTS / "jupyter-server.log"]:  # from an earlier run
         stale.unlink(missing_ok=True)

@@ -79,10 +79,12 @@ def make_tiled_kernels(tile):
             else:
                 k_tile[ty, tx] = 0.0
             cuda.syncthreads()  # the tiles are complete before anyone reads them
+            tile_sum = float32(0.0)  # this tile's products on their own, then into the total: less rounding
             for dd in range(tile):
                 # k_tile[tx, dd]: the threads of a warp read one column, tile + 1 floats apart, which
                 # falls in different shared-memory banks thanks to the padding column
-                total += q_tile[ty, dd] * k_tile[tx, dd]
+                tile_sum += q_tile[ty, dd] * k_tile[tx, dd]
+            total += tile_sum
             cuda.syncthreads()  # everyone is done with the tiles before the next step overwrites them
         if i < Lq and j < Lk:
             if (causal and j > i) or key_keep[bh // num_heads, j] == 0:
