@@ -115,6 +115,29 @@ def _strided(x):
     return np.repeat(x, 2, axis=2)[:, :, ::2]
 
 
+# A known gap, not a tolerance picked to pass: the flash stage (CUDA cores, fp32) sums each dot product
+# of Q K^T in one chain per thread, as SDPA's MATH backend and eager PyTorch do. SDPA's default fp32 path
+# (EFFICIENT) sums in blocks and is about twice as accurate once the softmax is peaked: measured on an H100
+# (scripts/error_vs_pytorch.py, results/accuracy/), flash is at 1.2-1.5x SDPA's error with ordinary logits
+# and 2.1-2.4x with logits of standard deviation 11-16, level with MATH and eager. Blocked sums need
+# registers the tuned kernel has not got (docs/flash_cuda_cores_notes.md). So on peaked problems flash is
+# held to 2.5x, which still fails a kernel that is worse than PyTorch's own chain-summing paths.
+PEAKED_LOGIT_STD = 4.0
+FLASH_PEAKED_MULTIPLIER = 2.5
+
+
+def logit_std(problem) -> float:
+    """Typical size of a scaled score: |scale| * std(q) * std(k) * sqrt(D)."""
+    scale = problem["scale"] if problem["scale"] is not None else problem["D"] ** -0.5
+    return abs(scale) * problem["std"] ** 2 * problem["D"] ** 0.5
+
+
+def multiplier(name, problem) -> float:
+    if name == "flash" and problem["dtype"] == "float32" and logit_std(problem) > PEAKED_LOGIT_STD:
+        return FLASH_PEAKED_MULTIPLIER
+    return 2.0
+
+
 @pytest.mark.parametrize("name", stage_params())
 def test_stage_matches_reference_on_random_problems(name):
     stage = STAGES[name]
@@ -131,7 +154,7 @@ def test_stage_matches_reference_on_random_problems(name):
         if hasattr(q, "device"):
             assert out.device == q.device
         wb.check(name, out, q, k, v, lse=lse, causal=problem["causal"], key_padding_mask=keep,
-                 scale=problem["scale"], verbose=False)
+                 scale=problem["scale"], verbose=False, multiplier=multiplier(name, problem))
 
     one_problem()
 
