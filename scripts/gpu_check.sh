@@ -3,6 +3,7 @@
 # benchmarks. Run from the repository root on a machine with an NVIDIA GPU, torch with CUDA and numba-cuda.
 #
 #   scripts/gpu_check.sh [STEP ...]      steps: env build traffic tests properties accuracy bench notebooks tune
+#                                        (notebooks = execute, then nbval; each may be named alone)
 #                                        (default: all but tune, in that order: the lessons come after
 #                                        the benchmark because lesson 06 shows the newest results file)
 #   NOTEBOOKS="notebooks/04_*.ipynb" scripts/gpu_check.sh notebooks     only some lessons
@@ -86,12 +87,18 @@ if has bench && [ -e wb_kernels/bench.py ]; then
   run_step bench "${BENCH_LIMIT:-600}" python3 -m wb_kernels.bench --preset "${BENCH_PRESET:-all}" --time-failed-checks \
     --time-budget $(( ${BENCH_LIMIT:-600} - 60 ))  # a run cut short is resumed by the same command
 fi
-if has notebooks; then
+if has notebooks || has execute; then
   # shellcheck disable=SC2086
   run_step execute "${EXECUTE_LIMIT:-600}" python3 scripts/execute_notebooks.py --timeout 300 ${NOTEBOOKS:-}
+fi
+if has notebooks || has nbval; then
+  # one lesson per process: nbval needs each notebook's cells in order on one worker (--dist loadscope)
+  nb_workers=()
+  if python3 -c "import xdist" 2>/dev/null; then nb_workers=(-n "${NBVAL_WORKERS:-6}" --dist loadscope); fi
   # shellcheck disable=SC2086
-  run_step nbval "${NBVAL_LIMIT:-600}" python3 -m pytest -q -p no:cacheprovider ${NOTEBOOKS:-notebooks} --nbval \
-    --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+  run_step nbval "${NBVAL_LIMIT:-600}" python3 -m pytest -q -p no:cacheprovider "${nb_workers[@]}" \
+    ${NOTEBOOKS:-notebooks} --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+  grep -E "(FAILED|ERROR)( |$)" logs/nbval.log | tee -a "$LOG" | head -n 40
 fi
 if has tune; then
   for script in scripts/tune_*.py; do
