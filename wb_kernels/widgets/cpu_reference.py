@@ -24,15 +24,17 @@ def materialized_bytes(L, B: int = 1, H: int = 16, itemsize: int = 4):
     return 2.0 * B * H * L * L * itemsize
 
 
-def cpu_times(lengths, B: int = 1, H: int = 4, D: int = 64, repeats: int = 3) -> dict:
-    """Median milliseconds of the NumPy float64 reference and of torch's SDPA (float32, CPU) per L."""
+def cpu_times(lengths, B: int = 1, H: int = 4, D: int = 64, repeats: int = 3, progress: bool = True) -> dict:
+    """Median milliseconds of the NumPy float64 reference and of torch's SDPA (float32, CPU) per L.
+
+    `progress`: a tqdm bar over the lengths (the lesson's timing cell); the slider passes False."""
     import torch
     import torch.nn.functional as F
 
     from tqdm.auto import tqdm
 
     numpy_ms, torch_ms = [], []
-    for L in tqdm(lengths, desc="timing NumPy and torch", leave=False, disable=len(lengths) < 3):
+    for L in tqdm(lengths, desc="timing NumPy and torch", leave=False, disable=not progress or len(lengths) < 3):
         q, k, v = random_qkv(B, H, L, D, seed=L)
         numpy_ms.append(time_call(reference, q, k, v, warmup=1, repeats=repeats, device="cpu").median_ms)
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
@@ -57,7 +59,9 @@ def memory_time_figure(L: int, *, H: int = 16, times: dict | None = None):
     ax_mem.set(xlabel="sequence length L", ylabel="GiB", title="Memory of the L×L matrices")
     ax_mem.legend(loc="upper left")
 
-    times = times if times is not None else cpu_times(lengths)
+    # No bar inside the slider: its status label already says what is being computed, and in one headless
+    # run on a GPU machine the slider cell with a progress widget in its output area stalled for 300 s.
+    times = times if times is not None else cpu_times(lengths, progress=False)
     keep = [i for i, x in enumerate(times["L"]) if x <= L]
     Ls = [times["L"][i] for i in keep]
     ax_time.loglog(Ls, [times["numpy_ms"][i] for i in keep], "o-", color=STAGE_COLORS["numpy"],
