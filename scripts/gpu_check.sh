@@ -27,8 +27,12 @@ steps=("$@")
 has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
+  # once per machine: several checks may run side by side (e.g. nbval next to the tests) after a first one
+  if [ ! -e /tmp/site/.wb_installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || { echo "wheel install failed"; exit 1; }
+    touch /tmp/site/.wb_installed
+  fi
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -89,7 +93,9 @@ if has bench && [ -e wb_kernels/bench.py ]; then
 fi
 if has notebooks || has execute; then
   # shellcheck disable=SC2086
-  run_step execute "${EXECUTE_LIMIT:-600}" python3 scripts/execute_notebooks.py --timeout 300 ${NOTEBOOKS:-}
+  # --timeout caps each cell; see scripts/execute_notebooks.py for why it is short
+  run_step execute "${EXECUTE_LIMIT:-600}" python3 scripts/execute_notebooks.py --timeout "${CELL_TIMEOUT:-150}" \
+    ${NOTEBOOKS:-}
 fi
 if has notebooks || has nbval; then
   # one lesson per process: nbval needs each notebook's cells in order on one worker (--dist loadscope)
@@ -97,7 +103,8 @@ if has notebooks || has nbval; then
   if python3 -c "import xdist" 2>/dev/null; then nb_workers=(-n "${NBVAL_WORKERS:-6}" --dist loadscope); fi
   # shellcheck disable=SC2086
   run_step nbval "${NBVAL_LIMIT:-600}" python3 -m pytest -q -p no:cacheprovider "${nb_workers[@]}" \
-    ${NOTEBOOKS:-notebooks} --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+    ${NOTEBOOKS:-notebooks} --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+    --nbval-cell-timeout "${CELL_TIMEOUT:-150}"
   grep -E "(FAILED|ERROR)( |$)" logs/nbval.log | tee -a "$LOG" | head -n 40
 fi
 if has tune; then
