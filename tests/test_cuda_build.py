@@ -186,6 +186,22 @@ def test_nvcc_syntax_error_is_reported_not_swallowed():
         cuda_build.nvcc_compile_report("sm_90", source=broken)
 
 
+def test_trimmed_error_drops_the_ninja_command_of_torchs_wrapper_line():
+    """torch puts the first ninja step on the same line as "Error building extension" (seen on a GPU machine)."""
+    raw = ("Error building extension 'wb_flash_wmma_0123': [1/3] /usr/local/cuda/bin/nvcc -MD -MF cuda.cuda.o.d "
+           "-ccbin /usr/bin/gcc -DTORCH_EXTENSION_NAME=wb_flash_wmma_0123 -c cuda.cu -o cuda.cuda.o\n"
+           "FAILED: cuda.cuda.o\n"
+           "flash_wmma.cu(170): error: identifier \"p_undefined_in_this_scope\" is undefined\n"
+           "              tile_sum += p_undefined_in_this_scope[t];\n"
+           "                          ^\n"
+           "1 error detected in the compilation of \"cuda.cu\".\n"
+           "ninja: build stopped: subcommand failed.\n")
+    message = cuda_build._trim_compiler_output(raw)
+    assert "ninja" not in message.lower() and "nvcc -MD" not in message
+    assert "Error building extension 'wb_flash_wmma_0123'" in message
+    assert "flash_wmma.cu(170): error: identifier" in message and "p_undefined_in_this_scope[t]" in message
+
+
 @gpu_only
 def test_load_inline_error_names_the_identifier_and_the_line():
     broken = marked(cuda_build.package_source().replace(*BROKEN), f"broken {time.time_ns()}")

@@ -208,6 +208,9 @@ _ERROR_LINE = re.compile(r"(error|Error)[ :]|ptxas fatal|undefined reference")
 def _trim_compiler_output(output: str, max_errors: int = 12) -> str:
     """The compiler's error lines, each with the source line and caret nvcc prints after it."""
     lines = output.splitlines()
+    # torch's wrapper line, "Error building extension 'name': [1/3] <the whole nvcc command>", names the
+    # extension and then the first ninja step; only the name is worth showing
+    lines = [re.sub(r"^(Error building extension '[^']*'):.*$", r"\1", line) for line in lines]
     kept, errors = [], 0
     for i, line in enumerate(lines):
         if _ERROR_LINE.search(line) and "ninja: build stopped" not in line and not line.startswith("FAILED"):
@@ -217,7 +220,7 @@ def _trim_compiler_output(output: str, max_errors: int = 12) -> str:
                 break
             kept.append(line.strip())
             for follow in lines[i + 1:i + 3]:  # nvcc: the offending source line, then the caret
-                if follow.strip() and not _ERROR_LINE.search(follow) and not follow.startswith(("[", "FAILED")):
+                if follow.strip() and not _ERROR_LINE.search(follow) and not follow.startswith(("[", "FAILED", "ninja:")):
                     kept.append("    " + follow.rstrip())
     return "\n".join(kept) if kept else "\n".join(lines[-20:])
 
