@@ -102,7 +102,8 @@ if has notebooks || has nbval; then
   nb_workers=()
   if python3 -c "import xdist" 2>/dev/null; then nb_workers=(-n "${NBVAL_WORKERS:-6}" --dist loadscope); fi
   # shellcheck disable=SC2086
-  run_step nbval "${NBVAL_LIMIT:-600}" python3 -m pytest -q -p no:cacheprovider "${nb_workers[@]}" \
+  # -v: each cell is named as it finishes, so a run stopped at its limit still says which lesson failed
+  run_step nbval "${NBVAL_LIMIT:-600}" python3 -m pytest -v -p no:cacheprovider "${nb_workers[@]}" \
     ${NOTEBOOKS:-notebooks} --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
     --nbval-cell-timeout "${CELL_TIMEOUT:-150}"
   grep -E "(FAILED|ERROR)( |$)" logs/nbval.log | tee -a "$LOG" | head -n 40
