@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import wb_kernels as wb
+from wb_kernels.check import dot_product_floor
 
 
 def torch_attention(q, k, v, dtype, causal=False):
@@ -86,7 +87,7 @@ def test_a_single_key_lse_summed_in_another_order_passes():
     score = np.float32(np.float32(32 ** -0.5) * _sequential_fma_dot(q[0, 0, 0], k[0, 0, 0]))
     check = wb.check("fma order", out.astype(np.float32), q, k, v, lse=np.full((1, 1, 1), score), verbose=False)
     assert check.passed and check.lse_err > 0
-    floor = _check_module().dot_product_floor(q, k, dtype="float32")
+    floor = dot_product_floor(q, k, dtype="float32")
     assert check.lse_err <= floor and check.lse_tol >= 2 * floor
     # ... but the floor is rounding-sized: an LSE off by 100 floors still fails
     with pytest.raises(wb.CheckFailed):
@@ -95,22 +96,15 @@ def test_a_single_key_lse_summed_in_another_order_passes():
 
 
 def test_dot_product_floor_ignores_non_finite_inputs_and_masked_keys():
-    check = _check_module()
     q, k, _ = wb.random_qkv(1, 1, 2, 16, Lk=3, dtype="float64", seed=1)
-    base = check.dot_product_floor(q, k, dtype="float32")
+    base = dot_product_floor(q, k, dtype="float32")
     assert 0 < base < 1e-5
     k_big = k.copy()
     k_big[0, 0, 2] *= 1e6
     keep = np.array([[True, True, False]])
-    masked = check.dot_product_floor(q, k_big, dtype="float32", key_padding_mask=keep)
-    assert masked == check.dot_product_floor(q, k[:, :, :2], dtype="float32")  # the huge masked key is ignored
+    masked = dot_product_floor(q, k_big, dtype="float32", key_padding_mask=keep)
+    assert masked == dot_product_floor(q, k[:, :, :2], dtype="float32")  # the huge masked key is ignored
     k_bad = k.copy()
     k_bad[0, 0, 1, 0] = np.inf
-    assert np.isfinite(check.dot_product_floor(q, k_bad, dtype="float32"))
-    assert check.dot_product_floor(q, k, dtype="float64") < base * 1e-8
-
-
-def _check_module():
-    import sys
-
-    return sys.modules["wb_kernels.check"]  # `wb_kernels.check` the attribute is the function
+    assert np.isfinite(dot_product_floor(q, k_bad, dtype="float32"))
+    assert dot_product_floor(q, k, dtype="float64") < base * 1e-8
