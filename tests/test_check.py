@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import wb_kernels as wb
-from wb_kernels.check import dot_product_floor
+from wb_kernels.check import dot_product_floor, output_floor, storage_floor, torch_error
 
 
 def torch_attention(q, k, v, dtype, causal=False):
@@ -108,3 +108,81 @@ def test_dot_product_floor_ignores_non_finite_inputs_and_masked_keys():
     k_bad[0, 0, 1, 0] = np.inf
     assert np.isfinite(dot_product_floor(q, k_bad, dtype="float32"))
     assert dot_product_floor(q, k, dtype="float64") < base * 1e-8
+
+
+def _sequential_fma_attention(q, k, v, keep):
+    """float32 attention for one query row per (b, h, i), scores summed one FMA at a time as a GPU thread
+    does; softmax and P V in float32 as well."""
+    scale = np.float32(q.shape[-1] ** -0.5)
+    out = np.zeros(q.shape, np.float32)
+    for b, h, i in np.ndindex(q.shape[:3]):
+        s = np.array([scale * _sequential_fma_dot(q[b, h, i], k[b, h, j]) for j in range(k.shape[2])], np.float32)
+        s = np.where(keep[b], s, -np.inf).astype(np.float32)
+        p = np.exp(s - s.max()).astype(np.float32)
+        out[b, h, i] = ((p / p.sum()).astype(np.float32)[:, None] * v[b, h]).sum(0)
+    return out
+
+
+@pytest.mark.parametrize("seed", [2, 19])
+def test_a_single_row_summed_in_another_order_passes(seed):
+    """One query row, peaked softmax: PyTorch's error is the largest of 32 numbers and may be small by luck.
+    A correct kernel that sums each score with sequential FMAs failed 6 of 40 such problems (seeds 0-39)
+    against 2x PyTorch's error alone, like the tiled stage on the GPU; the output floor lets it pass."""
+    q, k, v = wb.random_qkv(1, 1, 1, 32, Lk=39, std=3.0, seed=seed)
+    keep = wb.random_padding_mask(1, 39, seed=seed)
+    out = _sequential_fma_attention(q, k, v, keep)
+    ref = wb.reference(q, k, v, key_padding_mask=keep)
+    pytorch_err, _ = torch_error(q, k, v, *ref, dtype="float32", device="cpu", key_padding_mask=keep)
+    check = wb.check("fma order", out, q, k, v, key_padding_mask=keep, ref=ref, verbose=False)
+    assert check.passed and check.max_err > 2 * pytorch_err + storage_floor(ref[0], "float32")
+    floor = output_floor(q, k, v, *ref, dtype="float32", key_padding_mask=keep)
+    assert check.max_err <= floor  # the kernel's error is of the floor's size: the floor is not slack
+    with pytest.raises(wb.CheckFailed):  # and an output off by a few floors still fails
+        wb.check("off", out + np.float32(3 * floor), q, k, v, key_padding_mask=keep, ref=ref, verbose=False)
+
+
+def test_output_floor_is_the_typical_effect_of_rounding_every_score():
+    """Monte Carlo: move every score by eps_ij times a standard normal; the largest standard deviation of an
+    output entry is what output_floor predicts."""
+    rng = np.random.default_rng(0)
+    q, k, v = wb.random_qkv(1, 2, 3, 32, Lk=20, dtype="float64", std=2.0, seed=4)
+    out, lse = wb.reference(q, k, v)
+    scale = 32 ** -0.5
+    scores = scale * np.einsum("bhqd,bhkd->bhqk", q, k)
+    eps = 2.0 ** -24 * np.sqrt(32) * scale * np.sqrt(np.einsum("bhqd,bhkd->bhqk", q * q, k * k))
+    samples = []
+    for _ in range(4000):
+        s = scores + eps * rng.standard_normal(scores.shape)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        samples.append(np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v) - out)
+    measured = float(np.std(samples, axis=0).max())
+    assert 0.9 < output_floor(q, k, v, out, lse, dtype="float32") / measured < 1.1
+    assert output_floor(q, k, v, out, lse, dtype="float64") < measured * 1e-8  # float64 rounding is 2^-29 smaller
+
+
+def test_output_floor_is_below_pytorch_error_at_real_sizes():
+    """The floor only takes over where PyTorch was lucky: on a problem of real size it is under PyTorch's
+    own error, so the bar stays where PyTorch puts it."""
+    q, k, v = wb.random_qkv(2, 2, 256, 64, std=2.0, seed=3)
+    ref = wb.reference(q, k, v)
+    pytorch_err, _ = torch_error(q, k, v, *ref, dtype="float32", device="cpu")
+    assert output_floor(q, k, v, *ref, dtype="float32") < pytorch_err
+
+
+def test_output_floor_ignores_masked_keys_and_empty_rows():
+    q, k, v = wb.random_qkv(2, 1, 4, 16, Lk=5, dtype="float64", seed=2)
+    keep = np.array([[True, True, True, True, False], [False] * 5])  # batch 1 sees no key at all
+    v_big = v.copy()
+    v_big[0, 0, 4] *= 1e6  # a masked key's value must not count
+    ref = wb.reference(q, k, v_big, key_padding_mask=keep)
+    floor = output_floor(q, k, v_big, *ref, dtype="float32", key_padding_mask=keep)
+    ref_first = wb.reference(q[:1], k[:1, :, :4], v[:1, :, :4])
+    assert np.isclose(floor, output_floor(q[:1], k[:1, :, :4], v[:1, :, :4], *ref_first, dtype="float32"))
+    assert 0 < floor < 1e-5
+
+
+def test_output_floor_in_chunks_equals_whole():
+    q, k, v = wb.random_qkv(1, 2, 37, 16, Lk=29, dtype="float64", seed=5)
+    ref = wb.reference(q, k, v, causal=True)
+    whole = output_floor(q, k, v, *ref, dtype="float32", causal=True)
+    assert np.isclose(whole, output_floor(q, k, v, *ref, dtype="float32", causal=True, rows_per_chunk=5))
