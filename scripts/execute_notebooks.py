@@ -6,9 +6,11 @@ On a GPU machine this is how the committed outputs of GPU-only cells are produce
 refreshes the simulator outputs. Stops at the first cell that raises, naming the notebook and cell, and
 keeps what ran so far in logs/partial/.
 
-Why ``--timeout`` should stay a little above the slowest cell: with widgets, nbclient's wait for a cell's
-reply sometimes returns only when the timeout runs out, though the reply had come (nbclient issue #312).
-The cell's outputs are complete then, but a long timeout turns each such stall into minutes.
+With widget cells, nbclient's wait for a cell's reply sometimes returned only when the per-cell timeout ran
+out, though the reply had come (nbclient issue #312): the asynchronous poll of the shell socket can miss a
+message that is already there. ``ReplyPollingClient`` looks for the reply with a plain (level-triggered)
+poll at least once a second, so such a miss costs a second, not the timeout. ``--timeout`` stays short all
+the same: a stall of another kind should not eat a GPU run's time limit.
 """
 
 from __future__ import annotations
@@ -18,11 +20,40 @@ import signal
 import sys
 import time
 from pathlib import Path
+from queue import Empty
 
 import nbformat
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
+POLL_SLICE_SECONDS = 1.0
+
+
+class ReplyPollingClient(NotebookClient):
+    """NotebookClient whose wait for a shell reply checks the socket directly at least once a second."""
+
+    async def async_start_new_kernel_client(self):
+        kernel_client = await super().async_start_new_kernel_client()
+        channel = kernel_client.shell_channel
+        wait_for_message = channel.get_msg
+
+        async def get_msg(timeout=None):
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                try:
+                    return await wait_for_message(timeout=0)  # a plain poll: sees a reply already queued
+                except Empty:
+                    pass
+                remaining = POLL_SLICE_SECONDS if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Empty
+                try:
+                    return await wait_for_message(timeout=min(POLL_SLICE_SECONDS, remaining))
+                except Empty:
+                    continue
+
+        channel.get_msg = get_msg
+        return kernel_client
 
 
 def main() -> int:
@@ -45,7 +76,7 @@ def main() -> int:
             # per-cell progress, so a slow or stuck cell is named while the run goes on
             print(f"  {path.name} cell {cell_index}: {time.perf_counter() - cell_start[cell_index]:.1f} s", flush=True)
 
-        client = NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
+        client = ReplyPollingClient(nb, timeout=args.timeout, kernel_name="python3",
                                 resources={"metadata": {"path": str(path.parent)}},
                                 on_cell_start=started, on_cell_executed=finished)
         try:
