@@ -9,6 +9,7 @@
 #   NOTEBOOKS="notebooks/04_*.ipynb" scripts/gpu_check.sh notebooks     only some lessons
 #   TESTS="tests/test_flash.py" scripts/gpu_check.sh tests             only some tests
 #   TESTS_WORKERS=8 (default): pytest-xdist processes sharing the GPU for the unit tests; 0 = one process
+#   PROPERTIES_WORKERS=5 (default): the same for the property tests (one stage each); 0 = one process
 #
 # Wheels for packages the machine lacks may wait in .whl/ (README, "Checking on a GPU"); they are
 # installed into a private folder first. Output goes to $OUT (default ./gpu-out) as it happens:
@@ -79,9 +80,14 @@ if has tests; then
 fi
 if has properties; then
   # the "gpu" hypothesis profile (chosen automatically on a GPU): larger shapes, more examples
-  run_step properties "${PROPERTIES_LIMIT:-300}" python3 -m pytest -v --tb=short -p no:cacheprovider \
-    tests/test_properties.py --hypothesis-show-statistics -W ignore::numba.core.errors.NumbaPerformanceWarning
-  grep -E "(FAILED|ERROR)( |$)|passing examples|Stopped because" logs/properties.log | tee -a "$LOG" | head -n 60
+  # One stage per pytest-xdist worker when it is installed; -rP prints each stage's count of problems checked.
+  prop_workers=()
+  if [ "${PROPERTIES_WORKERS:-5}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+    prop_workers=(-n "${PROPERTIES_WORKERS:-5}")
+  fi
+  run_step properties "${PROPERTIES_LIMIT:-300}" python3 -m pytest -v -rP --tb=short -p no:cacheprovider \
+    "${prop_workers[@]}" tests/test_properties.py -W ignore::numba.core.errors.NumbaPerformanceWarning
+  grep -E "(FAILED|ERROR)( |$)|random problems matched" logs/properties.log | tee -a "$LOG" | head -n 60
 fi
 if has accuracy; then
   # each fp32 stage's error next to every PyTorch path's, from ordinary to very peaked softmax
