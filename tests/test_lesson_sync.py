@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from wb_kernels.sync import module_regions, notebook_regions, region_source
+from wb_kernels.sync import module_regions, notebook_regions, region_source, resync_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -17,7 +17,7 @@ def test_region_cells_equal_the_package(notebook):
     for name, module, text in notebook_regions(notebook):
         assert text == region_source(module, name), (
             f"{notebook.name}: the cell showing region {name!r} of {module} differs from the package; "
-            "copy one into the other")
+            "run `python -m wb_kernels.sync` on the lesson, or copy the cell into the package")
 
 
 def test_sync_detects_drift(tmp_path):
@@ -42,3 +42,20 @@ def test_lesson_structure_and_markers(notebook):
     for cell in cells:
         for output in cell.get("outputs", []):
             assert output.get("output_type") != "error", f"{notebook.name} is committed with an error output"
+
+
+def test_resync_restores_an_edited_region_cell_and_keeps_outputs(tmp_path):
+    lesson = ROOT / "notebooks" / "02_naive_gpu.ipynb"
+    copy = tmp_path / lesson.name
+    notebook = json.loads(lesson.read_text())
+    index = next(i for i, c in enumerate(notebook["cells"]) if "".join(c["source"]).startswith("# region: "))
+    cell = notebook["cells"][index]
+    outputs = cell["outputs"]
+    cell["source"] = cell["source"][:1] + ["# a learner's edit\n"]
+    copy.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+    name = "".join(cell["source"]).split()[2]
+    assert resync_notebook(copy) == [name]
+    restored = json.loads(copy.read_text())["cells"][index]
+    assert restored["source"] == json.loads(lesson.read_text())["cells"][index]["source"]
+    assert restored["outputs"] == outputs
+    assert resync_notebook(copy) == []  # now in sync: nothing rewritten

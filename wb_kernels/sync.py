@@ -18,7 +18,7 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["module_regions", "notebook_regions", "region_source", "PACKAGE_ROOT"]
+__all__ = ["module_regions", "notebook_regions", "region_source", "resync_notebook", "PACKAGE_ROOT"]
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 _START = re.compile(r"^\s*(?:#|//) region: (\w+)\s*$")
@@ -65,3 +65,37 @@ def notebook_regions(notebook_path) -> list:
         if match:
             found.append((match.group(1), match.group(2), rest.strip("\n")))
     return found
+
+
+def resync_notebook(notebook_path) -> list:
+    """Rewrite every region cell of a lesson from the package (after a kernel changed there); keeps the
+    cells' outputs. Returns the names of the regions whose text changed.
+
+        python -m wb_kernels.sync notebooks/02_naive_gpu.ipynb ...
+    """
+    path = Path(notebook_path)
+    raw = path.read_text()
+    notebook = json.loads(raw)
+    changed = []
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        first, _, rest = "".join(cell["source"]).partition("\n")
+        match = _CELL_HEADER.match(first)
+        if not match:
+            continue
+        text = region_source(match.group(2), match.group(1))
+        if rest.strip("\n") != text:
+            cell["source"] = (first + "\n" + text).splitlines(keepends=True)
+            changed.append(match.group(1))
+    if changed:  # the layout Jupyter itself writes, so that a resync shows as a small diff
+        path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+    return changed
+
+
+if __name__ == "__main__":
+    import sys
+
+    for argument in sys.argv[1:]:
+        names = resync_notebook(argument)
+        print(f"{argument}: {', '.join(names) if names else 'in sync'}")
