@@ -1,4 +1,4 @@
-"""pytest hooks shared by the test files."""
+"""pytest hooks for every test run from the repository root: tests/ and the lessons under nbval."""
 
 import os
 
