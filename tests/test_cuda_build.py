@@ -213,3 +213,33 @@ def test_load_inline_error_names_the_identifier_and_the_line():
     message = str(raised.value)
     assert "p_undefined_in_this_scope" in message and f"flash_wmma.cu({_broken_line()})" in message
     assert "ninja" not in message.lower() and len(message.splitlines()) < 30
+
+
+# --- a cached build is loaded, not rebuilt ----------------------------------------------------------------
+
+def test_build_directory_holds_the_file_the_line_directive_names(tmp_path):
+    text = cuda_build.prepare_build_directory(tmp_path / "b", "int x;\n")
+    named = tmp_path / "b" / cuda_build.LINE_NAME
+    assert text == f'#line 1 "{cuda_build.LINE_NAME}"\nint x;\n' and named.read_text() == "int x;\n"
+    before = named.stat().st_mtime_ns
+    time.sleep(0.01)
+    cuda_build.prepare_build_directory(tmp_path / "b", "int x;\n")
+    assert named.stat().st_mtime_ns == before  # unchanged source: the copy keeps its older timestamp
+    cuda_build.prepare_build_directory(tmp_path / "b", "int y;\n")
+    assert named.read_text() == "int y;\n"
+
+
+def test_every_dependency_nvcc_reports_exists_in_the_build_directory(tmp_path):
+    """ninja rebuilds whenever a dependency from the compiler's depfile is missing. The #line directive makes
+    nvcc report flash_wmma.cu as one (relative to the build directory, where ninja runs); before the build
+    directory held that file, every new process recompiled the extension instead of loading it."""
+    _nvcc_or_skip()
+    text = cuda_build.prepare_build_directory(tmp_path, "#include <cstdio>\n__global__ void kernel() {}\n")
+    (tmp_path / "cuda.cu").write_text(text)
+    done = subprocess.run([cuda_build.find_nvcc(), "-M", "cuda.cu", "-MF", "cuda.d"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    dependencies = (tmp_path / "cuda.d").read_text().replace("\\\n", " ").split(":", 1)[1].split()
+    assert cuda_build.LINE_NAME in dependencies
+    missing = [d for d in dependencies if not (tmp_path / d).exists()]
+    assert not missing, f"ninja would rebuild every time: missing {missing}"

@@ -228,6 +228,24 @@ def _trim_compiler_output(output: str, max_errors: int = 12) -> str:
 _loaded: dict = {}
 
 
+LINE_NAME = "flash_wmma.cu"  # the file name compiler messages give, through a #line directive
+
+
+def prepare_build_directory(build_dir: Path, source: str) -> str:
+    """Make `build_dir` and return the text to hand to load_inline: `source` behind ``#line 1 "flash_wmma.cu"``,
+    so that compiler messages point at lines of flash_wmma.cu, not of load_inline's copy.
+
+    The directive makes nvcc list ``flash_wmma.cu`` among the dependencies it reports to ninja; a dependency
+    that does not exist marks the build out of date, and every new process then recompiled the extension
+    (a minute) instead of loading it. So the source is also written there under that name, and rewritten only
+    when it changed, so that its timestamp stays older than the library built from it."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    named_copy = build_dir / LINE_NAME
+    if not named_copy.exists() or named_copy.read_text() != source:
+        named_copy.write_text(source)
+    return f'#line 1 "{LINE_NAME}"\n{source}'
+
+
 def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
     """Compile (or load from the cache) the extension for `source`; returns the Python module.
 
@@ -248,9 +266,7 @@ def build(source: str | None = None, *, flags: list | None = None, verbose: bool
     from torch.utils.cpp_extension import load_inline
 
     build_dir = _cache_root() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    # #line makes compiler messages point at flash_wmma.cu lines, not at load_inline's copy.
-    cuda_source = f'#line 1 "flash_wmma.cu"\n{source}'
+    cuda_source = prepare_build_directory(build_dir, source)
     with _file_lock(_cache_root() / f"{name}.lock"):
         try:
             module = load_inline(name=name, cpp_sources=[_CPP_DECLARATION], cuda_sources=[cuda_source],
