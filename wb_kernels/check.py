@@ -103,41 +103,54 @@ def storage_floor(ref: np.ndarray, dtype: str) -> float:
     return 2.0 * float((stored - r).abs().max()) if r.numel() else 0.0
 
 
-def _finite64(x) -> np.ndarray:
-    """float64 NumPy copy with NaN/Inf set to 0: a non-finite input must not open the bar."""
-    x = _to_numpy64(x)
-    return np.where(np.isfinite(x), x, 0.0)
+def _finite64(x, device):
+    """float64 torch copy on `device` with NaN/Inf set to 0: a non-finite input must not open the bar."""
+    import torch
+
+    x = x.detach() if hasattr(x, "detach") else torch.from_numpy(np.asarray(x, dtype=np.float64))
+    x = x.to(device=device, dtype=torch.float64)
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=device))
+
+
+def _floor_device(x) -> str:
+    """Where the floors are computed: on the GPU for CUDA tensors (float64 matmuls of L x L, as the bench's
+    reference does), on the CPU otherwise."""
+    return str(x.device) if hasattr(x, "device") and getattr(x.device, "type", "cpu") == "cuda" else "cpu"
 
 
 def _score_rounding_chunks(q, k, *, dtype, causal, key_padding_mask, scale, rows_per_chunk=None):
-    """Yield ``(rows, eps, allowed)`` over chunks of query rows: ``eps[b, h, i, j]`` is the probabilistic
-    rounding bound of the scaled score ``scale * q_i . k_j`` accumulated in float32 (float64 for float64
-    inputs), ``u sqrt(D) |scale| sqrt(sum_d q_id^2 k_jd^2)`` (Higham and Mary), and `allowed` says which
-    pairs the masks keep. Chunked so that a long sequence never needs several L x L float64 arrays."""
+    """Yield ``(rows, eps, allowed)`` over chunks of query rows (float64 torch tensors q, k): ``eps[b, h, i, j]``
+    is the probabilistic rounding bound of the scaled score ``scale * q_i . k_j`` accumulated in float32
+    (float64 for float64 inputs), ``u sqrt(D) |scale| sqrt(sum_d q_id^2 k_jd^2)`` (Higham and Mary), and
+    `allowed` says which pairs the masks keep. Chunked so that a long sequence never needs several L x L
+    float64 arrays at once."""
+    import torch
+
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     unit_roundoff = 2.0 ** -53 if dtype == "float64" else 2.0 ** -24  # the stages accumulate in float32
-    allowed_all = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)  # (B or 1, 1, Lq, Lk)
-    k_squared = k * k
+    allowed_all = torch.from_numpy(attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)).to(q.device)
+    k_squared_t = (k * k).transpose(-1, -2)
     rows_per_chunk = rows_per_chunk or max(1, 2 ** 22 // max(1, B * H * Lk))
     for start in range(0, Lq, rows_per_chunk):
         rows = slice(start, min(Lq, start + rows_per_chunk))
-        squares = np.einsum("bhqd,bhkd->bhqk", q[:, :, rows] ** 2, k_squared)
-        eps = unit_roundoff * np.sqrt(D) * abs(scale) * np.sqrt(squares)
-        yield rows, eps, np.broadcast_to(allowed_all[:, :, rows], eps.shape)
+        squares = q[:, :, rows] ** 2 @ k_squared_t  # sum_d q_id^2 k_jd^2
+        eps = unit_roundoff * np.sqrt(D) * abs(scale) * squares.sqrt()
+        yield rows, eps, allowed_all[:, :, rows].expand_as(eps)
 
 
 def dot_product_floor(q, k, *, dtype: str, causal=False, key_padding_mask=None, scale=None) -> float:
     """The rounding bound of one scaled score at the largest score magnitude a row attends to: the least
     PyTorch's LSE error counts as (module docstring)."""
-    q64, k64 = _finite64(q), _finite64(k)
+    device = _floor_device(q)
+    q64, k64 = _finite64(q, device), _finite64(k, device)
     if q64.shape[2] == 0 or k64.shape[2] == 0:
         return 0.0
     largest = 0.0
     for _, eps, allowed in _score_rounding_chunks(q64, k64, dtype=dtype, causal=causal,
                                                   key_padding_mask=key_padding_mask, scale=scale):
-        largest = max(largest, float(np.max(np.where(allowed, eps, 0.0))))
+        largest = max(largest, float((eps * allowed).max()))
     return largest
 
 
@@ -150,28 +163,30 @@ def output_floor(q, k, v, out_ref, lse_ref, *, dtype: str, causal=False, key_pad
     ``delta_ij`` independent and of the size ``eps_ij`` of one float32 dot product's rounding, its typical
     size is ``sqrt(sum_j (p_ij eps_ij (v_jd - o_id))^2)``; the floor is the largest over rows and columns.
     P comes from the reference (``exp(s_ij - lse_i)``), so the floor needs no kernel's output."""
-    q64, k64, v64 = _finite64(q), _finite64(k), _finite64(v)
-    out64 = np.where(np.isfinite(out_ref), out_ref, 0.0)
-    lse64 = np.where(np.isfinite(lse_ref), lse_ref, np.inf)  # a row that sees no key: P = 0
+    import torch
+
+    device = _floor_device(q)
+    q64, k64, v64 = (_finite64(x, device) for x in (q, k, v))
+    out64 = _finite64(out_ref, device)
+    lse64 = _finite64(lse_ref, device)
+    seen = torch.from_numpy(np.isfinite(np.asarray(lse_ref))).to(device)  # a row that sees no key: P = 0
     B, H, Lq, D = q64.shape
     if Lq == 0 or k64.shape[2] == 0:
         return 0.0
     scale_value = D ** -0.5 if scale is None else scale
-    v_squared = v64 * v64
+    k_t, v_squared = k64.transpose(-1, -2), v64 * v64
     largest = 0.0
     for rows, eps, allowed in _score_rounding_chunks(q64, k64, dtype=dtype, causal=causal,
                                                      key_padding_mask=key_padding_mask, scale=scale,
                                                      rows_per_chunk=rows_per_chunk):
-        scores = scale_value * np.einsum("bhqd,bhkd->bhqk", q64[:, :, rows], k64)
-        with np.errstate(over="ignore", invalid="ignore"):
-            probs = np.where(allowed, np.exp(np.minimum(scores - lse64[:, :, rows, None], 0.0)), 0.0)
+        scores = scale_value * (q64[:, :, rows] @ k_t)
+        probs = torch.exp((scores - lse64[:, :, rows, None]).clamp(max=0.0))
+        probs = probs * (allowed & seen[:, :, rows, None])
         weight = (probs * eps) ** 2
         o = out64[:, :, rows]
         # sum_j w_ij (v_jd - o_id)^2, expanded so that no (rows, Lk, D) array is formed
-        variance = (np.einsum("bhqk,bhkd->bhqd", weight, v_squared)
-                    - 2.0 * o * np.einsum("bhqk,bhkd->bhqd", weight, v64)
-                    + o * o * weight.sum(-1)[..., None])
-        largest = max(largest, float(np.sqrt(np.maximum(variance, 0.0)).max()))
+        variance = weight @ v_squared - 2.0 * o * (weight @ v64) + o * o * weight.sum(-1, keepdim=True)
+        largest = max(largest, float(variance.clamp(min=0.0).sqrt().max()))
     return largest
 
 
