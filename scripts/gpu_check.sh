@@ -21,7 +21,7 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT" logs
 LOG="$OUT/gpu_check.log"
 export PYTHONUNBUFFERED=1 WB_BACKEND=gpu
-export WB_FAILURE_LOG=$PWD/logs/failures.log  # tests/conftest.py: each failure's traceback as it happens
+export WB_FAILURE_LOG=$PWD/logs/failures.log  # conftest.py: each failure's traceback as it happens
 rm -f "$WB_FAILURE_LOG"
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(env build traffic tests properties accuracy bench notebooks)
