@@ -53,18 +53,21 @@ def region_source(relative_path: str, name: str) -> str:
     return regions[name]
 
 
-def notebook_regions(notebook_path) -> list:
-    """[(name, relative module path, cell text after the header)] for every region cell of a notebook."""
-    found = []
-    for cell in json.loads(Path(notebook_path).read_text())["cells"]:
+def _region_cells(notebook: dict):
+    """Yield (cell, header line, name, relative module path, cell text after the header) per region cell."""
+    for cell in notebook["cells"]:
         if cell["cell_type"] != "code":
             continue
-        source = "".join(cell["source"])
-        first, _, rest = source.partition("\n")
+        first, _, rest = "".join(cell["source"]).partition("\n")
         match = _CELL_HEADER.match(first)
         if match:
-            found.append((match.group(1), match.group(2), rest.strip("\n")))
-    return found
+            yield cell, first, match.group(1), match.group(2), rest.strip("\n")
+
+
+def notebook_regions(notebook_path) -> list:
+    """[(name, relative module path, cell text after the header)] for every region cell of a notebook."""
+    notebook = json.loads(Path(notebook_path).read_text())
+    return [(name, module, text) for _, _, name, module, text in _region_cells(notebook)]
 
 
 def resync_notebook(notebook_path) -> list:
@@ -74,20 +77,13 @@ def resync_notebook(notebook_path) -> list:
         python -m wb_kernels.sync notebooks/02_naive_gpu.ipynb ...
     """
     path = Path(notebook_path)
-    raw = path.read_text()
-    notebook = json.loads(raw)
+    notebook = json.loads(path.read_text())
     changed = []
-    for cell in notebook["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        first, _, rest = "".join(cell["source"]).partition("\n")
-        match = _CELL_HEADER.match(first)
-        if not match:
-            continue
-        text = region_source(match.group(2), match.group(1))
-        if rest.strip("\n") != text:
-            cell["source"] = (first + "\n" + text).splitlines(keepends=True)
-            changed.append(match.group(1))
+    for cell, header, name, module, text in _region_cells(notebook):
+        package_text = region_source(module, name)
+        if text != package_text:
+            cell["source"] = (header + "\n" + package_text).splitlines(keepends=True)
+            changed.append(name)
     if changed:  # the layout Jupyter itself writes, so that a resync shows as a small diff
         path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
     return changed
