@@ -1,6 +1,6 @@
 """Execute lessons in place so that their stored outputs come from this machine.
 
-    python scripts/execute_notebooks.py notebooks/02_naive_gpu.ipynb ...   (default: every lesson)
+    python scripts/execute_notebooks.py notebooks/02_naive.ipynb ...   (default: every lesson)
 
 On a GPU machine this is how the committed outputs of GPU-only cells are produced; on a CPU machine it
 refreshes the simulator outputs. Stops at the first cell that raises, naming the notebook and cell, and

@@ -64,8 +64,8 @@ if has build; then
   run_step build 300 python3 -c "import time, wb_kernels; from wb_kernels import cuda_build; t = time.time(); \
 cuda_build.build(cuda_build.package_source()); print(f'flash_wmma extension ready in {time.time() - t:.1f} s')"
 fi
-if has traffic && [ -e scripts/measure_traffic.py ]; then
-  run_step traffic "${TRAFFIC_LIMIT:-240}" python3 scripts/measure_traffic.py --timeout $(( ${TRAFFIC_LIMIT:-240} - 20 ))
+if has traffic; then
+  run_step traffic "${TRAFFIC_LIMIT:-240}" python3 -m wb_kernels.stages.naive.traffic --timeout $(( ${TRAFFIC_LIMIT:-240} - 20 ))
 fi
 if has tests; then
   workers=()
@@ -93,7 +93,7 @@ if has accuracy; then
   # each fp32 stage's error next to every PyTorch path's, from ordinary to very peaked softmax
   run_step accuracy 150 python3 scripts/error_vs_pytorch.py
 fi
-if has bench && [ -e wb_kernels/bench.py ]; then
+if has bench; then
   run_step bench "${BENCH_LIMIT:-600}" python3 -m wb_kernels.bench --preset "${BENCH_PRESET:-all}" --time-failed-checks \
     --time-budget $(( ${BENCH_LIMIT:-600} - 60 ))  # a run cut short is resumed by the same command
 fi
@@ -115,8 +115,11 @@ if has notebooks || has nbval; then
   grep -E "(FAILED|ERROR)( |$)" logs/nbval.log | tee -a "$LOG" | head -n 40
 fi
 if has tune; then
-  for script in scripts/tune_*.py; do
-    [ -e "$script" ] && run_step "$(basename "$script" .py)" 420 python3 "$script" --out results/
+  # every rung with a tuning script: wb_kernels/stages/<rung>/tune.py, results into results/<rung>/
+  for script in wb_kernels/stages/*/tune.py; do
+    rung=$(basename "$(dirname "$script")")
+    gpu=$(python3 -c "import torch; n = torch.cuda.get_device_name(); print(next((g for g in ('H100', 'H200', 'A100', 'B200') if g in n), 'gpu').lower())")
+    run_step "tune_$rung" 420 python3 -m "wb_kernels.stages.$rung.tune" --json "results/$rung/tune_$gpu.json"
   done
 fi
 echo "== collected into $OUT/gpu_results.tgz; overall status $status" | tee -a "$LOG"

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import wb_kernels as wb
-from wb_kernels import online_softmax as osm
-from wb_kernels.stages import flash_cuda_cores as fc
-from wb_kernels.widgets import flash as flash_widgets
+from wb_kernels.stages.flash import kernel as fc
+from wb_kernels.stages.flash import online_softmax as osm
+from wb_kernels.stages.flash import slider as flash_widgets
 
 REPO = Path(__file__).resolve().parent.parent
 gpu_only = pytest.mark.skipif(not wb.BACKEND.is_gpu, reason="needs a CUDA GPU (runs on the numba simulator here)")
@@ -125,7 +125,7 @@ def test_bad_configs_are_refused_with_a_reason():
 
 def test_stage_is_registered_with_linear_memory():
     stage = wb.get_stage("flash")
-    assert stage.order == 4 and stage.linear_memory and stage.lesson == "04_flash_cuda_cores"
+    assert stage.order == 4 and stage.linear_memory and stage.lesson == "04_flash"
     assert stage.workspace_bytes(2, 3, 100, 50, 64) == 4 * 2 * 3 * 100 * (64 + 1)  # O + LSE, no Lk term
 
 
@@ -160,7 +160,7 @@ PTX_SCRIPT = textwrap.dedent("""
     import json, sys
     import wb_kernels
     from numba import cuda
-    from wb_kernels.stages import flash_cuda_cores as fc
+    from wb_kernels.stages.flash import kernel as fc
     found = []
     for D, config in sorted(fc.GPU_CONFIGS.items()):
         kernel = fc.make_flash_kernel(D, config)
@@ -216,7 +216,7 @@ def test_tuned_kernels_do_not_spill(compiled_ptx):
         assert registers <= 255
 
 
-# --- the NumPy derivation (wb_kernels.online_softmax) --------------------------------------------
+# --- the NumPy derivation (wb_kernels.stages.flash.online_softmax) --------------------------------------------
 
 def test_online_softmax_matches_two_pass():
     x = np.random.default_rng(0).standard_normal(50) * 30
@@ -237,7 +237,7 @@ def test_blockwise_attention_is_exact_and_records_statistics():
     assert np.all(np.diff(np.stack([h["m"] for h in history]), axis=0) >= 0)  # the running max never falls
 
 
-# --- slider logic (wb_kernels.widgets.flash) -----------------------------------------------------
+# --- slider logic (wb_kernels.stages.flash.slider) --------------------------------------------------
 
 def test_memory_model_naive_quadratic_flash_linear():
     naive = flash_widgets.memory_bytes("naive", 4096, B=1, H=16, D=64)

@@ -45,7 +45,7 @@ def test_lesson_structure_and_markers(notebook):
 
 
 def test_resync_restores_an_edited_region_cell_and_keeps_outputs(tmp_path):
-    lesson = ROOT / "notebooks" / "02_naive_gpu.ipynb"
+    lesson = ROOT / "notebooks" / "02_naive.ipynb"
     copy = tmp_path / lesson.name
     notebook = json.loads(lesson.read_text())
     index = next(i for i, c in enumerate(notebook["cells"]) if "".join(c["source"]).startswith("# region: "))

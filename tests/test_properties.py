@@ -120,7 +120,7 @@ def _strided(x):
 # (EFFICIENT) sums in blocks and is about twice as accurate once the softmax is peaked: measured on an H100
 # (scripts/error_vs_pytorch.py, results/accuracy/), flash is at 1.2-1.5x SDPA's error with ordinary logits
 # and 2.1-2.4x with logits of standard deviation 11-16, level with MATH and eager. Blocked sums need
-# registers the tuned kernel has not got (docs/flash_cuda_cores_notes.md). So on peaked problems flash is
+# registers the tuned kernel has not got (wb_kernels/stages/flash/NOTES.md). So on peaked problems flash is
 # held to 2.5x, which still fails a kernel that is worse than PyTorch's own chain-summing paths.
 PEAKED_LOGIT_STD = 4.0
 FLASH_PEAKED_MULTIPLIER = 2.5

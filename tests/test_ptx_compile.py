@@ -51,7 +51,7 @@ def test_kernel_compiles(request_, compiled):
 
 
 def test_tiled_shared_memory_is_what_the_tiles_need(compiled):
-    from wb_kernels.stages.tiled import TILE_SIZES, shared_bytes_per_block
+    from wb_kernels.stages.tiled.kernel import TILE_SIZES, shared_bytes_per_block
 
     for tile in TILE_SIZES:
         for kernel, expected in shared_bytes_per_block(tile).items():

@@ -5,16 +5,24 @@ pieces of the build machinery that need no GPU. GPU tests (skipped on the simula
 kernel over shapes, dtypes, masks and launch variants against the reference with the same rule,
 check that the model and the kernel agree to within rounding, and check the build cache and the
 readable compile errors.
+
+The compile check at the end needs no GPU either: nvcc compiles the kernel for sm_80 and sm_90, which is
+how CI catches a broken ``flash_wmma.cu``. In CI (the environment variable CI is set) a missing nvcc or
+cuobjdump FAILS those tests, so the check cannot silently disappear; elsewhere (a laptop without the CUDA
+compiler) they are skipped with the reason.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
 
 import wb_kernels as wb
 from wb_kernels import cuda_build
-from wb_kernels.fragment_model import fragment_model, round_to, ulp
+from wb_kernels.stages.wmma.fragment_model import fragment_model, round_to, ulp
+from wb_kernels.stages.wmma.launcher import DEFAULT_VARIANT
 from wb_kernels.sync import module_regions
 
 torch = pytest.importorskip("torch")
@@ -141,7 +149,7 @@ def test_clear_errors_for_what_the_kernel_cannot_take(dtype, D, device, error, w
 
 def test_stage_is_registered():
     stage = wb.get_stage("wmma")
-    assert (stage.order, stage.lesson, stage.needs_gpu, stage.linear_memory) == (5, "05_flash_tensor_cores", True, True)
+    assert (stage.order, stage.lesson, stage.needs_gpu, stage.linear_memory) == (5, "05_wmma", True, True)
     assert stage.dtypes == ("float16", "bfloat16") and stage.head_dims == (64, 128)
 
 
@@ -174,7 +182,7 @@ def test_kernel_meets_the_tolerance_rule(dtype, D, causal, padded, shape):
 @pytest.mark.parametrize("variant", cuda_build.VARIANTS, ids=lambda v: f"warps{v[0]}-qregs{int(v[1])}-rows{16 * v[2]}")
 @pytest.mark.parametrize("D", [64, 128])
 def test_every_launch_variant(variant, D):
-    from wb_kernels.stages import flash_tensor_cores as stage
+    from wb_kernels.stages.wmma import launcher as stage
 
     for dtype in ("float16", "bfloat16"):
         q, k, v = wb.random_qkv(2, 2, 300, D, Lk=333, dtype=dtype, framework="torch", device="cuda", seed=5)
@@ -236,11 +244,11 @@ def test_build_is_cached_and_compile_errors_are_readable():
 
 
 # ---------------------------------------------------------------------------------------------
-# The lesson's figures and numbers (wb_kernels.widgets.tensor_cores)
+# The lesson's figures and numbers (wb_kernels.stages.wmma.slider)
 
 
 def test_rounding_errors_rank_the_choices():
-    from wb_kernels.widgets import tensor_cores as tc
+    from wb_kernels.stages.wmma import slider as tc
 
     errors = tc.rounding_errors(128)
     for dtype, by_choice in errors.items():
@@ -251,7 +259,7 @@ def test_rounding_errors_rank_the_choices():
 
 
 def test_shared_memory_layout_adds_up_and_fits():
-    from wb_kernels.widgets import tensor_cores as tc
+    from wb_kernels.stages.wmma import slider as tc
 
     for D in (64, 128):
         for variant in cuda_build.VARIANTS:
@@ -268,7 +276,7 @@ def test_shared_memory_layout_adds_up_and_fits():
 def test_figures_draw():
     from matplotlib.figure import Figure
 
-    from wb_kernels.widgets import tensor_cores as tc
+    from wb_kernels.stages.wmma import slider as tc
 
     fake = {"device": "a GPU", "rows": [
         {"dtype": "float16", "D": 128, "L": L, "causal": causal,
@@ -281,3 +289,67 @@ def test_figures_draw():
         for row in committed["rows"]:
             assert {"sdpa_flash", "sdpa_default"} <= set(row["tflops"])
             assert any(name.startswith("wmma") for name in row["tflops"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The compile check without a GPU (nvcc alone; CI runs it)
+
+IN_CI = bool(os.environ.get("CI"))
+ARCHES = ["sm_80", "sm_90"]
+
+
+def _tool_or_skip(find):
+    try:
+        return find()
+    except FileNotFoundError as missing:
+        if IN_CI:
+            pytest.fail(f"CI must compile the CUDA kernel, but: {missing}")
+        pytest.skip(f"not in CI and {missing}")
+
+
+@pytest.fixture(scope="module")
+def reports():
+    _tool_or_skip(cuda_build.find_nvcc)
+    return {arch: cuda_build.nvcc_compile_report(arch, source=cuda_build.package_source()) for arch in ARCHES}
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_every_variant_compiles(reports, arch):
+    report = reports[arch]
+    expected = {(dtype, D, *variant) for dtype in ("float16", "bfloat16") for D in (64, 128)
+                for variant in cuda_build.VARIANTS}
+    assert {(k.dtype, k.head_dim, k.num_warps, k.q_in_registers, k.row_frags) for k in report} == expected
+    for kernel in report:
+        assert 0 < kernel.registers <= 255, kernel
+        # an H100/A100 block may use at most 227 KB of dynamic shared memory
+        assert kernel.shared_bytes <= 227 * 1024, kernel
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_default_variants_do_not_spill(reports, arch):
+    for kernel in reports[arch]:
+        if (kernel.num_warps, kernel.q_in_registers, kernel.row_frags) == DEFAULT_VARIANT[kernel.head_dim]:
+            assert kernel.spill_stores == 0 and kernel.spill_loads == 0, kernel
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("dtype, mnemonic", [("float16", "HMMA.16816.F32"), ("bfloat16", "HMMA.16816.F32.BF16")])
+def test_machine_code_uses_tensor_cores(reports, arch, dtype, mnemonic):
+    _tool_or_skip(cuda_build.find_cuobjdump)
+    for D in (64, 128):
+        num_warps, q_in_registers, row_frags = DEFAULT_VARIANT[D]
+        hmma = cuda_build.sass(arch, dtype=dtype, head_dim=D, num_warps=num_warps, q_in_registers=q_in_registers,
+                               row_frags=row_frags, source=cuda_build.package_source())
+        # per 64-key tile and 16 rows a warp does D/16 x 4 WMMAs for S and 4 x D/16 for PV; each is
+        # 2 HMMA.16816 (the loops are unrolled, so each appears once in the machine code)
+        assert len(hmma) == row_frags * 2 * 2 * (D // 16) * 4, (D, len(hmma))
+        assert all(line.startswith(mnemonic) for line in hmma), hmma[:3]
+
+
+def test_a_broken_source_fails_with_the_compilers_message():
+    _tool_or_skip(cuda_build.find_nvcc)
+    broken = cuda_build.package_source().replace("tile_sum += p[t];", "tile_summ += p[t];")
+    with pytest.raises(cuda_build.CudaBuildError) as raised:
+        cuda_build.nvcc_compile_report("sm_90", source=broken)
+    message = str(raised.value)
+    assert 'identifier "tile_summ" is undefined' in message and len(message.splitlines()) < 20

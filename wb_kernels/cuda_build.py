@@ -1,6 +1,6 @@
-"""Building the tensor-core kernel (lesson 05; used by the "wmma" stage, its tests and scripts/tune_wmma.py).
+"""Building the tensor-core kernel (lesson 05; used by the "wmma" stage, its tests and its tune.py).
 
-The one CUDA source is ``wb_kernels/csrc/flash_wmma.cu``. Two ways to compile it:
+The one CUDA source is ``wb_kernels/stages/wmma/flash_wmma.cu``. Two ways to compile it:
 
 - :func:`build` (needs a CUDA GPU and a CUDA build of torch): ``torch.utils.cpp_extension.load_inline``
   turns it into a Python extension. The extension's name carries a hash of the source and the flags,
@@ -15,7 +15,7 @@ The one CUDA source is ``wb_kernels/csrc/flash_wmma.cu``. Two ways to compile it
   broken ``.cu`` fails CI on machines without a GPU.
 
 A lesson shows the source region by region (``// region: NAME``). :func:`enable_region_cells` lets a
-notebook cell that starts with ``# region: NAME (wb_kernels/csrc/flash_wmma.cu)`` hold C++: running the
+notebook cell that starts with ``# region: NAME (wb_kernels/stages/wmma/flash_wmma.cu)`` hold C++: running the
 cell records the learner's version of that region (:func:`set_region`), and the next :func:`build` or
 :func:`nvcc_compile_report` without an explicit source compiles the edited kernel.
 """
@@ -42,8 +42,8 @@ __all__ = [
     "shared_memory_bytes", "VARIANTS",
 ]
 
-SOURCE_PATH = PACKAGE_ROOT / "csrc" / "flash_wmma.cu"
-SOURCE_NAME = "wb_kernels/csrc/flash_wmma.cu"  # as lessons name it in their region cells
+SOURCE_PATH = PACKAGE_ROOT / "stages" / "wmma" / "flash_wmma.cu"
+SOURCE_NAME = "wb_kernels/stages/wmma/flash_wmma.cu"  # as lessons name it in their region cells
 _FUNCTIONS = ["flash_wmma_forward"]
 _CPP_DECLARATION = (
     "std::vector<torch::Tensor> flash_wmma_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, "
@@ -126,7 +126,7 @@ _REGION_CELL = re.compile(r"^# region: (\w+) \(" + re.escape(SOURCE_NAME) + r"\)
 
 
 def _region_cell_transform(lines: list) -> list:
-    """IPython input transformer: a cell headed ``# region: NAME (wb_kernels/csrc/flash_wmma.cu)``
+    """IPython input transformer: a cell headed ``# region: NAME (wb_kernels/stages/wmma/flash_wmma.cu)``
     holds C++; turn it into the Python call that records it."""
     if not lines or not _REGION_CELL.match(lines[0].rstrip("\n")):
         return lines

@@ -13,7 +13,7 @@ kernel by the name it was registered under: every stage module calls :func:`regi
 kernel it defines, so ``tests/test_ptx_compile.py`` compiles all of them, later stages' included.
 
     from wb_kernels.resources import kernel_resources
-    from wb_kernels.stages.naive import scores_kernel, SCORES_SIGNATURE
+    from wb_kernels.stages.naive.kernel import scores_kernel, SCORES_SIGNATURE
     kernel_resources(scores_kernel, SCORES_SIGNATURE, cc=(9, 0))
     # {'registers': 30, 'shared_bytes': 0, 'local_bytes': 0, 'spill_stores': 0, 'spill_loads': 0, ...}
 """

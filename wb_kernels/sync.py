@@ -7,7 +7,7 @@ A module marks a piece of code a lesson shows in full with
     # endregion
 
 (``// region: name`` and ``// endregion`` in CUDA sources). A lesson shows it in a code cell whose
-first line is ``# region: scores_kernel (wb_kernels/stages/naive.py)``, followed by exactly the
+first line is ``# region: scores_kernel (wb_kernels/stages/naive/kernel.py)``, followed by exactly the
 same text. The learner may edit and re-run that cell; ``tests/test_lesson_sync.py`` fails when a
 committed notebook and the package drift apart.
 """
@@ -74,7 +74,7 @@ def resync_notebook(notebook_path) -> list:
     """Rewrite every region cell of a lesson from the package (after a kernel changed there); keeps the
     cells' outputs. Returns the names of the regions whose text changed.
 
-        python -m wb_kernels.sync notebooks/02_naive_gpu.ipynb ...
+        python -m wb_kernels.sync notebooks/02_naive.ipynb ...
     """
     path = Path(notebook_path)
     notebook = json.loads(path.read_text())

@@ -1,8 +1,11 @@
-"""The ladder of attention kernels, one module per stage (lessons 01-05).
+"""The ladder of attention kernels, one folder per rung (lessons 01-05).
 
-Every module in this folder that defines ``STAGE`` (a :class:`Stage`) is a stage; ``wb_kernels.attention``
-finds them here, so adding a stage means adding one module and nothing else. A stage's ``forward``
-receives inputs that :mod:`wb_kernels.api` has already validated, and returns ``(out, lse)``.
+Every package in this folder whose ``__init__`` defines ``STAGE`` (a :class:`Stage`) is a rung;
+``wb_kernels.attention`` finds them here, so adding a rung means adding one folder and nothing else
+(CONTRIBUTING.md has the whole recipe). A rung's folder holds its kernel, launcher, teaching model,
+slider logic, tuning script and ``NOTES.md``; its lesson is ``notebooks/NN_<rung>.ipynb`` and its tests
+``tests/test_<rung>.py``. A stage's ``forward`` receives inputs that :mod:`wb_kernels.api` has already
+validated, and returns ``(out, lse)``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ __all__ = ["Stage", "available_stages", "get_stage"]
 @dataclass(frozen=True)
 class Stage:
     name: str  # what users pass as stage=...
-    lesson: str  # notebook that teaches it, e.g. "02_naive_gpu"
+    lesson: str  # notebook that teaches it, e.g. "02_naive"
     summary: str  # one line for listings and error messages
     forward: Callable  # (q, k, v, *, causal, key_padding_mask, scale) -> (out, lse)
     dtypes: tuple  # accepted input dtypes, e.g. ("float32",)

@@ -1,0 +1,20 @@
+"""Rung 01, ``reference``: the float64 NumPy reference as a stage, so the ladder starts where lesson 01 does.
+
+The reference itself (:mod:`wb_kernels.reference`) is shared: every check compares against it. This folder
+holds what is lesson 01's own: the stage registration (here), the slider and figure logic (``slider.py``)
+and the notes (``NOTES.md``). Lesson: ``notebooks/01_reference.ipynb``; tests: ``tests/test_reference.py``.
+"""
+
+from ...reference import reference
+from .. import Stage
+
+STAGE = Stage(
+    name="reference",
+    lesson="01_reference",
+    summary="float64 NumPy on the CPU, materializes S and P (O(L^2) memory)",
+    forward=reference,
+    dtypes=("float16", "bfloat16", "float32", "float64"),
+    # S and P in float64, plus the einsum's temporaries
+    workspace_bytes=lambda B, H, Lq, Lk, D: 3 * 8 * B * H * Lq * Lk,
+    order=1,
+)

@@ -1,0 +1,12 @@
+"""Rung 03, ``tiled``: the naive rung's three steps with shared-memory tiles (numba.cuda), O(L²) memory.
+
+- ``kernel.py``: the tiled kernels, their launcher ``tiled_forward`` and the stage registration (``STAGE``);
+- ``slider.py``: the logic behind the lesson's figures and tile-size slider;
+- ``NOTES.md``: versions, predictions and measurements.
+
+Lesson: ``notebooks/03_tiled.ipynb``; tests: ``tests/test_tiled.py``.
+"""
+
+from .kernel import STAGE
+
+__all__ = ["STAGE"]

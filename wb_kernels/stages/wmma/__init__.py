@@ -1,0 +1,16 @@
+"""Rung 05, ``wmma``: FlashAttention-2 on tensor cores, CUDA C++ with nvcuda::wmma, built with ``load_inline``.
+
+- ``flash_wmma.cu``: the kernel and its torch launcher (the lesson shows it region by region);
+- ``launcher.py``: the Python side (``forward``, the tuned launch variants) and the stage registration (``STAGE``);
+- ``fragment_model.py``: the kernel's numerics in NumPy, rounding where the kernel rounds;
+- ``slider.py``: the logic behind the lesson's figures and slider (rounding points, shared memory, tuning results);
+- ``tune.py``: launch variants built, checked and timed on a GPU (``python -m wb_kernels.stages.wmma.tune``);
+- ``NOTES.md``: versions, predictions and measurements.
+
+Building and the compile report without a GPU are shared: :mod:`wb_kernels.cuda_build`.
+Lesson: ``notebooks/05_wmma.ipynb``; tests: ``tests/test_wmma.py``.
+"""
+
+from .launcher import STAGE
+
+__all__ = ["STAGE"]

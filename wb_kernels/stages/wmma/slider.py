@@ -1,0 +1,169 @@
+"""Slider and figure logic for lesson 05 (FlashAttention on tensor cores, WMMA).
+
+Plain functions (inputs -> numbers or a matplotlib Figure) that pytest calls without a browser:
+
+- :func:`rounding_errors` / :func:`draw_rounding`: what each rounding point of the kernel costs, from
+  the NumPy fragment model, against the float64 reference, at a chosen L (the lesson's slider);
+- :func:`shared_memory_parts` / :func:`draw_shared_memory`: the kernel's shared-memory layout per
+  launch variant against an H100's budget, and how many blocks fit on one SM;
+- :func:`traffic_per_tile`: shared-memory bytes and tensor-core FLOPs per warp and key tile, the
+  arithmetic behind "what limits WMMA";
+- :func:`load_tune_results` / :func:`draw_performance`: the committed GPU measurements of
+  ``python -m wb_kernels.stages.wmma.tune`` (TFLOP/s against L, with SDPA's FLASH and default backends).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ...cuda_build import VARIANTS, shared_memory_bytes
+from .fragment_model import fragment_model, round_to
+from ...inputs import random_qkv
+from ...plots import STAGE_COLORS, new_figure
+from ...reference import reference
+
+__all__ = ["SLIDER_LENGTHS", "ROUNDING_CHOICES", "STORAGE", "rounding_errors", "draw_rounding", "shared_memory_parts",
+           "blocks_per_sm", "draw_shared_memory", "traffic_per_tile", "load_tune_results", "draw_performance",
+           "TUNE_RESULTS"]
+
+SLIDER_LENGTHS = (64, 128, 256, 512, 1024)
+# (label, fragment_model switches): the kernel's own choice first
+ROUNDING_CHOICES = (
+    ("kernel: P in 16 bits, O in fp32", {}),
+    ("P kept in fp32", {"round_p": False}),
+    ("O accumulated in 16 bits", {"accumulate": "same"}),
+)
+SMEM_PER_SM = 228 * 1024       # an H100 (and A100: 164 KB) SM's shared memory
+SMEM_RESERVED_PER_BLOCK = 1024  # the driver keeps 1 KB per resident block
+TUNE_RESULTS = Path(__file__).resolve().parents[3] / "results" / "wmma" / "tune_h200.json"
+
+
+STORAGE = "storing the exact O in 16 bits"
+
+
+def rounding_errors(L: int, *, D: int = 64, BH: int = 1, seed: int = 0) -> dict:
+    """{dtype: {choice label: max |O - reference|}} for Lq = Lk = L, from the fragment model.
+
+    O is taken in fp32, before the kernel's final rounding, so that each choice's own error shows;
+    the STORAGE entry is the error of merely rounding the exact O to the dtype, for scale.
+    """
+    q32, k32, v32 = random_qkv(1, BH, L, D, dtype="float32", seed=seed)
+    errors = {}
+    for dtype in ("float16", "bfloat16"):
+        # the inputs as the kernel receives them: already 16-bit numbers, so only its own roundings count
+        q, k, v = (round_to(x, dtype) for x in (q32, k32, v32))
+        ref, _ = reference(q, k, v)
+        errors[dtype] = {}
+        for label, switches in ROUNDING_CHOICES:
+            switches = {key: (dtype if value == "same" else value) for key, value in switches.items()}
+            out, _ = fragment_model(q, k, v, dtype=dtype, round_output=False, **switches)
+            errors[dtype][label] = float(np.abs(out - ref).max())
+        errors[dtype][STORAGE] = float(np.abs(round_to(ref, dtype) - ref).max())
+    return errors
+
+
+def draw_rounding(L: int, *, D: int = 64):
+    """Bars: max error of each rounding choice, fp16 and bf16, at length L (log scale)."""
+    errors = rounding_errors(L, D=D)
+    fig, ax = new_figure(width=6.4, height=3.8)
+    width = 0.2
+    labels = [label for label, _ in ROUNDING_CHOICES] + [STORAGE]
+    colors = (STAGE_COLORS["wmma"], STAGE_COLORS["flash"], STAGE_COLORS["naive"], STAGE_COLORS["reference"])
+    for i, label in enumerate(labels):
+        values = [errors[dtype][label] for dtype in ("float16", "bfloat16")]
+        ax.bar(np.arange(2) + (i - 1.5) * width, values, width, label=label, color=colors[i])
+    ax.set_xticks(range(2), ["float16", "bfloat16"])
+    ax.set_yscale("log")
+    ax.set(ylabel="max |O - reference|", title=f"Where the kernel rounds, and what it costs (L = {L}, D = {D})")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=8)
+    return fig
+
+
+def shared_memory_parts(head_dim: int, num_warps: int, q_in_registers: bool, row_frags: int = 1) -> dict:
+    """Bytes of each part of the kernel's shared memory (mirrors Layout in flash_wmma.cu)."""
+    block_n, pad = 64, 8
+    block_m = num_warps * row_frags * 16
+    parts = {
+        "K, V tiles x 2 stages": 2 * 2 * block_n * (head_dim + pad) * 2,
+        "S scratch (fp32)": block_m * (block_n + pad) * 4,
+        "P scratch (16-bit)": block_m * (block_n + pad) * 2,
+        "Q tile": 0 if q_in_registers else block_m * (head_dim + pad) * 2,
+        "key bias, row factors": 2 * block_n * 4 + block_m * 4,
+    }
+    assert sum(parts.values()) == shared_memory_bytes(head_dim, num_warps, q_in_registers, row_frags)
+    return parts
+
+
+def blocks_per_sm(shared_bytes: int, *, smem_per_sm: int = SMEM_PER_SM) -> int:
+    """Resident blocks per SM as far as shared memory allows (registers may allow fewer)."""
+    return smem_per_sm // (shared_bytes + SMEM_RESERVED_PER_BLOCK)
+
+
+def draw_shared_memory(head_dim: int):
+    """Stacked bars of shared memory per block for every launch variant at `head_dim`."""
+    fig, ax = new_figure(width=6.4, height=3.2)
+    labels = [f"{w}x{16 * f} rows\nQ in {'regs' if r else 'smem'}" for w, r, f in VARIANTS]
+    bottoms = np.zeros(len(VARIANTS))
+    part_names = list(shared_memory_parts(head_dim, *VARIANTS[0]))
+    for name in part_names:
+        values = np.array([shared_memory_parts(head_dim, *variant)[name] for variant in VARIANTS]) / 1024
+        ax.bar(labels, values, bottom=bottoms, label=name)
+        bottoms += values
+    for i, total in enumerate(bottoms):
+        ax.text(i, total + 3, f"{blocks_per_sm(int(total * 1024))} block(s)/SM", ha="center", fontsize=8)
+    ax.axhline(SMEM_PER_SM / 2048, color="gray", ls=":", lw=1)
+    ax.set(ylabel="KiB per block", title=f"Shared memory per block, D = {head_dim} (dotted: half an H100 SM)",
+           ylim=(0, SMEM_PER_SM / 1024))
+    ax.legend(fontsize=7, loc="upper left")
+    return fig
+
+
+def traffic_per_tile(head_dim: int, *, rows: int = 16, keys: int = 64) -> dict:
+    """Per warp and key tile: shared-memory bytes moved, and tensor-core FLOPs done.
+
+    A warp owns `rows` query rows; for each tile of `keys` keys it reads all of K and V from shared
+    memory (16-bit), and S goes out (fp32) and P comes back (16-bit) through its scratch.
+    """
+    k_and_v = 2 * keys * head_dim * 2
+    s_round_trip = 2 * rows * keys * 4
+    p_round_trip = 2 * rows * keys * 2
+    flops = 2 * 2 * rows * keys * head_dim  # S = Q K^T and O += P V
+    total = k_and_v + s_round_trip + p_round_trip
+    return {"K and V fragments": k_and_v, "S round trip (fp32)": s_round_trip,
+            "P round trip (16-bit)": p_round_trip, "total bytes": total, "tensor-core FLOPs": flops,
+            "FLOPs per shared byte": flops / total}
+
+
+def load_tune_results(path=None):
+    """The committed results of this rung's tune.py (a dict), or None when there are none."""
+    path = Path(path) if path is not None else TUNE_RESULTS
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def draw_performance(results: dict, *, dtype: str = "float16", head_dim: int = 128):
+    """TFLOP/s against L: the best WMMA variant, SDPA FLASH (FlashAttention-2) and SDPA default."""
+    fig, axes = new_figure(ncols=2, width=8.0, height=3.6)
+    for ax, causal in zip(axes, (False, True)):
+        rows = sorted((r for r in results["rows"] if r["dtype"] == dtype and r["D"] == head_dim
+                       and r["causal"] == causal), key=lambda r: r["L"])
+        if not rows:
+            continue
+        lengths = [r["L"] for r in rows]
+        best = [max((t for n, t in r["tflops"].items() if n.startswith("wmma")), default=np.nan) for r in rows]
+        ax.plot(lengths, [r["tflops"].get("sdpa_default", np.nan) for r in rows], "s--", color="gray",
+                label="SDPA default (cuDNN)")
+        ax.plot(lengths, [r["tflops"].get("sdpa_flash", np.nan) for r in rows], "o--", color=STAGE_COLORS["sdpa"],
+                label="SDPA FLASH (FA2)")
+        ax.plot(lengths, best, "o-", color=STAGE_COLORS["wmma"], label="WMMA (this lesson)")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="L (B·L = 16k tokens, H = 16)", ylabel="TFLOP/s", ylim=(0, None),
+               title=f"{dtype}, D = {head_dim}, {'causal' if causal else 'non-causal'}")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8)
+    fig.suptitle(f"measured on {results['device']}", fontsize=9)
+    return fig
