@@ -1,0 +1,128 @@
+"""Every lesson's exercises and puzzles: the shipped lessons leave them unanswered, every solution passes its check.
+
+Each rung with exercises has ``stages/<rung>/exercises.py`` (the checks) and ``solutions.py`` (the worked
+answers). The lesson's own run under nbval shows the unanswered state ("not yet", "not solved yet"); these tests
+hold the other side: each solution is graded correct, a wrong answer fails loudly, and the committed lessons do
+not ship an answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+import wb_kernels as wb
+from wb_kernels import cuda_build
+from wb_kernels.exercises import Exercise, check_answers, grade
+
+ROOT = Path(__file__).resolve().parent.parent
+# (lesson, module holding exercises.py and solutions.py)
+LESSONS = [
+    ("01_reference", "wb_kernels.stages.reference"),
+    ("02_naive", "wb_kernels.stages.naive"),
+    ("03_tiled", "wb_kernels.stages.tiled"),
+    ("04_flash", "wb_kernels.stages.flash"),
+    ("05_wmma", "wb_kernels.stages.wmma"),
+]
+
+
+def _modules(package):
+    return importlib.import_module(f"{package}.exercises"), importlib.import_module(f"{package}.solutions")
+
+
+def _needs_nvcc(package):
+    """Lesson 05's first exercise is graded from the compiled kernel: nvcc and cuobjdump are needed (in CI they
+    must be there; elsewhere the test is skipped with the reason)."""
+    if package.endswith(".wmma"):
+        for find in (cuda_build.find_nvcc, cuda_build.find_cuobjdump):
+            try:
+                find()
+            except FileNotFoundError as missing:
+                if os.environ.get("CI"):
+                    pytest.fail(f"CI must grade lesson 05's exercises, but: {missing}")
+                pytest.skip(f"not in CI and {missing}")
+
+
+def test_every_rung_with_a_lesson_has_exercises():
+    rungs = {stage.lesson for stage in wb.available_stages().values()}
+    assert rungs == {lesson for lesson, _ in LESSONS}
+
+
+@pytest.mark.parametrize("lesson, package", LESSONS, ids=[lesson for lesson, _ in LESSONS])
+def test_solutions_pass_their_checks(lesson, package, capsys):
+    _needs_nvcc(package)
+    exercises, solutions = _modules(package)
+    answers = [getattr(solutions, f"answer_{n + 1}") for n in range(len(exercises.EXERCISES))]
+    exercises.check(*answers)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"{e.name}: correct ✓" for e in exercises.EXERCISES]
+
+
+@pytest.mark.parametrize("lesson, package", LESSONS, ids=[lesson for lesson, _ in LESSONS])
+def test_unanswered_says_not_yet_and_a_wrong_answer_fails(lesson, package, capsys):
+    exercises, _ = _modules(package)
+    count = len(exercises.EXERCISES)
+    exercises.check(*[...] * count)  # the lesson as shipped: no error, one "not yet" per exercise
+    assert all(": not yet." in line for line in capsys.readouterr().out.splitlines())
+    with pytest.raises(AssertionError, match="exercise 1"):
+        exercises.check(*[-12345.0] + [...] * (count - 1))
+
+
+@pytest.mark.parametrize("lesson, package", LESSONS, ids=[lesson for lesson, _ in LESSONS])
+def test_lesson_ships_its_exercises_unanswered(lesson, package):
+    cells = ["".join(c["source"]) for c in json.loads((ROOT / "notebooks" / f"{lesson}.ipynb").read_text())["cells"]
+             if c["cell_type"] == "code"]
+    answer_cells = [c for c in cells if c.startswith("answer_1 = ")]
+    assert len(answer_cells) == 1, lesson
+    assignments = re.findall(r"^(answer_\d+) = (.*?)(?:\s*#.*)?$", answer_cells[0], re.MULTILINE)
+    exercises, _ = _modules(package)
+    assert [name for name, _ in assignments] == [f"answer_{n + 1}" for n in range(len(exercises.EXERCISES))]
+    assert all(value == "..." for _, value in assignments), assignments
+    check_cell = f"from {package} import exercises\n\nexercises.check("
+    assert any(c.startswith(check_cell) for c in cells), f"{lesson} does not grade its answers with {package}.exercises"
+
+
+def test_grading_rules():
+    exercise = Exercise("exercise 9", lambda: 2.0, "hint", rel=1e-3)
+    assert grade(exercise, ...) == grade(exercise, None) == "not yet"
+    assert grade(exercise, 2.001) == "correct" and grade(exercise, 2.01) == "wrong"
+    assert grade(exercise, True) == "wrong"  # a bool is not a number here
+    assert grade(Exercise("e", lambda: "async"), "async") == "correct"
+    with pytest.raises(TypeError, match="3 answers expected"):
+        check_answers([exercise] * 3, 1, 2)
+
+
+# --- the coding puzzles: each solution solves its puzzle -----------------------------------------------
+
+def test_naive_softmax_puzzle_solution(capsys):
+    from wb_kernels.stages.naive import exercises, solutions
+
+    assert exercises.check_softmax_puzzle(solutions.row_softmax_kernel)
+    assert "solved ✓" in capsys.readouterr().out
+
+
+def test_tiled_bug_hunt_solution():
+    from wb_kernels.stages.tiled import exercises, solutions
+
+    assert exercises.check_scores_puzzle(solutions.make_scores_kernel)
+
+
+def test_flash_online_softmax_puzzle_solution_and_a_nan_trap():
+    import numpy as np
+
+    from wb_kernels.stages.flash import exercises, solutions
+
+    assert exercises.check_online_softmax_puzzle(solutions.online_softmax_step)
+
+    def without_the_guard(m, l, acc, scores, values):  # right for every row that has seen a key
+        new_m = np.maximum(m, scores.max(axis=1))
+        alpha, p = np.exp(m - new_m), np.exp(scores - new_m[:, None])
+        return new_m, l * alpha + p.sum(axis=1), acc * alpha[:, None] + p @ values
+
+    with np.errstate(invalid="ignore"):
+        assert not exercises.check_online_softmax_puzzle(without_the_guard)
