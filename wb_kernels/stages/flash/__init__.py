@@ -1,6 +1,7 @@
 """Rung 04, ``flash``: FlashAttention-2's loop order and online softmax on CUDA cores (numba.cuda), O(L) memory.
 
 - ``online_softmax.py``: the NumPy derivation the lesson starts from (two-pass, online, blockwise);
+- ``one_row_per_thread.py``: the first kernel, one query row per thread (the lesson's step before register blocking);
 - ``kernel.py``: the kernel factory, its launcher ``flash_forward`` and the stage registration (``STAGE``);
 - ``slider.py``: the logic behind the lesson's figures and sliders (memory, tile schedule, one tile step);
 - ``tune.py``: tile shapes built, checked and timed on a GPU (``python -m wb_kernels.stages.flash.tune``);
@@ -10,6 +11,7 @@
 Lesson: ``notebooks/04_flash.ipynb``; tests: ``tests/test_flash.py``.
 """
 
+from . import one_row_per_thread  # noqa: F401  (registers its kernels, so CI compiles them)
 from .kernel import STAGE
 
 __all__ = ["STAGE"]

@@ -15,7 +15,7 @@ from .online_softmax import online_softmax_step
 from ...plots import STAGE_COLORS, new_figure
 from .. import get_stage
 
-__all__ = ["memory_bytes", "draw_memory", "tile_schedule", "causal_work", "step_count", "draw_tile_step",
+__all__ = ["owners", "draw_register_blocking", "memory_bytes", "draw_memory", "tile_schedule", "causal_work", "step_count", "draw_tile_step",
            "SLIDER_LENGTHS", "GPU_MEMORY_BYTES"]
 
 SLIDER_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -148,3 +148,35 @@ def _history_for_rows(q, k, v, rows, block_n, causal):
         m, l, acc = online_softmax_step(m, l, acc, scores, np.asarray(v[start:stop], dtype=np.float64))
         history.append({"start": start, "stop": stop, "m": m.copy(), "l": l.copy()})
     return history
+
+
+def owners(block_m: int, width: int, rows_per_thread: int, threads_per_row: int) -> np.ndarray:
+    """(block_m, width) array: which thread of the block owns each element of an S tile (width = block_n) or of
+    an O tile (width = D), as ``kernel.py`` assigns them. Thread t is in row group g = t // TPR at position
+    c = t % TPR; it owns rows g, g + row_groups, ... (TM of them) and columns c, c + TPR, ..."""
+    row_groups = block_m // rows_per_thread
+    owner = np.empty((block_m, width), dtype=int)
+    for row in range(block_m):
+        for col in range(width):
+            owner[row, col] = (row % row_groups) * threads_per_row + col % threads_per_row
+    return owner
+
+
+def draw_register_blocking(config, D: int, highlight: int = 0):
+    """Two tiles, coloured by the thread that owns each element: S (block_m x block_n) and O (block_m x D).
+    The highlighted thread's elements are outlined: its registers hold all of them, and every number it
+    loads from shared memory (a row of Q or P, a column of K or V) is used for several of them."""
+    from matplotlib.patches import Rectangle
+
+    c = config
+    fig, axes = new_figure(ncols=2, width=9, height=3.6)
+    for ax, width, title in ((axes[0], c.block_n, "S = Q K^T tile"), (axes[1], D, "O tile")):
+        owner = owners(c.block_m, width, c.rows_per_thread, c.threads_per_row)
+        ax.imshow(owner, cmap="tab20", interpolation="nearest", aspect="equal")
+        for row, col in zip(*np.nonzero(owner == highlight)):
+            ax.add_patch(Rectangle((col - 0.5, row - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=1.2))
+        ax.set(title=f"{title}: {c.block_m} x {width}", xlabel="key" if width == c.block_n else "head dim",
+               ylabel="query row", xticks=[], yticks=[])
+    fig.suptitle(f"{c.threads} threads, {c.rows_per_thread} rows x {c.threads_per_row} threads per row group; "
+                 f"thread {highlight} outlined", fontsize=9)
+    return fig

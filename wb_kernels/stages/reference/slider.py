@@ -11,6 +11,7 @@ from ...inputs import random_qkv
 from ...plots import STAGE_COLORS, new_figure
 from ...reference import reference
 from ...timing import time_call
+from ...widgets import progress as show_progress
 
 __all__ = ["materialized_bytes", "cpu_times", "memory_time_figure", "SLIDER_LENGTHS"]
 
@@ -27,14 +28,13 @@ def materialized_bytes(L, B: int = 1, H: int = 16, itemsize: int = 4):
 def cpu_times(lengths, B: int = 1, H: int = 4, D: int = 64, repeats: int = 3, progress: bool = True) -> dict:
     """Median milliseconds of the NumPy float64 reference and of torch's SDPA (float32, CPU) per L.
 
-    `progress`: a tqdm bar over the lengths (the lesson's timing cell); the slider passes False."""
+    `progress`: a progress bar over the lengths (the lesson's timing cell); the slider passes False."""
     import torch
     import torch.nn.functional as F
 
-    from tqdm.auto import tqdm
-
     numpy_ms, torch_ms = [], []
-    for L in tqdm(lengths, desc="timing NumPy and torch", leave=False, disable=not progress or len(lengths) < 3):
+    for L in show_progress(lengths, description="timing NumPy and torch", unit="lengths",
+                           disable=not progress or len(lengths) < 3):
         q, k, v = random_qkv(B, H, L, D, seed=L)
         numpy_ms.append(time_call(reference, q, k, v, warmup=1, repeats=repeats, device="cpu").median_ms)
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
