@@ -25,7 +25,8 @@ import re
 import shutil
 from pathlib import Path
 
-__all__ = ["PIP_PACKAGES", "NvccNotFound", "wheel_bin_dirs", "find_nvcc", "find_cuobjdump"]
+__all__ = ["PIP_PACKAGES", "NvccNotFound", "TOOLKIT_BIN", "wheel_bin_dirs", "wheel_tool", "toolkit_tool", "find_nvcc",
+           "find_cuobjdump"]
 
 # What `pip install` needs to compile lesson 05's kernel (the lab extra of pyproject.toml).
 PIP_PACKAGES = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-cuda-cccl")
@@ -33,7 +34,7 @@ _INSTALL_HINT = f"`pip install {' '.join(PIP_PACKAGES)}` (or `make lab`, which i
 
 
 class NvccNotFound(FileNotFoundError):
-    """No nvcc: neither the PyPI wheels nor a CUDA toolkit (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)."""
+    """No nvcc: neither the PyPI wheels nor a CUDA toolkit (see :func:`toolkit_tool` for where one is looked for)."""
 
 
 def wheel_bin_dirs() -> list:
@@ -51,7 +52,8 @@ def wheel_bin_dirs() -> list:
     return [folder for _, _, folder in sorted(found)]
 
 
-def _wheel_tool(name: str) -> str | None:
+def wheel_tool(name: str) -> str | None:
+    """`name` (nvcc, cuobjdump, ...) from NVIDIA's wheels in this Python environment, or None."""
     for folder in wheel_bin_dirs():
         tool = folder / name
         if tool.is_file() and os.access(tool, os.X_OK):
@@ -59,27 +61,31 @@ def _wheel_tool(name: str) -> str | None:
     return None
 
 
-def _system_tool(name: str) -> str | None:
-    """`name` from a CUDA toolkit: PATH, then $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin."""
+TOOLKIT_BIN = Path("/usr/local/cuda/bin")  # where a CUDA toolkit installs by default
+
+
+def toolkit_tool(name: str) -> str | None:
+    """`name` from a CUDA toolkit, not from the wheels: PATH, $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin."""
     candidates = [shutil.which(name)]
     for variable in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(variable):
             candidates.append(str(Path(os.environ[variable]) / "bin" / name))
-    candidates.append(f"/usr/local/cuda/bin/{name}")
+    candidates.append(str(TOOLKIT_BIN / name))
+    wheels = {folder.resolve() for folder in wheel_bin_dirs()}
     for candidate in candidates:
-        if candidate and Path(candidate).is_file():
+        if candidate and Path(candidate).is_file() and Path(candidate).resolve().parent not in wheels:
             return candidate
     return None
 
 
 def find_nvcc() -> str:
     """The nvcc of the ``nvidia-cuda-nvcc`` wheel, else a CUDA toolkit's; raises :class:`NvccNotFound`."""
-    found = _wheel_tool("nvcc") or _system_tool("nvcc")
+    found = wheel_tool("nvcc") or toolkit_tool("nvcc")
     if found:
         return found
     raise NvccNotFound("nvcc (the CUDA compiler) was found neither in this Python environment nor in a CUDA "
-                       "toolkit (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin); to compile the tensor-core kernel "
-                       f"without a GPU: {_INSTALL_HINT}")
+                       "toolkit (PATH, $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin); to compile the "
+                       f"tensor-core kernel without a GPU: {_INSTALL_HINT}")
 
 
 def find_cuobjdump() -> str:
@@ -87,7 +93,7 @@ def find_cuobjdump() -> str:
 
     ``cuobjdump -sass`` runs ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel), which it looks for on PATH:
     put this file's folder first on PATH when running it."""
-    found = _wheel_tool("cuobjdump") or _system_tool("cuobjdump")
+    found = wheel_tool("cuobjdump") or toolkit_tool("cuobjdump")
     if found:
         return found
     raise FileNotFoundError("cuobjdump was not found: `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` "
