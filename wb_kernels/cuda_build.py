@@ -26,13 +26,13 @@ import fcntl
 import hashlib
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cuda_toolchain import NvccNotFound, find_cuobjdump, find_nvcc  # noqa: F401 (where nvcc comes from)
 from .sync import PACKAGE_ROOT, module_regions
 
 __all__ = [
@@ -57,10 +57,6 @@ VARIANTS = ((4, True, 1), (8, True, 1), (4, False, 1), (8, False, 1), (4, True, 
 
 class CudaBuildError(RuntimeError):
     """The CUDA source did not compile; the message holds the compiler's error lines."""
-
-
-class NvccNotFound(FileNotFoundError):
-    """No nvcc on this machine (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,34 +276,6 @@ def build(source: str | None = None, *, flags: list | None = None, verbose: bool
 
 # ---------------------------------------------------------------------------------------------
 # Without a GPU: nvcc alone
-
-
-def find_nvcc() -> str:
-    candidates = [shutil.which("nvcc")]
-    if os.environ.get("CUDA_HOME"):
-        candidates.append(str(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"))
-    candidates.append("/usr/local/cuda/bin/nvcc")
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file():
-            return candidate
-    raise NvccNotFound("nvcc (the CUDA compiler) was not found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin; "
-                       "install the CUDA toolkit to compile the tensor-core kernel")
-
-
-def find_cuobjdump() -> str:
-    """cuobjdump from the nvidia-cuda-cuobjdump wheel (nvidia/cu13/bin), else from the CUDA toolkit."""
-    try:
-        import nvidia
-
-        for base in nvidia.__path__:
-            for found in sorted(Path(base).glob("cu*/bin/cuobjdump")):
-                return str(found)
-    except ImportError:
-        pass
-    on_path = shutil.which("cuobjdump") or (str(Path(find_nvcc()).parent / "cuobjdump"))
-    if on_path and Path(on_path).is_file():
-        return on_path
-    raise FileNotFoundError("cuobjdump was not found: `pip install nvidia-cuda-cuobjdump` provides it")
 
 
 def _check_arch(arch) -> str:
