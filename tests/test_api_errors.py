@@ -13,6 +13,7 @@ import torch
 
 import wb_kernels as wb
 from wb_kernels import api
+from wb_kernels.device import is_torch
 
 from stage_cases import ON_GPU, STAGES, head_dim, make_inputs, run_dtype, stage_params
 
@@ -32,6 +33,21 @@ def small_inputs(name, B=1, H=2, Lq=5, Lk=6, framework="numpy"):
 
 
 ALL_STAGES = list(STAGES)
+
+
+def on_cuda(x):
+    """`x` on the GPU; on the simulator, where a CPU-only torch cannot make CUDA tensors, a stand-in that says
+    it is on cuda:0 (validation reads no more than its rank, shape, dtype and device)."""
+    if ON_GPU:
+        return (torch.from_numpy(x) if isinstance(x, np.ndarray) else x).to("cuda")
+    return type("Tensor", (), {"__module__": "torch", "ndim": x.ndim, "shape": tuple(x.shape),
+                               "dtype": x.dtype if is_torch(x) else getattr(torch, str(x.dtype)), "device": "cuda:0"})()
+
+
+def where_it_runs(stage, *arrays):
+    """The arrays as the stage takes them: CUDA tensors for a GPU-only stage (which refuses CPU inputs before
+    it looks at their dtype or head dim), as they are for the others."""
+    return tuple(on_cuda(x) for x in arrays) if stage.needs_gpu else arrays
 
 
 # --- shapes: the same rules for every stage ------------------------------------------------------------
@@ -104,6 +120,7 @@ def test_dtype_the_stage_does_not_take(name):
     refused = next(d for d in ("float64", "float16", "int32") if d not in stage.dtypes)
     q, k, v = small_inputs(name, framework="numpy" if run_dtype(stage) != "bfloat16" else "torch")
     q, k, v = (x.astype(refused) if isinstance(x, np.ndarray) else x.to(getattr(torch, refused)) for x in (q, k, v))
+    q, k, v = where_it_runs(stage, q, k, v)
     with expect(TypeError, r"q, k, v", f"stage '{name}'", f"dtype {refused}", "accepts " + re.escape(", ".join(stage.dtypes))):
         wb.attention(q, k, v, stage=name)
 
@@ -113,6 +130,7 @@ def test_head_dim_the_stage_does_not_support(name):
     stage = STAGES[name]
     D = next(d for d in range(8, 1000, 4) if d not in stage.head_dims)
     q, k, v = wb.random_qkv(1, 1, 4, D, dtype=run_dtype(stage), framework="torch" if run_dtype(stage) == "bfloat16" else "numpy")
+    q, k, v = where_it_runs(stage, q, k, v)
     with expect(ValueError, f"stage '{name}'", f"head dim D={D}", re.escape(str(list(stage.head_dims)))):
         wb.attention(q, k, v, stage=name)
 
@@ -128,11 +146,6 @@ def test_cpu_inputs_for_a_gpu_only_stage(name):
 def test_gpu_inputs_on_the_simulator_are_refused():
     """A CPU-only torch cannot make CUDA tensors; stand-ins that say they are on cuda:0 stand for them."""
     q, k, v = small_inputs("naive", framework="torch")
-
-    def on_cuda(x):
-        return type("Tensor", (), {"__module__": "torch", "ndim": x.ndim, "shape": x.shape, "dtype": x.dtype,
-                                   "device": "cuda:0"})()
-
     with expect(ValueError, "inputs are on cuda:0", "CUDA simulator", "pass CPU data"):
         wb.attention(on_cuda(q), on_cuda(k), on_cuda(v), stage="naive")
     with expect(ValueError, "different devices", re.escape("['cpu', 'cuda:0']"), "one device"):
@@ -268,3 +281,19 @@ def test_error_comes_before_any_launch(name, monkeypatch):
     with pytest.raises(ValueError):
         wb.attention(q, k, v[:, :, :2], stage=name)
     assert launched == []
+
+
+# --- a GPU-only stage says so first ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("wrong", ["dtype", "head dim", "both"])
+@pytest.mark.parametrize("name", [n for n, s in STAGES.items() if s.needs_gpu])
+def test_a_gpu_only_stage_says_it_needs_a_gpu_before_dtype_or_head_dim(name, wrong, framework):
+    """CPU inputs a GPU-only stage would also refuse for their dtype or head dim: the GPU is what to fix
+    first (with the right dtype and D, the learner would still be refused)."""
+    stage = STAGES[name]
+    dtype = next(d for d in ("float32", "float64") if d not in stage.dtypes) if wrong != "head dim" else run_dtype(stage)
+    D = next(d for d in range(8, 1000, 4) if d not in stage.head_dims) if wrong != "dtype" else head_dim(stage)
+    q, k, v = wb.random_qkv(1, 1, 4, D, dtype=dtype, framework=framework if dtype != "bfloat16" else "torch")
+    with expect(ValueError, f"stage '{name}'", "only on a CUDA GPU", "got inputs on cpu"):
+        wb.attention(q, k, v, stage=name)
