@@ -297,3 +297,65 @@ def test_a_gpu_only_stage_says_it_needs_a_gpu_before_dtype_or_head_dim(name, wro
     q, k, v = wb.random_qkv(1, 1, 4, D, dtype=dtype, framework=framework if dtype != "bfloat16" else "torch")
     with expect(ValueError, f"stage '{name}'", "only on a CUDA GPU", "got inputs on cpu"):
         wb.attention(q, k, v, stage=name)
+
+
+# --- wb.reference and wb.check: the same rules and messages as wb.attention --------------------------------
+
+def _bad_case(change, error, *patterns):
+    """One bad input: `change` turns valid (q, k, v, kwargs) into bad ones; wb.attention raises `error`."""
+    return change, error, patterns
+
+
+def _other_kind(x):
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x.numpy()
+
+
+BAD_INPUTS = {
+    "q of rank 3": _bad_case(lambda q, k, v, kw: ((q[0], k, v), kw), ValueError, r"^q:", "rank 4", "rank 3"),
+    "k of rank 5": _bad_case(lambda q, k, v, kw: ((q, k[None], v), kw), ValueError, r"^k:", "rank 5"),
+    "q a list": _bad_case(lambda q, k, v, kw: ((q.tolist(), k, v), kw), TypeError, r"^q:", "NumPy array or torch tensor",
+                          "got list"),
+    "v None": _bad_case(lambda q, k, v, kw: ((q, k, None), kw), TypeError, r"^v:", "got NoneType"),
+    "numpy and torch": _bad_case(lambda q, k, v, kw: ((q, _other_kind(k), v), kw), TypeError,
+                                 "all NumPy arrays or all torch tensors"),
+    "dtypes differ": _bad_case(lambda q, k, v, kw: ((q, k.astype(np.float64), v), kw), TypeError, "different dtypes"),
+    "batch differs": _bad_case(lambda q, k, v, kw: ((q, k[:1], v), kw), ValueError, "batch/heads", "must match"),
+    "head dim differs": _bad_case(lambda q, k, v, kw: ((q, k, v[..., :8]), kw), ValueError, "head dim differs"),
+    "v shorter than k": _bad_case(lambda q, k, v, kw: ((q, k, v[:, :, :5]), kw), ValueError, "v has Lk=5 keys",
+                                  "k has Lk=6"),
+    "no queries": _bad_case(lambda q, k, v, kw: ((q[:, :, :0], k, v), kw), ValueError, "empty input", ">= 1"),
+    "1-D mask": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "key_padding_mask": np.ones(6, bool)}), ValueError,
+                          r"^key_padding_mask:", re.escape("expected shape (B, Lk)=(2, 6)"), re.escape("got (6,)")),
+    "mask a list": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "key_padding_mask": [[True] * 6] * 2}), TypeError,
+                             r"^key_padding_mask:", "got list"),
+    "float mask": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "key_padding_mask": np.ones((2, 6), np.float32)}),
+                            TypeError, r"^key_padding_mask:", "dtype bool", "got float32"),
+    "causal a string": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "causal": "False"}), TypeError, r"^causal:",
+                                 "True or False"),
+    "scale a string": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "scale": "0.5"}), TypeError, r"^scale:"),
+    "scale NaN": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "scale": float("nan")}), ValueError, r"^scale:",
+                           "finite number"),
+}
+
+
+def _call(entry, args, kwargs):
+    """wb.reference, or wb.check of a well-formed output (with and without a precomputed reference)."""
+    good_q, good_k, good_v = small_inputs("reference", B=2, Lk=6)
+    good_out, good_lse = wb.reference(good_q, good_k, good_v)
+    if entry == "reference":
+        return wb.reference(*args, **kwargs)
+    ref = (good_out, good_lse) if entry == "check with ref" else None
+    return wb.check("bad input", good_out.astype(np.float32), *args, ref=ref, verbose=False, **kwargs)
+
+
+@pytest.mark.parametrize("entry", ["reference", "check", "check with ref"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_reference_and_check_refuse_bad_input_as_attention_does(entry, case):
+    change, error, patterns = BAD_INPUTS[case]
+    q, k, v = small_inputs("reference", B=2, Lk=6)
+    args, kwargs = change(q, k, v, {})
+    with expect(error, *patterns) as refused:
+        wb.attention(*args, **kwargs)
+    with pytest.raises(error, match=f"^{re.escape(str(refused.value))}$"):
+        _call(entry, args, kwargs)
+

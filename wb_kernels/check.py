@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .api import validate_inputs
 from .reference import attention_mask, reference
 
 __all__ = ["CheckFailed", "CheckResult", "check", "torch_error", "storage_floor", "dot_product_floor",
@@ -233,7 +234,10 @@ def check(name: str, out, q, k, v, *, lse=None, causal: bool = False, key_paddin
 
     `ref` may hold a precomputed ``(out, lse)`` from :func:`reference` for these inputs.
     PyTorch's error is measured in `out`'s dtype, on `out`'s device (CPU for NumPy arrays).
+
+    Bad q, k, v or options raise the errors :func:`wb_kernels.attention` raises.
     """
+    validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     out_ref, lse_ref = ref if ref is not None else reference(
         q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     dtype = _dtype_name(out)
