@@ -359,3 +359,19 @@ def test_reference_and_check_refuse_bad_input_as_attention_does(entry, case):
     with pytest.raises(error, match=f"^{re.escape(str(refused.value))}$"):
         _call(entry, args, kwargs)
 
+
+# --- random inputs ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["fp32", "float", "half", "int32"])
+def test_random_qkv_names_the_dtypes_it_accepts(dtype, framework):
+    with expect(ValueError, r"^dtype:", "float16, bfloat16, float32, float64", f"got '{dtype}'"):
+        wb.random_qkv(dtype=dtype, framework=framework)
+
+
+@pytest.mark.parametrize("make", [lambda fw: wb.random_qkv(framework=fw), lambda fw: wb.random_padding_mask(2, 6, framework=fw)],
+                         ids=["random_qkv", "random_padding_mask"])
+@pytest.mark.parametrize("framework", ["jax", "Torch", None])
+def test_random_inputs_name_the_frameworks_they_accept(make, framework):
+    with expect(ValueError, r"^framework:", "'numpy' or 'torch'", f"got {framework!r}"):
+        make(framework)
