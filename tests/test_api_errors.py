@@ -360,6 +360,40 @@ def test_reference_and_check_refuse_bad_input_as_attention_does(entry, case):
         _call(entry, args, kwargs)
 
 
+# --- wb.check's output and LSE ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argument, value", [("out", None), ("out", "list"), ("lse", "list")])  # lse=None: no LSE
+def test_check_refuses_an_output_that_is_not_an_array(argument, value):
+    q, k, v = small_inputs("reference")
+    out, lse = wb.reference(q, k, v)
+    given = {"out": out, "lse": lse}
+    given[argument] = given[argument].tolist() if value == "list" else None
+    with expect(TypeError, f"^{argument}:", "NumPy array or torch tensor", f"got {type(given[argument]).__name__}"):
+        wb.check("bad output", given["out"], q, k, v, lse=given["lse"], verbose=False)
+
+
+@pytest.mark.parametrize("argument", ["out", "lse"])
+@pytest.mark.parametrize("dtype", ["int32", "bool", "uint8"])
+def test_check_refuses_an_output_of_a_dtype_it_cannot_measure(argument, dtype):
+    q, k, v = small_inputs("reference")
+    out, lse = wb.reference(q, k, v)
+    given = {"out": out.astype(np.float32), "lse": lse.astype(np.float32)}
+    given[argument] = torch.from_numpy(given[argument]).to(getattr(torch, dtype))
+    with expect(TypeError, f"^{argument}:", f"got {dtype}", re.escape("float16, bfloat16, float32, float64")):
+        wb.check("bad output", given["out"], q, k, v, lse=given["lse"], verbose=False)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 5, 1), (1, 2, 3), (5,), (1, 2, 5, 5)])
+def test_check_fails_an_lse_of_the_wrong_shape(shape):
+    """As for the output (test_check.py): a wrong shape is a failed check, said in words, not a NumPy
+    broadcast error (or, worse, a broadcast that happens to work)."""
+    q, k, v = small_inputs("reference")
+    out, lse = wb.reference(q, k, v)
+    wrong = np.zeros(shape, np.float32)
+    with expect(wb.CheckFailed, "^bad lse:", "lse shape", re.escape(str(shape)), re.escape("(1, 2, 5)")):
+        wb.check("bad lse", out.astype(np.float32), q, k, v, lse=wrong, verbose=False)
+
+
 # --- random inputs ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("framework", ["numpy", "torch"])
