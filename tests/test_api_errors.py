@@ -13,6 +13,7 @@ import torch
 
 import wb_kernels as wb
 from wb_kernels import api
+from wb_kernels.device import is_torch
 
 from stage_cases import ON_GPU, STAGES, head_dim, make_inputs, run_dtype, stage_params
 
@@ -32,6 +33,21 @@ def small_inputs(name, B=1, H=2, Lq=5, Lk=6, framework="numpy"):
 
 
 ALL_STAGES = list(STAGES)
+
+
+def on_cuda(x):
+    """`x` on the GPU; on the simulator, where a CPU-only torch cannot make CUDA tensors, a stand-in that says
+    it is on cuda:0 (validation reads no more than its rank, shape, dtype and device)."""
+    if ON_GPU:
+        return (torch.from_numpy(x) if isinstance(x, np.ndarray) else x).to("cuda")
+    return type("Tensor", (), {"__module__": "torch", "ndim": x.ndim, "shape": tuple(x.shape),
+                               "dtype": x.dtype if is_torch(x) else getattr(torch, str(x.dtype)), "device": "cuda:0"})()
+
+
+def where_it_runs(stage, *arrays):
+    """The arrays as the stage takes them: CUDA tensors for a GPU-only stage (which refuses CPU inputs before
+    it looks at their dtype or head dim), as they are for the others."""
+    return tuple(on_cuda(x) for x in arrays) if stage.needs_gpu else arrays
 
 
 # --- shapes: the same rules for every stage ------------------------------------------------------------
@@ -104,6 +120,7 @@ def test_dtype_the_stage_does_not_take(name):
     refused = next(d for d in ("float64", "float16", "int32") if d not in stage.dtypes)
     q, k, v = small_inputs(name, framework="numpy" if run_dtype(stage) != "bfloat16" else "torch")
     q, k, v = (x.astype(refused) if isinstance(x, np.ndarray) else x.to(getattr(torch, refused)) for x in (q, k, v))
+    q, k, v = where_it_runs(stage, q, k, v)
     with expect(TypeError, r"q, k, v", f"stage '{name}'", f"dtype {refused}", "accepts " + re.escape(", ".join(stage.dtypes))):
         wb.attention(q, k, v, stage=name)
 
@@ -113,6 +130,7 @@ def test_head_dim_the_stage_does_not_support(name):
     stage = STAGES[name]
     D = next(d for d in range(8, 1000, 4) if d not in stage.head_dims)
     q, k, v = wb.random_qkv(1, 1, 4, D, dtype=run_dtype(stage), framework="torch" if run_dtype(stage) == "bfloat16" else "numpy")
+    q, k, v = where_it_runs(stage, q, k, v)
     with expect(ValueError, f"stage '{name}'", f"head dim D={D}", re.escape(str(list(stage.head_dims)))):
         wb.attention(q, k, v, stage=name)
 
@@ -128,11 +146,6 @@ def test_cpu_inputs_for_a_gpu_only_stage(name):
 def test_gpu_inputs_on_the_simulator_are_refused():
     """A CPU-only torch cannot make CUDA tensors; stand-ins that say they are on cuda:0 stand for them."""
     q, k, v = small_inputs("naive", framework="torch")
-
-    def on_cuda(x):
-        return type("Tensor", (), {"__module__": "torch", "ndim": x.ndim, "shape": x.shape, "dtype": x.dtype,
-                                   "device": "cuda:0"})()
-
     with expect(ValueError, "inputs are on cuda:0", "CUDA simulator", "pass CPU data"):
         wb.attention(on_cuda(q), on_cuda(k), on_cuda(v), stage="naive")
     with expect(ValueError, "different devices", re.escape("['cpu', 'cuda:0']"), "one device"):
@@ -268,3 +281,131 @@ def test_error_comes_before_any_launch(name, monkeypatch):
     with pytest.raises(ValueError):
         wb.attention(q, k, v[:, :, :2], stage=name)
     assert launched == []
+
+
+# --- a GPU-only stage says so first ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("wrong", ["dtype", "head dim", "both"])
+@pytest.mark.parametrize("name", [n for n, s in STAGES.items() if s.needs_gpu])
+def test_a_gpu_only_stage_says_it_needs_a_gpu_before_dtype_or_head_dim(name, wrong, framework):
+    """CPU inputs a GPU-only stage would also refuse for their dtype or head dim: the GPU is what to fix
+    first (with the right dtype and D, the learner would still be refused)."""
+    stage = STAGES[name]
+    dtype = next(d for d in ("float32", "float64") if d not in stage.dtypes) if wrong != "head dim" else run_dtype(stage)
+    D = next(d for d in range(8, 1000, 4) if d not in stage.head_dims) if wrong != "dtype" else head_dim(stage)
+    q, k, v = wb.random_qkv(1, 1, 4, D, dtype=dtype, framework=framework if dtype != "bfloat16" else "torch")
+    with expect(ValueError, f"stage '{name}'", "only on a CUDA GPU", "got inputs on cpu"):
+        wb.attention(q, k, v, stage=name)
+
+
+# --- wb.reference and wb.check: the same rules and messages as wb.attention --------------------------------
+
+def _bad_case(change, error, *patterns):
+    """One bad input: `change` turns valid (q, k, v, kwargs) into bad ones; wb.attention raises `error`."""
+    return change, error, patterns
+
+
+def _other_kind(x):
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x.numpy()
+
+
+BAD_INPUTS = {
+    "q of rank 3": _bad_case(lambda q, k, v, kw: ((q[0], k, v), kw), ValueError, r"^q:", "rank 4", "rank 3"),
+    "k of rank 5": _bad_case(lambda q, k, v, kw: ((q, k[None], v), kw), ValueError, r"^k:", "rank 5"),
+    "q a list": _bad_case(lambda q, k, v, kw: ((q.tolist(), k, v), kw), TypeError, r"^q:", "NumPy array or torch tensor",
+                          "got list"),
+    "v None": _bad_case(lambda q, k, v, kw: ((q, k, None), kw), TypeError, r"^v:", "got NoneType"),
+    "numpy and torch": _bad_case(lambda q, k, v, kw: ((q, _other_kind(k), v), kw), TypeError,
+                                 "all NumPy arrays or all torch tensors"),
+    "dtypes differ": _bad_case(lambda q, k, v, kw: ((q, k.astype(np.float64), v), kw), TypeError, "different dtypes"),
+    "batch differs": _bad_case(lambda q, k, v, kw: ((q, k[:1], v), kw), ValueError, "batch/heads", "must match"),
+    "head dim differs": _bad_case(lambda q, k, v, kw: ((q, k, v[..., :8]), kw), ValueError, "head dim differs"),
+    "v shorter than k": _bad_case(lambda q, k, v, kw: ((q, k, v[:, :, :5]), kw), ValueError, "v has Lk=5 keys",
+                                  "k has Lk=6"),
+    "no queries": _bad_case(lambda q, k, v, kw: ((q[:, :, :0], k, v), kw), ValueError, "empty input", ">= 1"),
+    "1-D mask": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "key_padding_mask": np.ones(6, bool)}), ValueError,
+                          r"^key_padding_mask:", re.escape("expected shape (B, Lk)=(2, 6)"), re.escape("got (6,)")),
+    "mask a list": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "key_padding_mask": [[True] * 6] * 2}), TypeError,
+                             r"^key_padding_mask:", "got list"),
+    "float mask": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "key_padding_mask": np.ones((2, 6), np.float32)}),
+                            TypeError, r"^key_padding_mask:", "dtype bool", "got float32"),
+    "causal a string": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "causal": "False"}), TypeError, r"^causal:",
+                                 "True or False"),
+    "scale a string": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "scale": "0.5"}), TypeError, r"^scale:"),
+    "scale NaN": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "scale": float("nan")}), ValueError, r"^scale:",
+                           "finite number"),
+}
+
+
+def _call(entry, args, kwargs):
+    """wb.reference, or wb.check of a well-formed output (with and without a precomputed reference)."""
+    good_q, good_k, good_v = small_inputs("reference", B=2, Lk=6)
+    good_out, good_lse = wb.reference(good_q, good_k, good_v)
+    if entry == "reference":
+        return wb.reference(*args, **kwargs)
+    ref = (good_out, good_lse) if entry == "check with ref" else None
+    return wb.check("bad input", good_out.astype(np.float32), *args, ref=ref, verbose=False, **kwargs)
+
+
+@pytest.mark.parametrize("entry", ["reference", "check", "check with ref"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_reference_and_check_refuse_bad_input_as_attention_does(entry, case):
+    change, error, patterns = BAD_INPUTS[case]
+    q, k, v = small_inputs("reference", B=2, Lk=6)
+    args, kwargs = change(q, k, v, {})
+    with expect(error, *patterns) as refused:
+        wb.attention(*args, **kwargs)
+    with pytest.raises(error, match=f"^{re.escape(str(refused.value))}$"):
+        _call(entry, args, kwargs)
+
+
+# --- wb.check's output and LSE ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argument, value", [("out", None), ("out", "list"), ("lse", "list")])  # lse=None: no LSE
+def test_check_refuses_an_output_that_is_not_an_array(argument, value):
+    q, k, v = small_inputs("reference")
+    out, lse = wb.reference(q, k, v)
+    given = {"out": out, "lse": lse}
+    given[argument] = given[argument].tolist() if value == "list" else None
+    with expect(TypeError, f"^{argument}:", "NumPy array or torch tensor", f"got {type(given[argument]).__name__}"):
+        wb.check("bad output", given["out"], q, k, v, lse=given["lse"], verbose=False)
+
+
+@pytest.mark.parametrize("argument", ["out", "lse"])
+@pytest.mark.parametrize("dtype", ["int32", "bool", "uint8"])
+def test_check_refuses_an_output_of_a_dtype_it_cannot_measure(argument, dtype):
+    q, k, v = small_inputs("reference")
+    out, lse = wb.reference(q, k, v)
+    given = {"out": out.astype(np.float32), "lse": lse.astype(np.float32)}
+    given[argument] = torch.from_numpy(given[argument]).to(getattr(torch, dtype))
+    with expect(TypeError, f"^{argument}:", f"got {dtype}", re.escape("float16, bfloat16, float32, float64")):
+        wb.check("bad output", given["out"], q, k, v, lse=given["lse"], verbose=False)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 5, 1), (1, 2, 3), (5,), (1, 2, 5, 5)])
+def test_check_fails_an_lse_of_the_wrong_shape(shape):
+    """As for the output (test_check.py): a wrong shape is a failed check, said in words, not a NumPy
+    broadcast error (or, worse, a broadcast that happens to work)."""
+    q, k, v = small_inputs("reference")
+    out, lse = wb.reference(q, k, v)
+    wrong = np.zeros(shape, np.float32)
+    with expect(wb.CheckFailed, "^bad lse:", "lse shape", re.escape(str(shape)), re.escape("(1, 2, 5)")):
+        wb.check("bad lse", out.astype(np.float32), q, k, v, lse=wrong, verbose=False)
+
+
+# --- random inputs ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["fp32", "float", "half", "int32"])
+def test_random_qkv_names_the_dtypes_it_accepts(dtype, framework):
+    with expect(ValueError, r"^dtype:", "float16, bfloat16, float32, float64", f"got '{dtype}'"):
+        wb.random_qkv(dtype=dtype, framework=framework)
+
+
+@pytest.mark.parametrize("make", [lambda fw: wb.random_qkv(framework=fw), lambda fw: wb.random_padding_mask(2, 6, framework=fw)],
+                         ids=["random_qkv", "random_padding_mask"])
+@pytest.mark.parametrize("framework", ["jax", "Torch", None])
+def test_random_inputs_name_the_frameworks_they_accept(make, framework):
+    with expect(ValueError, r"^framework:", "'numpy' or 'torch'", f"got {framework!r}"):
+        make(framework)

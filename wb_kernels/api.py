@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,7 +22,8 @@ from .device import is_torch, like_input
 from .reference import attention_mask
 from .stages import available_stages, get_stage
 
-__all__ = ["attention", "validate", "propagate_non_finite", "SIMULATOR_MAX_SECONDS"]
+__all__ = ["attention", "validate", "validate_inputs", "require_array", "Inputs", "propagate_non_finite",
+           "SIMULATOR_MAX_SECONDS"]
 
 # Sizes the simulator would need longer than this for are refused (override: WB_SIM_MAX_SECONDS).
 SIMULATOR_MAX_SECONDS = float(os.environ.get("WB_SIM_MAX_SECONDS", "120"))
@@ -74,17 +76,35 @@ def _check_scale(scale):
     return float(scale)
 
 
-def validate(q, k, v, *, stage: str = "reference", causal: bool = False, key_padding_mask=None,
-             scale=None):
-    """Raise a clear ValueError/TypeError/MemoryError for anything `stage` cannot run. Returns the Stage."""
-    if not isinstance(stage, str):
-        raise TypeError(f"stage: expected a stage name (str), one of {', '.join(available_stages())}; "
-                        f"got {stage!r} of type {type(stage).__name__}")
-    spec = get_stage(stage)  # ValueError naming the stages there are
+def require_array(name: str, x, dtypes=None):
+    """Raise a TypeError naming `name` unless `x` is a NumPy array or a torch tensor (of one of `dtypes`)."""
+    if not (is_torch(x) or isinstance(x, np.ndarray)):
+        raise TypeError(f"{name}: expected a NumPy array or torch tensor, got {type(x).__name__}")
+    if dtypes is not None and _dtype_name(x) not in dtypes:
+        raise TypeError(f"{name}: expected a dtype among {', '.join(dtypes)}, got {_dtype_name(x)}")
 
+
+@dataclass(frozen=True)
+class Inputs:
+    """What :func:`validate_inputs` found out about valid q, k, v."""
+
+    B: int
+    H: int
+    Lq: int
+    Lk: int
+    D: int
+    dtype: str  # e.g. "float32"
+    device: str  # "cpu", "cuda:0", ...
+
+
+def validate_inputs(q, k, v, *, causal=False, key_padding_mask=None, scale=None) -> Inputs:
+    """Raise a clear ValueError/TypeError for inputs that no stage takes; the rules every entry point shares.
+
+    wb.attention (through :func:`validate`), wb.reference and wb.check call this, so that a mistake gets
+    the same message from each. What a stage adds (dtypes, head dims, a GPU, memory) is in :func:`validate`.
+    """
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not (is_torch(x) or isinstance(x, np.ndarray)):
-            raise TypeError(f"{name}: expected a NumPy array or torch tensor, got {type(x).__name__}")
+        require_array(name, x)
         if x.ndim != 4:
             raise ValueError(f"{name}: expected rank 4 (B, H, L, D), got rank {x.ndim} with shape {tuple(x.shape)}")
     kinds = {name: _kind(x) for name, x in (("q", q), ("k", k), ("v", v))}
@@ -105,22 +125,10 @@ def validate(q, k, v, *, stage: str = "reference", causal: bool = False, key_pad
     if len(dtypes) != 1:
         raise TypeError(f"q, k, v have different dtypes ({_dtype_name(q)}, {_dtype_name(k)}, {_dtype_name(v)}); "
                         "use one dtype")
-    dtype = dtypes.pop()
-    if dtype not in spec.dtypes:
-        raise TypeError(f"q, k, v: stage {stage!r} does not take dtype {dtype}; it accepts {', '.join(spec.dtypes)}")
-    if spec.head_dims is not None and D not in spec.head_dims:
-        raise ValueError(f"stage {stage!r} does not support head dim D={D}; it supports D in {list(spec.head_dims)}")
-
     devices = {_device_of(x) for x in (q, k, v)}
     if len(devices) != 1:
         raise ValueError(f"q, k, v are on different devices {sorted(devices)}; put them on one device")
     device = devices.pop()
-    if spec.needs_gpu and not device.startswith("cuda"):
-        raise ValueError(
-            f"stage {stage!r} runs only on a CUDA GPU and takes CUDA torch tensors; got inputs on {device}"
-            + ("" if BACKEND.is_gpu else " (and this machine has no CUDA GPU)"))
-    if device.startswith("cuda") and not BACKEND.is_gpu:
-        raise ValueError(f"inputs are on {device}, but wb_kernels runs on the CUDA simulator; pass CPU data")
 
     if key_padding_mask is not None:
         if not (is_torch(key_padding_mask) or isinstance(key_padding_mask, np.ndarray)):
@@ -135,6 +143,34 @@ def validate(q, k, v, *, stage: str = "reference", causal: bool = False, key_pad
                              "put it on the CPU or on their device")
     _as_flag("causal", causal)
     _check_scale(scale)
+    return Inputs(B, H, Lq, Lk, D, dtypes.pop(), device)
+
+
+def validate(q, k, v, *, stage: str = "reference", causal: bool = False, key_padding_mask=None,
+             scale=None):
+    """Raise a clear ValueError/TypeError/MemoryError for anything `stage` cannot run. Returns the Stage.
+
+    First the stage name, then the rules of every entry point (:func:`validate_inputs`), then the stage's
+    own: where it runs (a GPU-only stage says so before anything else: the right dtype would not help on
+    the CPU), its dtypes and head dims, and the memory and simulator time the sizes need.
+    """
+    if not isinstance(stage, str):
+        raise TypeError(f"stage: expected a stage name (str), one of {', '.join(available_stages())}; "
+                        f"got {stage!r} of type {type(stage).__name__}")
+    spec = get_stage(stage)  # ValueError naming the stages there are
+    inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    B, H, Lq, Lk, D, device = inputs.B, inputs.H, inputs.Lq, inputs.Lk, inputs.D, inputs.device
+
+    if spec.needs_gpu and not device.startswith("cuda"):
+        raise ValueError(
+            f"stage {stage!r} runs only on a CUDA GPU and takes CUDA torch tensors; got inputs on {device}"
+            + ("" if BACKEND.is_gpu else " (and this machine has no CUDA GPU)"))
+    if inputs.dtype not in spec.dtypes:
+        raise TypeError(f"q, k, v: stage {stage!r} does not take dtype {inputs.dtype}; it accepts {', '.join(spec.dtypes)}")
+    if spec.head_dims is not None and D not in spec.head_dims:
+        raise ValueError(f"stage {stage!r} does not support head dim D={D}; it supports D in {list(spec.head_dims)}")
+    if device.startswith("cuda") and not BACKEND.is_gpu:
+        raise ValueError(f"inputs are on {device}, but wb_kernels runs on the CUDA simulator; pass CPU data")
 
     if spec.workspace_bytes is not None:
         need = spec.workspace_bytes(B, H, Lq, Lk, D)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .api import require_array, validate_inputs
+from .inputs import DTYPES
 from .reference import attention_mask, reference
 
 __all__ = ["CheckFailed", "CheckResult", "check", "torch_error", "storage_floor", "dot_product_floor",
@@ -233,13 +235,23 @@ def check(name: str, out, q, k, v, *, lse=None, causal: bool = False, key_paddin
 
     `ref` may hold a precomputed ``(out, lse)`` from :func:`reference` for these inputs.
     PyTorch's error is measured in `out`'s dtype, on `out`'s device (CPU for NumPy arrays).
+
+    Bad q, k, v or options raise the errors :func:`wb_kernels.attention` raises. An `out` or `lse` that is not
+    a NumPy array or torch tensor of a dtype in ``wb_kernels.inputs.DTYPES`` raises a TypeError; one of the
+    wrong shape fails the check (CheckFailed, whatever `raise_on_failure` says).
     """
+    inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    require_array("out", out, DTYPES)
+    if lse is not None:
+        require_array("lse", lse, DTYPES)
+    for what, given, expected in (("output", out, (inputs.B, inputs.H, inputs.Lq, inputs.D)),
+                                  ("lse", lse, (inputs.B, inputs.H, inputs.Lq))):
+        if given is not None and tuple(given.shape) != expected:
+            raise CheckFailed(f"{name}: {what} shape {tuple(given.shape)} != reference shape {expected}")
     out_ref, lse_ref = ref if ref is not None else reference(
         q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     dtype = _dtype_name(out)
     device = str(out.device) if hasattr(out, "device") and not isinstance(out, np.ndarray) else "cpu"
-    if np.shape(out) != out_ref.shape:
-        raise CheckFailed(f"{name}: output shape {tuple(np.shape(out))} != reference shape {out_ref.shape}")
     pt_err, pt_lse_err = torch_error(q, k, v, out_ref, lse_ref, dtype=dtype, device=device,
                                      causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     err = _max_abs_err(_to_numpy64(out), out_ref)

@@ -8,22 +8,32 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["random_qkv", "random_padding_mask"]
+__all__ = ["random_qkv", "random_padding_mask", "DTYPES"]
 
-_TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# the dtypes of the package's inputs: what random_qkv makes and what wb.check measures errors in
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _check_framework(framework):
+    if not isinstance(framework, str) or framework not in ("numpy", "torch"):
+        raise ValueError(f"framework: expected 'numpy' or 'torch', got {framework!r}")
+
+
+def _check_dtype(dtype, framework: str):
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype: expected a dtype name (str), one of {', '.join(DTYPES)}; got {dtype!r} of type "
+                        f"{type(dtype).__name__}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    if framework == "numpy" and dtype == "bfloat16":
+        raise ValueError("NumPy has no bfloat16; use framework='torch'")
 
 
 def _convert(x: np.ndarray, dtype: str, framework: str, device: str | None):
     if framework == "numpy":
-        if dtype == "bfloat16":
-            raise ValueError("NumPy has no bfloat16; use framework='torch'")
         return np.ascontiguousarray(x.astype(dtype))
-    if framework != "torch":
-        raise ValueError(f"framework={framework!r}: use 'numpy' or 'torch'")
     import torch
 
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"dtype={dtype!r}: use one of {_TORCH_DTYPES}")
     return torch.from_numpy(x).to(device=device or "cpu", dtype=getattr(torch, dtype)).contiguous()
 
 
@@ -44,6 +54,8 @@ def random_qkv(
 
     ``std`` scales the logits: large values exercise softmax overflow.
     """
+    _check_framework(framework)
+    _check_dtype(dtype, framework)
     Lk = Lq if Lk is None else Lk
     for name, value in (("B", B), ("H", H), ("Lq", Lq), ("Lk", Lk), ("D", D)):
         if int(value) != value or value < 1:
@@ -59,6 +71,7 @@ def random_padding_mask(B: int, Lk: int, *, keep_fraction: float = 0.7, seed: in
                         framework: str = "numpy", device: str | None = None):
     """Boolean key-padding mask (B, Lk), True = the key takes part. Each batch keeps a random
     prefix of its keys (at least one), like padded sequences of different lengths."""
+    _check_framework(framework)
     rng = np.random.default_rng(seed)
     lengths = np.maximum(1, np.round(rng.uniform(keep_fraction / 2, 1.0, size=B) * Lk)).astype(int)
     mask = np.arange(Lk)[None, :] < lengths[:, None]

@@ -63,9 +63,13 @@ def safe_softmax(scores: np.ndarray, axis: int = -1) -> np.ndarray:
 def reference(q, k, v, *, causal: bool = False, key_padding_mask=None, scale: float | None = None):
     """Exact attention in float64. Returns ``(out, lse)`` as float64 NumPy arrays.
 
-    Accepts NumPy arrays or torch tensors (any device, any dtype): they are converted to float64
+    Accepts NumPy arrays or torch tensors (any device and dtype, one for all three): converted to float64
     on the CPU first, so the reference never inherits the rounding of the stage it checks.
+    Bad input gets the errors :func:`wb_kernels.attention` gives (:func:`wb_kernels.api.validate_inputs`).
     """
+    from .api import validate_inputs  # here, not at the top: api imports this module
+
+    validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     q, k, v = _as_float64(q), _as_float64(k), _as_float64(v)
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
