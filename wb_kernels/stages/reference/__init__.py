@@ -5,6 +5,7 @@ holds what is lesson 01's own: the stage registration (here), the slider and fig
 and the notes (``NOTES.md``). Lesson: ``notebooks/01_reference.ipynb``; tests: ``tests/test_reference.py``.
 """
 
+from ...inputs import DTYPES
 from ...reference import reference
 from .. import Stage
 
@@ -13,7 +14,7 @@ STAGE = Stage(
     lesson="01_reference",
     summary="float64 NumPy on the CPU, materializes S and P (O(L^2) memory)",
     forward=reference,
-    dtypes=("float16", "bfloat16", "float32", "float64"),
+    dtypes=tuple(DTYPES),  # every dtype the package knows
     # S and P in float64, plus the einsum's temporaries
     workspace_bytes=lambda B, H, Lq, Lk, D: 3 * 8 * B * H * Lq * Lk,
     order=1,
