@@ -45,8 +45,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from .backend import BACKEND
-from .stages import available_stages
+from ..backend import BACKEND
+from ..stages import available_stages
 
 __all__ = [
     "Config", "Sweep", "Contender", "PRESETS", "BASELINES", "PUBLIC_CONFIGS", "attention_flops",
@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # wb_kernels/bench/__init__.py -> the repository
 RESULTS_DIR = REPO_ROOT / "results" / "bench"  # one JSON per benchmark run; other results/ files are not ours
 README_START = "<!-- perf-table:start -->"
 README_END = "<!-- perf-table:end -->"
@@ -266,8 +266,8 @@ BASELINES = tuple(BASELINE_HELP)
 
 
 def _stage_contender(stage) -> Contender:
-    from .api import validate
-    from .device import like_input
+    from ..api import validate
+    from ..device import like_input
 
     def prepare(q, k, v, causal):
         try:
@@ -298,7 +298,7 @@ def contenders() -> dict:
 # ----------------------------------------------------------------------------------------------
 
 def _device() -> str:
-    from .timing import on_gpu
+    from ..timing import on_gpu
 
     return "cuda" if on_gpu() else "cpu"
 
@@ -310,7 +310,7 @@ def _reference_first_head(q, k, v, causal):
     the GPU: at L = 16384 the NumPy version would need 6 GB of host memory and tens of seconds.
     """
     if q.device.type == "cpu":
-        from .reference import reference
+        from ..reference import reference
 
         return reference(q[:1, :1], k[:1, :1], v[:1, :1], causal=causal)
     return _torch_reference(q[:1, :1], k[:1, :1], v[:1, :1], causal)
@@ -343,7 +343,7 @@ class _InputCache:
     def get(self, config: Config):
         import torch
 
-        from .inputs import random_qkv
+        from ..inputs import random_qkv
 
         if config.shape_key != self.shape:
             self.clear()
@@ -420,8 +420,8 @@ def _sig(x: float, digits: int = 5):
 def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPolicy) -> dict:
     """Check, then time, one contender on one configuration. Never raises for the contender's
     own failures: they become ``status`` "skipped" (cannot run this size here) or "failed"."""
-    from .check import check
-    from .timing import peak_memory, time_call
+    from ..check import check
+    from ..timing import peak_memory, time_call
 
     q, k, v = inputs
     record = {"key": record_key(contender.name, config), "contender": contender.name, "kind": contender.kind,
@@ -505,7 +505,7 @@ def measure_ceilings(size: int = 8192, copy_bytes: int = 2**30) -> dict:
     """Peak rates measured now: matmuls of size^3 (fp16, bf16, fp32 without TF32) and a copy."""
     import torch
 
-    from .timing import time_call
+    from ..timing import time_call
 
     ceilings = {}
     for dtype in ("float16", "bfloat16", "float32"):
@@ -576,7 +576,7 @@ def honesty_demos() -> dict:
     import torch
     import torch.nn.functional as F
 
-    from .timing import _L2Flusher
+    from ..timing import _L2Flusher
 
     demos = {}
     flush = _L2Flusher()
@@ -730,8 +730,8 @@ def environment() -> dict:
     import numpy
     import torch
 
-    from . import __version__
-    from .backend import device_name
+    from .. import __version__
+    from ..backend import device_name
 
     env = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -1095,7 +1095,7 @@ def main(argv=None) -> int:
             print(f"updated {update_readme(args.update_readme)}")
             return 0
         if isinstance(args.figures, str):
-            from .bench_figures import save_all
+            from ..bench_figures import save_all
 
             for path in save_all(load_results(args.figures)):
                 print(f"wrote {path}")
@@ -1130,7 +1130,7 @@ def main(argv=None) -> int:
             command="python -m wb_kernels.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
         wants_figures = (on_cuda and not args.no_figures) or args.figures is True
         if wants_figures and any(r["status"] == "ok" for r in load_results(out)["records"]):
-            from .bench_figures import save_all
+            from ..bench_figures import save_all
 
             for path in save_all(load_results(out)):
                 print(f"wrote {path}")
@@ -1139,6 +1139,3 @@ def main(argv=None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
