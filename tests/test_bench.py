@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import wb_kernels as wb
-from wb_kernels import api, bench, bench_figures, stages
+from wb_kernels import api, bench, stages
+from wb_kernels.bench import dashboard, figures
 from wb_kernels.reference import reference
 from wb_kernels.stages import Stage
-from wb_kernels.widgets import dashboard
 
 ON_SIMULATOR = wb.BACKEND.is_simulator
 needs_gpu = pytest.mark.skipif(ON_SIMULATOR, reason="needs a CUDA GPU: wb_kernels runs on the CUDA simulator here")
@@ -207,13 +207,13 @@ def test_a_wrong_stage_is_not_timed(monkeypatch, tmp_path):
 
 def test_figures_are_drawn_from_a_results_file(tiny_results, tmp_path):
     results = bench.load_results(tiny_results)
-    paths = bench_figures.save_all(results, directory=tmp_path)
-    assert [p.name for p in paths] == [f"{name}.png" for name in bench_figures.FIGURE_NAMES]
+    paths = figures.save_all(results, directory=tmp_path)
+    assert [p.name for p in paths] == [f"{name}.png" for name in figures.FIGURE_NAMES]
     assert all(p.stat().st_size > 5000 for p in paths)
-    view = bench_figures.default_view(results)
-    data = bench_figures.series(results, view)
+    view = figures.default_view(results)
+    data = figures.series(results, view)
     assert set(data) == {r["contender"] for r in results["records"]}
-    fig = bench_figures.latency_figure(results, view)
+    fig = figures.latency_figure(results, view)
     (ax,) = fig.axes
     drawn = {line.get_label(): line for line in ax.get_lines()}
     sdpa = [r for r in data["sdpa"]]
@@ -221,7 +221,7 @@ def test_figures_are_drawn_from_a_results_file(tiny_results, tmp_path):
     assert list(drawn["sdpa"].get_ydata()) == [r["median_ms"] for r in sdpa]
     # with ceilings (a GPU run measures them) the roofline draws the roof: min(peak, bandwidth x intensity)
     results["ceilings"] = {"float32_matmul_tflops": 50.0, "copy_gbps": 3000.0}
-    roof_ax = bench_figures.roofline_figure(results, view).axes[0]
+    roof_ax = figures.roofline_figure(results, view).axes[0]
     roof = [line for line in roof_ax.get_lines() if not line.get_label().startswith(tuple(data))][0]
     x, y = roof.get_xdata(), roof.get_ydata()
     np.testing.assert_allclose(y, np.minimum(50.0, 3000.0 * 1e9 * x / 1e12))

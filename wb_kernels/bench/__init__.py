@@ -1095,7 +1095,7 @@ def main(argv=None) -> int:
             print(f"updated {update_readme(args.update_readme)}")
             return 0
         if isinstance(args.figures, str):
-            from ..bench_figures import save_all
+            from .figures import save_all
 
             for path in save_all(load_results(args.figures)):
                 print(f"wrote {path}")
@@ -1130,7 +1130,7 @@ def main(argv=None) -> int:
             command="python -m wb_kernels.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
         wants_figures = (on_cuda and not args.no_figures) or args.figures is True
         if wants_figures and any(r["status"] == "ok" for r in load_results(out)["records"]):
-            from ..bench_figures import save_all
+            from .figures import save_all
 
             for path in save_all(load_results(out)):
                 print(f"wrote {path}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import bench
-from ..bench_figures import dashboard_figure, series, views
+from .figures import dashboard_figure, series, views
 
 __all__ = ["committed_results_path", "load", "choices", "lengths", "summary_rows", "draw", "dashboard_widget"]
 
