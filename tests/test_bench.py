@@ -11,7 +11,8 @@ import pytest
 
 import wb_kernels as wb
 from wb_kernels import api, bench, stages
-from wb_kernels.bench import dashboard, figures
+from wb_kernels.bench import cli, dashboard, figures, measure
+from wb_kernels.bench import results as results_file  # (tests name their results dicts `results`)
 from wb_kernels.reference import reference
 from wb_kernels.stages import Stage
 
@@ -64,7 +65,7 @@ def test_torch_reference_matches_the_numpy_reference():
     torch = pytest.importorskip("torch")
     q, k, v = wb.random_qkv(1, 1, 13, 16, framework="torch", seed=3)
     for causal in (False, True):
-        out, lse = bench._torch_reference(q, k, v, causal)
+        out, lse = measure._torch_reference(q, k, v, causal)
         out_ref, lse_ref = reference(q, k, v, causal=causal)
         np.testing.assert_allclose(out, out_ref, rtol=0, atol=1e-12)
         np.testing.assert_allclose(lse, lse_ref, rtol=0, atol=1e-12)
@@ -134,7 +135,7 @@ def _fake_registry(monkeypatch, *extra):
     """Add stages to the registry that every module consults."""
     real = stages.available_stages()
     fake = {**real, **{s.name: s for s in extra}}
-    for module in (stages, api, bench):
+    for module in (stages, api, measure, results_file, cli):
         monkeypatch.setattr(module, "available_stages", lambda: dict(fake))
 
 

@@ -1,29 +1,30 @@
 """Lesson 06's dashboard: pick head dim, dtype, masking and sequence length; the figures follow.
 
-Plain functions over a results file (:mod:`wb_kernels.bench`), tested by pytest; the notebook only
-calls :func:`dashboard_widget`, which wires them to ipywidgets.
+Plain functions over a results file (:mod:`wb_kernels.bench.results`), tested by pytest; the notebook
+only calls :func:`dashboard_widget`, which wires them to ipywidgets. Lesson 03 reads its speed-ups
+from :func:`committed_results_path` too. The figures are :mod:`wb_kernels.bench.figures`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .. import bench
 from .figures import dashboard_figure, series, views
+from .results import committed_results, load_results
 
 __all__ = ["committed_results_path", "load", "choices", "lengths", "summary_rows", "draw", "dashboard_widget"]
 
 
 def committed_results_path() -> Path | None:
     """The newest committed GPU results file; the simulator's smoke results when there is none yet."""
-    return bench.committed_results("gpu") or bench.committed_results("simulator")
+    return committed_results("gpu") or committed_results("simulator")
 
 
 def load(path=None) -> dict:
     path = path or committed_results_path()
     if path is None:
         raise FileNotFoundError("no results file under results/: run `python -m wb_kernels.bench` first")
-    return bench.load_results(path)
+    return load_results(path)
 
 
 def choices(results) -> dict:
