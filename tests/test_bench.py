@@ -11,7 +11,7 @@ import pytest
 
 import wb_kernels as wb
 from wb_kernels import api, bench, stages
-from wb_kernels.bench import cli, dashboard, figures, measure
+from wb_kernels.bench import cli, dashboard, figures, measure, pitfalls
 from wb_kernels.bench import results as results_file  # (tests name their results dicts `results`)
 from wb_kernels.reference import reference
 from wb_kernels.stages import Stage
@@ -379,19 +379,19 @@ SYNTHETIC_DEMOS = {
 
 def test_honesty_lines_print_each_demonstration():
     results = {"honesty": SYNTHETIC_DEMOS}
-    assert "10,000x" in dashboard.honesty_lines(results, "warmup")[1]
-    assert dashboard.honesty_lines(results, "async")[-1] == "the unsynchronized number is 45x too small"
-    assert "mean 0.2000 ms" in dashboard.honesty_lines(results, "medians")[0]
-    assert "(2.00x)" in dashboard.honesty_lines(results, "l2")[1]
-    assert "last 20: 1.20x)" in dashboard.honesty_lines(results, "clocks")[0]
-    assert "zeros take 0.80x the time" in dashboard.honesty_lines(results, "zeros")[0]
-    assert dashboard.honesty_lines({"honesty": None}, "l2") == [dashboard.NO_DEMOS]
-    assert "failed" in dashboard.honesty_lines({"honesty": {"warmup": {"error": "X"}}}, "warmup")[0]
+    assert "10,000x" in pitfalls.honesty_lines(results, "warmup")[1]
+    assert pitfalls.honesty_lines(results, "async")[-1] == "the unsynchronized number is 45x too small"
+    assert "mean 0.2000 ms" in pitfalls.honesty_lines(results, "medians")[0]
+    assert "(2.00x)" in pitfalls.honesty_lines(results, "l2")[1]
+    assert "last 20: 1.20x)" in pitfalls.honesty_lines(results, "clocks")[0]
+    assert "zeros take 0.80x the time" in pitfalls.honesty_lines(results, "zeros")[0]
+    assert pitfalls.honesty_lines({"honesty": None}, "l2") == [pitfalls.NO_DEMOS]
+    assert "failed" in pitfalls.honesty_lines({"honesty": {"warmup": {"error": "X"}}}, "warmup")[0]
     with pytest.raises(ValueError):
-        dashboard.honesty_lines(results, "nonsense")
-    fig = dashboard.samples_figure(results)
+        pitfalls.honesty_lines(results, "nonsense")
+    fig = pitfalls.samples_figure(results)
     assert len(fig.axes) == 2
-    assert dashboard.samples_figure({"honesty": None}) is None
+    assert pitfalls.samples_figure({"honesty": None}) is None
 
 
 def test_out_may_name_a_folder_and_figures_may_follow_the_run(tmp_path):

@@ -2,7 +2,8 @@
 
 Plain functions over a results file (:mod:`wb_kernels.bench.results`), tested by pytest; the notebook
 only calls :func:`dashboard_widget`, which wires them to ipywidgets. Lesson 03 reads its speed-ups
-from :func:`committed_results_path` too. The figures are :mod:`wb_kernels.bench.figures`.
+from :func:`committed_results_path` too. The figures are :mod:`wb_kernels.bench.figures`; the
+honesty demonstrations' lines and figure are :mod:`wb_kernels.bench.pitfalls`.
 """
 
 from __future__ import annotations
@@ -102,81 +103,3 @@ def dashboard_widget(results):
         control.observe(redraw, names="value")
     redraw()
     return widgets.VBox([widgets.HBox([dtype, head_dim, causal]), length, output])
-
-
-# ----------------------------------------------------------------------------------------------
-# The honest-benchmarking demonstrations, as lesson 06 prints and draws them from the file
-# ----------------------------------------------------------------------------------------------
-
-HONESTY_TOPICS = ("warmup", "async", "medians", "l2", "clocks", "zeros")
-NO_DEMOS = "this results file has no GPU demonstrations (they run with --preset honesty on a GPU)"
-
-
-def honesty_lines(results, topic: str) -> list:
-    """Printable lines for one demonstration ("warmup", "async", "medians", "l2", "clocks", "zeros")."""
-    if topic not in HONESTY_TOPICS:
-        raise ValueError(f"topic={topic!r}: one of {', '.join(HONESTY_TOPICS)}")
-    demo = (results.get("honesty") or {}).get(topic)
-    if demo is None:
-        return [NO_DEMOS]
-    if "error" in demo:
-        return [f"the demonstration failed on that run: {demo['error']}"]
-    if topic == "warmup":
-        return [f"numba kernel, first call (compiles it): {demo['numba_kernel_first_ms']:10.3f} ms",
-                f"numba kernel, then (median of 20):      {demo['numba_kernel_steady_median_ms']:10.3f} ms"
-                f"   -> {demo['numba_kernel_first_ms'] / demo['numba_kernel_steady_median_ms']:,.0f}x",
-                f"SDPA at a new shape, first call:        {demo['sdpa_first_ms']:10.3f} ms",
-                f"SDPA, then (median of 20):              {demo['sdpa_steady_median_ms']:10.3f} ms"
-                f"   -> {demo['sdpa_first_ms'] / demo['sdpa_steady_median_ms']:,.1f}x"]
-    if topic == "async":
-        return [f"CPU timer, no synchronize: {demo['cpu_timer_no_sync_ms']:8.3f} ms   (only the launch)",
-                f"CPU timer + synchronize:   {demo['cpu_timer_with_sync_ms']:8.3f} ms",
-                f"CUDA events:               {demo['cuda_events_ms']:8.3f} ms",
-                f"the unsynchronized number is {demo['cuda_events_ms'] / demo['cpu_timer_no_sync_ms']:.0f}x too small"]
-    if topic == "medians":
-        return [f"{demo['n']} samples: median {demo['median_ms']:.4f} ms, mean {demo['mean_ms']:.4f} ms, "
-                f"min {demo['min_ms']:.4f}, max {demo['max_ms']:.4f}",
-                f"middle half (p25-p75): {demo['p25_ms']:.4f}-{demo['p75_ms']:.4f} ms; "
-                f"p95 {demo['p95_ms']:.4f} ms; max/median {demo['max_ms'] / demo['median_ms']:.2f}x"]
-    if topic == "l2":
-        return [f"SDPA {demo['sdpa_shape']}: warm L2 {demo['sdpa_warm_ms']:.4f} ms, flushed "
-                f"{demo['sdpa_flushed_ms']:.4f} ms ({demo['sdpa_flushed_ms'] / demo['sdpa_warm_ms']:.2f}x)",
-                f"copy of {demo['copy_mib']} MiB: warm L2 {demo['copy_warm_gbps']:,.0f} GB/s, flushed "
-                f"{demo['copy_flushed_gbps']:,.0f} GB/s ({demo['copy_warm_gbps'] / demo['copy_flushed_gbps']:.2f}x)",
-                f"L2 cache of that GPU: {demo['l2_bytes'] / 2**20:.0f} MiB"]
-    if topic == "clocks":
-        return [f"first call after 2 s idle: {demo['first_ms']:.3f} ms; median of the first 5 "
-                f"{demo['first5_median_ms']:.3f} ms; of the last 20 of {len(demo['samples_ms'])} "
-                f"{demo['last20_median_ms']:.3f} ms (first 5 / last 20: "
-                f"{demo['first5_median_ms'] / demo['last20_median_ms']:.2f}x)",
-                f"SM clock (nvidia-smi): idle {demo['sm_clock_mhz_idle']} MHz, busy {demo['sm_clock_mhz_busy']} MHz, "
-                f"max {demo['sm_clock_mhz_max']} MHz"]
-    if topic == "zeros":
-        return [f"fp16 matmul 8192^3: random {demo['matmul_random_ms']:.3f} ms ({demo['matmul_random_tflops']:.0f} "
-                f"TFLOP/s), zeros {demo['matmul_zeros_ms']:.3f} ms ({demo['matmul_zeros_tflops']:.0f} TFLOP/s): "
-                f"zeros take {demo['matmul_zeros_ms'] / demo['matmul_random_ms']:.2f}x the time",
-                f"SDPA B4 H16 L4096 D128 fp16: random {demo['sdpa_random_ms']:.3f} ms, zeros "
-                f"{demo['sdpa_zeros_ms']:.3f} ms: zeros take {demo['sdpa_zeros_ms'] / demo['sdpa_random_ms']:.2f}x the time"]
-    raise AssertionError(topic)  # unreachable: every topic is handled above
-
-
-def samples_figure(results):
-    """Left: the medians demonstration's samples as a histogram with median and mean marked.
-    Right: the clocks demonstration's call-by-call times after idle. None without GPU demos."""
-    demos = results.get("honesty") or {}
-    if "medians" not in demos or "clocks" not in demos or "error" in demos["medians"]:
-        return None
-    from ..plots import new_figure
-
-    fig, (left, right) = new_figure(ncols=2)
-    medians = demos["medians"]
-    left.hist(medians["samples_ms"], bins=40, color="#9467bd", alpha=0.7)
-    left.axvline(medians["median_ms"], color="black", label=f"median {medians['median_ms']:.4f} ms")
-    left.axvline(medians["mean_ms"], color="#d62728", linestyle="--", label=f"mean {medians['mean_ms']:.4f} ms")
-    left.set_yscale("log")
-    left.set(xlabel="ms", ylabel="samples", title=f"{medians['n']} repeats of one call")
-    left.legend()
-    clocks = demos["clocks"]
-    right.plot(range(1, len(clocks["samples_ms"]) + 1), clocks["samples_ms"], "o-", markersize=3, color="#1f77b4")
-    right.set(xlabel="call number after 2 s idle", ylabel="ms", title="fp16 matmul 8192³, call by call")
-    return fig
