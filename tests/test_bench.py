@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import wb_kernels as wb
-from wb_kernels import api, bench, bench_figures, stages
+from wb_kernels import api, bench, stages
+from wb_kernels.bench import cli, dashboard, figures, measure, pitfalls
+from wb_kernels.bench import results as results_file  # (tests name their results dicts `results`)
 from wb_kernels.reference import reference
 from wb_kernels.stages import Stage
-from wb_kernels.widgets import dashboard
 
 ON_SIMULATOR = wb.BACKEND.is_simulator
 needs_gpu = pytest.mark.skipif(ON_SIMULATOR, reason="needs a CUDA GPU: wb_kernels runs on the CUDA simulator here")
@@ -64,7 +65,7 @@ def test_torch_reference_matches_the_numpy_reference():
     torch = pytest.importorskip("torch")
     q, k, v = wb.random_qkv(1, 1, 13, 16, framework="torch", seed=3)
     for causal in (False, True):
-        out, lse = bench._torch_reference(q, k, v, causal)
+        out, lse = measure._torch_reference(q, k, v, causal)
         out_ref, lse_ref = reference(q, k, v, causal=causal)
         np.testing.assert_allclose(out, out_ref, rtol=0, atol=1e-12)
         np.testing.assert_allclose(lse, lse_ref, rtol=0, atol=1e-12)
@@ -134,7 +135,7 @@ def _fake_registry(monkeypatch, *extra):
     """Add stages to the registry that every module consults."""
     real = stages.available_stages()
     fake = {**real, **{s.name: s for s in extra}}
-    for module in (stages, api, bench):
+    for module in (stages, api, measure, results_file, cli):
         monkeypatch.setattr(module, "available_stages", lambda: dict(fake))
 
 
@@ -207,13 +208,13 @@ def test_a_wrong_stage_is_not_timed(monkeypatch, tmp_path):
 
 def test_figures_are_drawn_from_a_results_file(tiny_results, tmp_path):
     results = bench.load_results(tiny_results)
-    paths = bench_figures.save_all(results, directory=tmp_path)
-    assert [p.name for p in paths] == [f"{name}.png" for name in bench_figures.FIGURE_NAMES]
+    paths = figures.save_all(results, directory=tmp_path)
+    assert [p.name for p in paths] == [f"{name}.png" for name in figures.FIGURE_NAMES]
     assert all(p.stat().st_size > 5000 for p in paths)
-    view = bench_figures.default_view(results)
-    data = bench_figures.series(results, view)
+    view = figures.default_view(results)
+    data = figures.series(results, view)
     assert set(data) == {r["contender"] for r in results["records"]}
-    fig = bench_figures.latency_figure(results, view)
+    fig = figures.latency_figure(results, view)
     (ax,) = fig.axes
     drawn = {line.get_label(): line for line in ax.get_lines()}
     sdpa = [r for r in data["sdpa"]]
@@ -221,7 +222,7 @@ def test_figures_are_drawn_from_a_results_file(tiny_results, tmp_path):
     assert list(drawn["sdpa"].get_ydata()) == [r["median_ms"] for r in sdpa]
     # with ceilings (a GPU run measures them) the roofline draws the roof: min(peak, bandwidth x intensity)
     results["ceilings"] = {"float32_matmul_tflops": 50.0, "copy_gbps": 3000.0}
-    roof_ax = bench_figures.roofline_figure(results, view).axes[0]
+    roof_ax = figures.roofline_figure(results, view).axes[0]
     roof = [line for line in roof_ax.get_lines() if not line.get_label().startswith(tuple(data))][0]
     x, y = roof.get_xdata(), roof.get_ydata()
     np.testing.assert_allclose(y, np.minimum(50.0, 3000.0 * 1e9 * x / 1e12))
@@ -378,19 +379,19 @@ SYNTHETIC_DEMOS = {
 
 def test_honesty_lines_print_each_demonstration():
     results = {"honesty": SYNTHETIC_DEMOS}
-    assert "10,000x" in dashboard.honesty_lines(results, "warmup")[1]
-    assert dashboard.honesty_lines(results, "async")[-1] == "the unsynchronized number is 45x too small"
-    assert "mean 0.2000 ms" in dashboard.honesty_lines(results, "medians")[0]
-    assert "(2.00x)" in dashboard.honesty_lines(results, "l2")[1]
-    assert "last 20: 1.20x)" in dashboard.honesty_lines(results, "clocks")[0]
-    assert "zeros take 0.80x the time" in dashboard.honesty_lines(results, "zeros")[0]
-    assert dashboard.honesty_lines({"honesty": None}, "l2") == [dashboard.NO_DEMOS]
-    assert "failed" in dashboard.honesty_lines({"honesty": {"warmup": {"error": "X"}}}, "warmup")[0]
+    assert "10,000x" in pitfalls.honesty_lines(results, "warmup")[1]
+    assert pitfalls.honesty_lines(results, "async")[-1] == "the unsynchronized number is 45x too small"
+    assert "mean 0.2000 ms" in pitfalls.honesty_lines(results, "medians")[0]
+    assert "(2.00x)" in pitfalls.honesty_lines(results, "l2")[1]
+    assert "last 20: 1.20x)" in pitfalls.honesty_lines(results, "clocks")[0]
+    assert "zeros take 0.80x the time" in pitfalls.honesty_lines(results, "zeros")[0]
+    assert pitfalls.honesty_lines({"honesty": None}, "l2") == [pitfalls.NO_DEMOS]
+    assert "failed" in pitfalls.honesty_lines({"honesty": {"warmup": {"error": "X"}}}, "warmup")[0]
     with pytest.raises(ValueError):
-        dashboard.honesty_lines(results, "nonsense")
-    fig = dashboard.samples_figure(results)
+        pitfalls.honesty_lines(results, "nonsense")
+    fig = pitfalls.samples_figure(results)
     assert len(fig.axes) == 2
-    assert dashboard.samples_figure({"honesty": None}) is None
+    assert pitfalls.samples_figure({"honesty": None}) is None
 
 
 def test_out_may_name_a_folder_and_figures_may_follow_the_run(tmp_path):

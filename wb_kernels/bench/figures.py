@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plots import STAGE_COLORS, new_figure, save
+from ..plots import STAGE_COLORS, new_figure, save
 
 __all__ = ["views", "default_view", "series", "draw_latency", "draw_throughput", "draw_memory", "draw_speedup",
            "draw_roofline", "latency_figure", "throughput_figure", "memory_figure", "speedup_figure",
@@ -235,7 +235,7 @@ def dashboard_figure(results, view=None, highlight_L=None):
 def save_all(results, view=None, prefix: str = "bench", directory=None) -> list:
     """Write <prefix>_{latency,throughput,memory,speedup,roofline,dashboard}.png into figures/ (or
     `directory`); return the paths."""
-    from .plots import style
+    from ..plots import style
 
     view = view or default_view(results)
     figures = {"latency": latency_figure, "throughput": throughput_figure, "memory": memory_figure,

@@ -1,0 +1,44 @@
+"""The benchmark: every stage against PyTorch's attention, into one resumable JSON file (lesson 06;
+lesson 03 quotes its committed results, lesson 04 uses :data:`REPO_ROOT`).
+
+    python -m wb_kernels.bench --help        # the command line: wb_kernels/bench/cli.py
+
+One module per role:
+
+- :mod:`.sweeps`    what is measured: Config, Sweep, the presets, FLOP and byte counts
+- :mod:`.measure`   how: the contenders (stages, baselines), one checked and timed measurement,
+                    the roofline's ceilings, and the resumable sweep (:func:`run`)
+- :mod:`.results`   the results file, its environment, the newest committed one, the README table
+- :mod:`.cli`       ``python -m wb_kernels.bench`` (:func:`main`)
+- :mod:`.figures`   figures from a results file (matplotlib; imported on use)
+- :mod:`.pitfalls`  the honest-benchmarking demonstrations and how lesson 06 prints them
+- :mod:`.dashboard` lesson 06's dashboard widget (ipywidgets; imported on use)
+
+``from wb_kernels import bench`` gives the names below, as the single module did; the lessons
+import :mod:`.figures`, :mod:`.dashboard` and :mod:`.pitfalls` by name.
+"""
+
+from __future__ import annotations
+
+from .cli import main
+# (the function measure.measure is not lifted here: bench.measure stays the module)
+from .measure import Contender, TimingPolicy, contenders, measure_ceilings, plan, run
+from .pitfalls import honesty_demos
+from .results import (README_END, README_START, REPO_ROOT, RESULTS_DIR, SCHEMA_VERSION, add_speedups,
+                      committed_results, default_output, environment, load_results, readme_table, save_results,
+                      update_readme)
+from .sweeps import (BASELINES, LADDER_LENGTHS, PRESETS, PUBLIC_CONFIGS, TOKENS, Config, Refused, Sweep,
+                     attention_flops, minimum_bytes, record_key)
+
+__all__ = [
+    # what is measured (sweeps.py)
+    "Config", "Sweep", "PRESETS", "PUBLIC_CONFIGS", "LADDER_LENGTHS", "TOKENS", "BASELINES", "attention_flops",
+    "minimum_bytes", "record_key", "Refused",
+    # how (measure.py)
+    "Contender", "contenders", "TimingPolicy", "measure_ceilings", "plan", "run",
+    # the results file (results.py)
+    "SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "environment", "load_results",
+    "save_results", "add_speedups", "default_output", "committed_results", "readme_table", "update_readme",
+    # the demonstrations (pitfalls.py) and the command line (cli.py)
+    "honesty_demos", "main",
+]

@@ -1,0 +1,7 @@
+"""``python -m wb_kernels.bench ...``: the benchmark's command line (lesson 06); see ``--help``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,178 @@
+"""The benchmark's command line, ``python -m wb_kernels.bench`` (lesson 06; the GPU run behind every lesson's numbers).
+
+    python -m wb_kernels.bench --help
+    python -m wb_kernels.bench --list                       # presets, stages, baselines
+    python -m wb_kernels.bench --preset smoke               # tiny sweep (the simulator's preset)
+    python -m wb_kernels.bench --preset all --time-budget 330   # on a GPU: results/bench/<gpu>_<date>.json
+    python -m wb_kernels.bench --figures results/bench/FILE.json        # figures/bench_*.png from a results file
+    python -m wb_kernels.bench --update-readme results/bench/FILE.json  # README's performance table
+
+Flags become :class:`~wb_kernels.bench.sweeps.Sweep` objects and a
+:class:`~wb_kernels.bench.measure.TimingPolicy` for :func:`~wb_kernels.bench.measure.run`; a request that
+cannot run here is a one-line error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from ..stages import available_stages
+from .measure import TimingPolicy, _device, contenders, run
+from .results import default_output, load_results, update_readme
+from .sweeps import BASELINE_HELP, BASELINES, GPU_PRESETS, PRESET_HELP, PRESETS, TOKENS, Config, Refused, Sweep
+
+__all__ = ["main"]
+
+
+def _ints(text: str) -> tuple:
+    return tuple(int(x) for x in text.replace(",", " ").split())
+
+
+def _names(text: str) -> tuple:
+    return tuple(x for x in text.replace(",", " ").split())
+
+
+def _parser() -> argparse.ArgumentParser:
+    presets = "\n".join(f"  {name:15s} {text}" for name, text in PRESET_HELP.items())
+    parser = argparse.ArgumentParser(
+        prog="python -m wb_kernels.bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Benchmark the attention stages of wb_kernels against PyTorch (and flash-attn, vLLM when "
+                    "installed). Results go to one JSON file per run, written after every measurement and "
+                    "resumed when the same command runs again.",
+        epilog=f"presets:\n{presets}\n\nfree flags (--stages, --lengths, ...) define one more sweep; without a "
+               "preset they are the whole run. Examples:\n"
+               "  python -m wb_kernels.bench --preset smoke\n"
+               "  python -m wb_kernels.bench --preset all --time-budget 330\n"
+               "  python -m wb_kernels.bench --stages flash --baselines sdpa --lengths 1024,4096 --head-dims 64\n"
+               "  python -m wb_kernels.bench --figures results/bench/FILE.json")
+    parser.add_argument("--preset", action="append", choices=list(PRESET_HELP), help="a named sweep (repeatable)")
+    parser.add_argument("--stages", type=_names, help="stages to run, comma-separated (default with free flags: all)")
+    parser.add_argument("--baselines", type=_names, help=f"baselines, comma-separated, from: {', '.join(BASELINES)}")
+    parser.add_argument("--lengths", type=_ints, help="sequence lengths L (Lq = Lk), e.g. 512,1024")
+    parser.add_argument("--head-dims", type=_ints, help="head dims D, e.g. 64,128")
+    parser.add_argument("--dtypes", type=_names, help="float16, bfloat16, float32 (default float32)")
+    parser.add_argument("--batch-heads", type=_ints, metavar="B,H", help="batch and heads (default: B*L = --tokens)")
+    parser.add_argument("--tokens", type=int, default=None, help=f"B = tokens // L (default {TOKENS} on a GPU)")
+    parser.add_argument("--heads", type=int, default=16, help="heads when B comes from --tokens (default 16)")
+    parser.add_argument("--causal", choices=("no", "yes", "both"), default="no")
+    parser.add_argument("--out", type=Path, help="results file (default: results/bench/<gpu>_<date>.json, or "
+                                                 "results/bench/simulator_smoke.json on the simulator)")
+    parser.add_argument("--fresh", action="store_true", help="start a new file instead of resuming")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="stop repeating a measurement after about this many seconds of samples "
+                             "(default 0.3 on a GPU, 0.05 on the simulator)")
+    parser.add_argument("--min-repeats", type=int, default=3)
+    parser.add_argument("--max-repeats", type=int, default=100)
+    parser.add_argument("--no-flush", action="store_true", help="do not flush the L2 cache between repeats")
+    parser.add_argument("--time-failed-checks", action="store_true",
+                        help="also time a stage whose output fails the check (flagged check_failed in the file, "
+                             "marked in figures and the README table); by default it is recorded as failed, untimed")
+    parser.add_argument("--time-budget", type=float, help="stop starting new measurements after this many "
+                                                          "seconds (the file can be resumed)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-figures", action="store_true", help="do not draw figures/bench_*.png after a GPU run")
+    parser.add_argument("--list", action="store_true", help="list presets, stages and baselines, then exit")
+    parser.add_argument("--figures", nargs="?", const=True, metavar="RESULTS.json",
+                        help="with a file: draw figures/bench_*.png from it, then exit; alone: draw them after the "
+                             "run (the default on a GPU)")
+    parser.add_argument("--update-readme", type=Path, metavar="RESULTS.json",
+                        help="rewrite README.md's performance table from a results file, then exit")
+    return parser
+
+
+def _custom_sweep(args, on_cuda: bool) -> Optional[Sweep]:
+    if not any((args.stages, args.baselines, args.lengths, args.head_dims, args.dtypes, args.batch_heads)):
+        return None
+    stages = args.stages if args.stages is not None else tuple(
+        name for name in available_stages() if name != "reference" or not on_cuda)
+    baselines = args.baselines if args.baselines is not None else ("sdpa",)
+    lengths = args.lengths or ((1024, 4096) if on_cuda else (32,))
+    head_dims = args.head_dims or ((64,) if on_cuda else (16,))
+    dtypes = args.dtypes or ("float32",)
+    causals = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
+    configs = []
+    for dtype in dtypes:
+        for causal in causals:
+            for D in head_dims:
+                for L in lengths:
+                    if args.batch_heads:
+                        if len(args.batch_heads) != 2:
+                            raise Refused(f"--batch-heads wants two numbers B,H; got {args.batch_heads}")
+                        B, H = args.batch_heads
+                    else:
+                        tokens = args.tokens or (TOKENS if on_cuda else L)
+                        B, H = max(1, tokens // L), args.heads if on_cuda or args.tokens else 1
+                    configs.append(Config(B, H, L, D, dtype, causal))
+    return Sweep("custom", tuple(stages) + tuple(baselines), tuple(configs))
+
+
+def _listing() -> str:
+    lines = ["presets:"] + [f"  {n:15s} {t}" for n, t in PRESET_HELP.items()] + ["stages (this package):"]
+    for name, stage in available_stages().items():
+        lines.append(f"  {name:15s} {stage.summary} [{', '.join(stage.dtypes)}]"
+                     + (" (GPU only)" if stage.needs_gpu else ""))
+    lines.append("baselines:")
+    table = contenders()
+    for name in BASELINES:
+        why = table[name].unavailable
+        lines.append(f"  {name:15s} {BASELINE_HELP[name]}" + (f" -- absent: {why}" if why else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.list:
+            print(_listing())
+            return 0
+        if args.update_readme:
+            print(f"updated {update_readme(args.update_readme)}")
+            return 0
+        if isinstance(args.figures, str):
+            from .figures import save_all
+
+            for path in save_all(load_results(args.figures)):
+                print(f"wrote {path}")
+            return 0
+        on_cuda = _device() == "cuda"
+        presets = list(args.preset or [])
+        if "all" in presets:
+            presets = [p for p in presets if p != "all"] + ["public", "ladder", "flash-fp32", "tensor-cores", "honesty"]
+        custom = _custom_sweep(args, on_cuda)
+        if not presets and custom is None:
+            presets = ["smoke"]
+        if not on_cuda:
+            gpu_only = [p for p in presets if p in GPU_PRESETS]
+            if gpu_only:
+                raise Refused(f"preset {', '.join(gpu_only)} needs a CUDA GPU (sizes up to L=16384); this machine "
+                              "runs the CUDA simulator. Use --preset smoke, or small free flags such as "
+                              "--lengths 32 --head-dims 16.")
+        sweeps = [sweep for p in dict.fromkeys(presets) for sweep in PRESETS.get(p, [])]
+        if custom is not None:
+            sweeps.append(custom)
+        explicit = tuple(args.stages or ()) + tuple(args.baselines or ())
+        seconds = args.seconds if args.seconds is not None else (0.3 if on_cuda else 0.05)
+        policy = TimingPolicy(seconds=seconds, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
+                              flush_l2=not args.no_flush, time_failed_checks=args.time_failed_checks)
+        out = default_output("cuda" if on_cuda else "cpu")
+        if args.out is not None:  # a folder (existing, or written with a trailing slash) gets the default name
+            folder = args.out.is_dir() or str(args.out).endswith(("/", "\\"))
+            out = args.out / out.name if folder else args.out
+        print(f"writing {out}")
+        run(sweeps, out, policy=policy, resume=not args.fresh, seed=args.seed, progress=not args.no_progress,
+            time_budget=args.time_budget, honesty="honesty" in presets, explicit=explicit,
+            command="python -m wb_kernels.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+        wants_figures = (on_cuda and not args.no_figures) or args.figures is True
+        if wants_figures and any(r["status"] == "ok" for r in load_results(out)["records"]):
+            from .figures import save_all
+
+            for path in save_all(load_results(out)):
+                print(f"wrote {path}")
+    except Refused as refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    return 0

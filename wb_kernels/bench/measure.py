@@ -1,0 +1,515 @@
+"""How the benchmark measures (lesson 06): the contenders, one measurement, and the resumable sweep.
+
+What one measurement is (the rules lesson 06 teaches, and :func:`wb_kernels.bench.pitfalls.honesty_demos`
+demonstrates):
+
+- fresh random inputs (never zeros: zeros make some GPUs run faster), drawn once per shape and
+  shared by every contender, so all of them see exactly the same numbers;
+- correctness first: each contender's output for the first (batch, head) is checked against the
+  float64 reference with :func:`wb_kernels.check.check` before it is timed; a stage that fails is
+  not timed, a baseline that fails is timed and flagged;
+- warm-up calls (compilation, cuDNN plans, the allocator), then CUDA-event timing with the L2 cache
+  flushed before every repeat (:func:`wb_kernels.timing.time_call`), repeated until about
+  ``--seconds`` of samples exist (at least 3, or 2 for calls slower than a second); median and
+  spread, never the mean;
+- peak memory: the bytes allocated beyond the inputs during the checked call (output included),
+  next to the stage's analytic workspace (``Stage.workspace_bytes``);
+- the ceilings the roofline is drawn against (large fp16/bf16/fp32 matmuls, a device-to-device
+  copy) are measured in the same run.
+
+Results are written after every measurement; running the same command again skips what is done,
+so a sweep cut short (``--time-budget``, a lost machine) continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+import time
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..stages import available_stages
+from .results import _new_results, _sig, add_speedups, environment, load_results, save_results
+from .sweeps import _ITEMSIZE, BASELINES, Config, Refused, attention_flops, minimum_bytes, record_key
+
+__all__ = ["Contender", "contenders", "TimingPolicy", "measure", "measure_ceilings", "plan", "run"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Contenders: the package's stages and PyTorch's (and others') attention
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Contender:
+    """Something that computes attention. ``prepare(q, k, v, causal)`` does the untimed setup and
+    returns ``(call, as_bhld)``: the timed zero-argument call, and a function turning its result
+    into the output (B, H, L, D) for the check."""
+
+    name: str
+    kind: str  # "stage" or "baseline"
+    prepare: Callable
+    dtypes: Optional[tuple] = None  # None: any
+    head_dims: Optional[tuple] = None
+    needs_gpu: bool = False
+    unavailable: Optional[str] = None  # why it cannot run here at all (not installed, ...)
+    workspace_bytes: Optional[Callable] = None
+
+
+def _sdpa_prepare(backend_name: Optional[str]):
+    def prepare(q, k, v, causal):
+        import torch.nn.functional as F
+
+        if backend_name is None:
+            return (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), None
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, backend_name)
+
+        def call():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return call, None
+
+    return prepare
+
+
+def _eager_prepare(q, k, v, causal):
+    """softmax(q k^T * scale) v as three PyTorch ops, the way attention is written by hand.
+    The softmax runs in float32 (as real models do), so half precision stays accurate."""
+    import torch
+
+    scale = q.shape[-1] ** -0.5
+    L, Lk = q.shape[-2], k.shape[-2]
+    mask = torch.ones(L, Lk, dtype=torch.bool, device=q.device).tril() if causal else None
+
+    def call():
+        scores = (q @ k.transpose(-1, -2)) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+    return call, None
+
+
+def _flash_attn_prepare(q, k, v, causal):
+    from flash_attn import flash_attn_func
+
+    # flash_attn wants (B, L, H, D); the transposed copies are made here, outside the timing.
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    return (lambda: flash_attn_func(qt, kt, vt, causal=causal)), (lambda out: out.transpose(1, 2))
+
+
+def _vllm_prepare(q, k, v, causal):
+    import torch
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    B, H, L, D = q.shape
+    qt, kt, vt = (x.transpose(1, 2).reshape(B * L, H, D).contiguous() for x in (q, k, v))
+    cu = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=q.device)
+
+    def call():
+        return flash_attn_varlen_func(qt, kt, vt, max_seqlen_q=L, cu_seqlens_q=cu, max_seqlen_k=L,
+                                      cu_seqlens_k=cu, causal=causal)
+
+    return call, (lambda out: out.reshape(B, L, H, D).transpose(1, 2))
+
+
+def _import_problem(module: str) -> Optional[str]:
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 - any import failure means "not usable here"
+        return f"{module} is not importable here ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+    return None
+
+
+def _baselines() -> dict:
+    return {
+        "sdpa": Contender("sdpa", "baseline", _sdpa_prepare(None)),
+        "sdpa-flash": Contender("sdpa-flash", "baseline", _sdpa_prepare("FLASH_ATTENTION")),
+        "sdpa-efficient": Contender("sdpa-efficient", "baseline", _sdpa_prepare("EFFICIENT_ATTENTION")),
+        "sdpa-cudnn": Contender("sdpa-cudnn", "baseline", _sdpa_prepare("CUDNN_ATTENTION")),
+        "sdpa-math": Contender("sdpa-math", "baseline", _sdpa_prepare("MATH")),
+        "torch-eager": Contender("torch-eager", "baseline", _eager_prepare),
+        "flash_attn": Contender("flash_attn", "baseline", _flash_attn_prepare, dtypes=("float16", "bfloat16"),
+                                needs_gpu=True),
+        "vllm": Contender("vllm", "baseline", _vllm_prepare, dtypes=("float16", "bfloat16"), needs_gpu=True),
+    }
+
+
+def _stage_contender(stage) -> Contender:
+    from ..api import validate
+    from ..device import like_input
+
+    def prepare(q, k, v, causal):
+        try:
+            validate(q, k, v, stage=stage.name, causal=causal)
+        except (MemoryError, ValueError, TypeError) as refusal:  # the stage cannot take this size here
+            raise SizeRefused(refusal) from refusal
+        # Validated once above; the timed call is the stage's launcher alone, without the API's per-call
+        # checks (its NaN/Inf scan reads q and k once more and waits for the answer on the host).
+        # (like_input: the simulator's stages return NumPy; on a GPU it returns the CUDA tensor as it is)
+        return (lambda: like_input(stage.forward(q, k, v, causal=causal, key_padding_mask=None, scale=None)[0],
+                                   q)), None
+
+    return Contender(stage.name, "stage", prepare, dtypes=tuple(stage.dtypes), head_dims=stage.head_dims,
+                     needs_gpu=stage.needs_gpu, workspace_bytes=stage.workspace_bytes)
+
+
+def contenders() -> dict:
+    """{name: Contender}: the package's stages (ladder order), then the baselines."""
+    found = {name: _stage_contender(stage) for name, stage in available_stages().items()}
+    problems = {"flash_attn": _import_problem("flash_attn"), "vllm": _import_problem("vllm.vllm_flash_attn")}
+    for name, contender in _baselines().items():
+        found[name] = replace(contender, unavailable=problems.get(name))
+    return found
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs, reference, check
+# ----------------------------------------------------------------------------------------------
+
+def _device() -> str:
+    from ..timing import on_gpu
+
+    return "cuda" if on_gpu() else "cpu"
+
+
+def _reference_first_head(q, k, v, causal):
+    """float64 reference (out, lse) for batch 0, head 0, as NumPy arrays (1, 1, L, D) and (1, 1, L).
+
+    On the CPU this is :func:`wb_kernels.reference`. On a GPU the same formula runs in float64 on
+    the GPU: at L = 16384 the NumPy version would need 6 GB of host memory and tens of seconds.
+    """
+    if q.device.type == "cpu":
+        from ..reference import reference
+
+        return reference(q[:1, :1], k[:1, :1], v[:1, :1], causal=causal)
+    return _torch_reference(q[:1, :1], k[:1, :1], v[:1, :1], causal)
+
+
+def _torch_reference(q, k, v, causal):
+    """The float64 reference in PyTorch (same conventions as :func:`wb_kernels.reference`, no padding)."""
+    import torch
+
+    q, k, v = (x.detach().double() for x in (q, k, v))
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.exp(scores - lse[..., None]) @ v
+    return out.cpu().numpy(), lse.cpu().numpy()
+
+
+class _InputCache:
+    """Draws one float64 set of q, k, v per shape and casts it per dtype, so every contender and
+    every dtype of a shape sees the same numbers (and the draw is paid once)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.shape = None
+        self.master = None
+        self.by_dtype = {}
+
+    def get(self, config: Config):
+        import torch
+
+        from ..inputs import random_qkv
+
+        if config.shape_key != self.shape:
+            self.clear()
+            B, H, L, D = config.shape_key
+            self.master = random_qkv(B, H, L, D, dtype="float64", framework="torch", device=_device(),
+                                     seed=self.seed)
+            self.shape = config.shape_key
+        if config.dtype not in self.by_dtype:
+            self.by_dtype = {config.dtype: tuple(x.to(getattr(torch, config.dtype)).contiguous()
+                                                 for x in self.master)}
+        return self.by_dtype[config.dtype]
+
+    def clear(self):
+        self.shape, self.master, self.by_dtype = None, None, {}
+        _free_device_memory()
+
+
+def _free_device_memory():
+    import gc
+
+    gc.collect()
+    if _device() == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# One measurement
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class TimingPolicy:
+    seconds: float = 1.0  # stop repeating once about this much time of samples exists
+    min_repeats: int = 3
+    max_repeats: int = 100
+    warmup: int = 2
+    flush_l2: bool = True
+    slow_call_ms: float = 1000.0  # calls slower than this get 2 repeats and no extra warm-up
+    time_failed_checks: bool = False  # True: a stage that fails its check is timed too, and flagged
+
+
+class SizeRefused(Exception):
+    """A stage's validate() refused the configuration (memory, simulator time): recorded as skipped."""
+
+    def __init__(self, original: BaseException):
+        super().__init__(str(original))
+        self.original = original
+
+
+def _short(error: BaseException) -> str:
+    if isinstance(error, SizeRefused):
+        error = error.original
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, MemoryError) or "out of memory" in text or "out_of_memory" in text
+
+
+def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPolicy) -> dict:
+    """Check, then time, one contender on one configuration. Never raises for the contender's
+    own failures: they become ``status`` "skipped" (cannot run this size here) or "failed"."""
+    from ..check import check
+    from ..timing import peak_memory, time_call
+
+    q, k, v = inputs
+    record = {"key": record_key(contender.name, config), "contender": contender.name, "kind": contender.kind,
+              "dtype": config.dtype, "B": config.B, "H": config.H, "Lq": config.L, "Lk": config.L,
+              "D": config.D, "causal": config.causal}
+    flops = attention_flops(config.B, config.H, config.L, config.L, config.D, config.causal)
+    nbytes = minimum_bytes(config.B, config.H, config.L, config.L, config.D, _ITEMSIZE[config.dtype])
+    record.update(flops=flops, bytes_min=nbytes, intensity=_sig(flops / nbytes))
+    if contender.workspace_bytes is not None:
+        record["workspace_bytes"] = int(contender.workspace_bytes(config.B, config.H, config.L, config.L, config.D))
+
+    try:
+        with warnings.catch_warnings():
+            # SDPA warns about each kernel it rejects before raising "no available kernel".
+            warnings.simplefilter("ignore")
+            call, as_bhld = contender.prepare(q, k, v, config.causal)
+            result, memory = peak_memory(call)
+    except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
+        text = str(error).lower()
+        if isinstance(error, SizeRefused) or _is_out_of_memory(error) or "no available kernel" in text \
+                or "no viable backend" in text:
+            record.update(status="skipped", reason=_short(error))
+        else:
+            record.update(status="failed", reason=_short(error))
+        _free_device_memory()
+        return record
+
+    out = as_bhld(result) if as_bhld is not None else result
+    record["peak_bytes"] = int(memory.peak_bytes)
+    record["peak_device"] = memory.device
+    record["output_bytes"] = int(out.numel() * out.element_size())
+    verdict = check(contender.name, out[:1, :1], q[:1, :1], k[:1, :1], v[:1, :1], causal=config.causal,
+                    ref=ref, verbose=False, raise_on_failure=False)
+    record["check"] = {"max_err": _sig(verdict.max_err, 3), "tol": _sig(verdict.tol, 3), "passed": verdict.passed,
+                       "line": verdict.line()}
+    del result, out
+    if not verdict.passed and contender.kind == "stage":
+        if not policy.time_failed_checks:
+            record.update(status="failed", reason=f"check: {verdict.line()}")
+            _free_device_memory()
+            return record
+        record["check_failed"] = True
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            estimate = time_call(call, warmup=0, repeats=1, flush_l2=policy.flush_l2).median_ms
+            if estimate >= policy.slow_call_ms:
+                repeats, warmup = 2, 0
+            else:
+                wanted = math.ceil(policy.seconds * 1e3 / max(estimate, 1e-3))
+                repeats = max(policy.min_repeats, min(policy.max_repeats, wanted))
+                warmup = policy.warmup if estimate < 100 else 0
+            timing = time_call(call, warmup=warmup, repeats=repeats, flush_l2=policy.flush_l2)
+    except Exception as error:  # noqa: BLE001
+        record.update(status="skipped" if _is_out_of_memory(error) else "failed", reason=_short(error))
+        _free_device_memory()
+        return record
+
+    seconds = timing.median_ms / 1e3
+    record.update(
+        status="ok", device=timing.device, repeats=len(timing.samples_ms), median_ms=_sig(timing.median_ms),
+        iqr_ms=_sig(timing.iqr_ms), min_ms=_sig(timing.min_ms), max_ms=_sig(timing.max_ms),
+        samples_ms=[_sig(s, 4) for s in timing.samples_ms],
+        tflops=_sig(flops / seconds / 1e12), tokens_per_s=_sig(config.B * config.L / seconds),
+        l2_flushed=policy.flush_l2 and timing.device == "cuda",
+    )
+    if not verdict.passed:
+        record["check_failed"] = True
+        record["note"] = (f"{contender.kind} outside the check tolerance; timed anyway"
+                          + (" (--time-failed-checks)" if contender.kind == "stage" else ""))
+    _free_device_memory()
+    return record
+
+
+# ----------------------------------------------------------------------------------------------
+# Ceilings for the roofline
+# ----------------------------------------------------------------------------------------------
+
+def measure_ceilings(size: int = 8192, copy_bytes: int = 2**30) -> dict:
+    """Peak rates measured now: matmuls of size^3 (fp16, bf16, fp32 without TF32) and a copy."""
+    import torch
+
+    from ..timing import time_call
+
+    ceilings = {}
+    for dtype in ("float16", "bfloat16", "float32"):
+        a = torch.randn(size, size, device="cuda", dtype=getattr(torch, dtype))
+        b = torch.randn(size, size, device="cuda", dtype=getattr(torch, dtype))
+        previous = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 ceiling is for true fp32 FMA
+        try:
+            t = time_call(torch.matmul, a, b, warmup=3, repeats=10 if dtype == "float32" else 20)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+        ceilings[f"{dtype}_matmul_tflops"] = _sig(2.0 * size ** 3 / (t.median_ms / 1e3) / 1e12)
+        del a, b
+    source = torch.empty(copy_bytes // 4, dtype=torch.float32, device="cuda").normal_()
+    target = torch.empty_like(source)
+    t = time_call(target.copy_, source, warmup=3, repeats=20)
+    ceilings["copy_gbps"] = _sig(2.0 * copy_bytes / (t.median_ms / 1e3) / 1e9)  # read + write
+    ceilings["matmul_size"] = size
+    ceilings["copy_bytes"] = copy_bytes
+    del source, target
+    _free_device_memory()
+    return ceilings
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweep
+# ----------------------------------------------------------------------------------------------
+
+def plan(sweeps, table: dict, *, explicit: tuple = ()) -> tuple:
+    """(jobs, notes): [(Contender, Config, [sweep names])] in input-sharing order, and why some
+    requested contenders are not in it. Contenders named in `explicit` must be runnable here."""
+    jobs, notes = {}, {}
+    for sweep in sweeps:
+        for name in sweep.contenders:
+            contender = table.get(name)
+            if contender is None:
+                if name in explicit:
+                    raise Refused(f"{name!r} is neither a stage of this package ({', '.join(available_stages())}) "
+                                  f"nor a baseline ({', '.join(BASELINES)})")
+                notes[name] = "not a stage of this package yet"
+                continue
+            if contender.needs_gpu and _device() != "cuda":
+                if name in explicit:
+                    raise Refused(f"stage {name!r} runs only on a CUDA GPU, and this machine runs the CUDA "
+                                  "simulator: run it on a GPU, or leave it out here" if contender.kind == "stage" else
+                                  f"baseline {name!r} needs a CUDA GPU; this machine has none")
+                notes[name] = "needs a CUDA GPU"
+                continue
+            if contender.unavailable:
+                notes[name] = contender.unavailable
+                continue
+            if name == "reference" and _device() == "cuda" and name not in explicit:
+                continue  # the float64 CPU reference is the judge, not a contender, on a GPU
+            for config in sweep.configs:
+                if contender.dtypes is not None and config.dtype not in contender.dtypes:
+                    continue
+                if contender.head_dims is not None and config.D not in contender.head_dims:
+                    continue
+                key = record_key(name, config)
+                if key in jobs:
+                    jobs[key][2].append(sweep.name)
+                else:
+                    jobs[key] = (contender, config, [sweep.name])
+    order = sorted(jobs.values(), key=lambda job: (job[1].shape_key, job[1].dtype, job[1].causal,
+                                                   list(table).index(job[0].name)))
+    return order, notes
+
+
+def run(sweeps, out_path, *, policy: TimingPolicy | None = None, resume: bool = True, seed: int = 0,
+        progress: bool = True, time_budget: float | None = None, ceilings: bool = True, honesty: bool = False,
+        explicit: tuple = (), table: dict | None = None, command: str | None = None, log=print) -> dict:
+    """Run `sweeps` into the JSON file `out_path` (resuming it unless resume=False); return the results."""
+    from tqdm.auto import tqdm
+
+    started = time.monotonic()
+    policy = policy or TimingPolicy()
+    table = table if table is not None else contenders()
+    jobs, notes = plan(sweeps, table, explicit=explicit)
+    out_path = Path(out_path)
+    if resume and out_path.exists():
+        results = load_results(out_path)
+        if results["environment"].get("device") != environment()["device"]:
+            raise Refused(f"{out_path} holds results from {results['environment'].get('device')}; this machine is "
+                          f"{environment()['device']}. Write to another file (--out) or start over (--fresh).")
+    else:
+        results = _new_results([s.name for s in sweeps], command)
+    results["presets"] = sorted(set(results["presets"]) | {s.name for s in sweeps})
+    results["unavailable"].update(notes)
+    for name, why in notes.items():
+        log(f"  {name}: absent ({why})")
+    done = {r["key"] for r in results["records"]}
+    todo = [job for job in jobs if record_key(job[0].name, job[1]) not in done]
+    log(f"{len(jobs)} measurements planned, {len(jobs) - len(todo)} already in {out_path}, {len(todo)} to run "
+        f"on {results['environment']['device']}")
+
+    on_cuda = _device() == "cuda"
+    if on_cuda and ceilings and results.get("ceilings") is None:
+        log("measuring the roofline ceilings (fp16/bf16/fp32 matmul, copy)")
+        results["ceilings"] = measure_ceilings()
+        save_results(results, out_path)
+    if honesty:
+        if not on_cuda:
+            log("honesty demonstrations: need a GPU, skipped here")
+        elif results.get("honesty") is None:
+            from .pitfalls import honesty_demos  # pitfalls.py builds on this module: imported here, not above
+
+            log("running the honest-benchmarking demonstrations")
+            results["honesty"] = honesty_demos()
+            save_results(results, out_path)
+
+    cache = _InputCache(seed)
+    ref_cache = {}
+    stopped = False
+    bar = tqdm(todo, disable=not progress, unit="run", dynamic_ncols=True, file=sys.stderr)
+    for contender, config, sweep_names in bar:
+        if time_budget is not None and time.monotonic() - started > time_budget:
+            stopped = True
+            break
+        bar.set_description(f"{contender.name} {config.dtype} L={config.L} D={config.D}"
+                            f"{' causal' if config.causal else ''}")
+        inputs = cache.get(config)
+        ref_key = (config.shape_key, config.dtype, config.causal)
+        if ref_key not in ref_cache:
+            ref_cache.clear()
+            ref_cache[ref_key] = _reference_first_head(*inputs, config.causal)
+        record = measure(contender, config, inputs, ref_cache[ref_key], policy)
+        record["presets"] = sweep_names
+        results["records"].append(record)
+        if record["status"] != "ok":
+            tqdm.write(f"  {record['key']}: {record['status']}: {record['reason']}", file=sys.stderr)
+        add_speedups(results)
+        save_results(results, out_path)
+    bar.close()
+    cache.clear()
+    add_speedups(results)
+    results["complete"] = not stopped
+    save_results(results, out_path)
+    counts = {s: sum(r["status"] == s for r in results["records"]) for s in ("ok", "skipped", "failed")}
+    log(f"{out_path}: {counts['ok']} timed, {counts['skipped']} skipped, {counts['failed']} failed"
+        + (f"; stopped after {time_budget:.0f} s (--time-budget): run the same command again to continue"
+           if stopped else ""))
+    return results

@@ -1,0 +1,275 @@
+"""Honest benchmarking, shown by getting it wrong on purpose (lesson 06's middle part).
+
+:func:`honesty_demos` measures each mistake next to the right way on a GPU: no warm-up, a CPU timer
+without synchronizing, the mean instead of the median, a warm L2 cache, clocks after idle, zeros
+instead of random inputs. ``--preset honesty`` stores its numbers in the results file, and
+:func:`honesty_lines` and :func:`samples_figure` print and draw them from there, so the lesson reads
+the same on a laptop as on the GPU that measured them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from .measure import _free_device_memory, _short
+from .results import _nvidia_smi, _sig
+
+__all__ = ["honesty_demos", "HONESTY_TOPICS", "NO_DEMOS", "honesty_lines", "samples_figure"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring them (GPU only)
+# ----------------------------------------------------------------------------------------------
+
+def _event_ms(fn, repeats: int, flush=None, prime: bool = False) -> list:
+    """CUDA-event times of `fn`. `flush` (evict L2) or `prime` (one untimed call of fn: a warm L2) run
+    just before each start event, so the GPU is busy when the timed call is queued and the CPU's launch
+    gap is not timed with it."""
+    import torch
+
+    samples = []
+    for _ in range(repeats):
+        if flush is not None:
+            flush()
+        if prime:
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return samples
+
+
+def _stats(samples) -> dict:
+    ordered = sorted(samples)
+    quartiles = statistics.quantiles(ordered, n=20) if len(ordered) >= 4 else [ordered[0]] * 19
+    return {"n": len(ordered), "median_ms": _sig(statistics.median(ordered)), "mean_ms": _sig(statistics.fmean(ordered)),
+            "min_ms": _sig(ordered[0]), "max_ms": _sig(ordered[-1]), "p5_ms": _sig(quartiles[0]),
+            "p25_ms": _sig(quartiles[4]), "p75_ms": _sig(quartiles[14]), "p95_ms": _sig(quartiles[18])}
+
+
+def honesty_demos() -> dict:
+    """Measured examples of each benchmarking mistake (lesson 06). GPU only; about 15 s.
+
+    Each entry holds the numbers of the wrong and the right way, measured one after the other.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from ..timing import _L2Flusher
+
+    demos = {}
+    flush = _L2Flusher()
+    big = dict(B=4, H=16, L=4096, D=128, dtype="float16")  # the host's baseline configuration
+    small = dict(B=1, H=16, L=1024, D=64, dtype="float16")  # 6 MiB of inputs: fits in the 50 MiB L2
+
+    def qkv(B, H, L, D, dtype, zeros=False):
+        make = torch.zeros if zeros else torch.randn
+        gen = {} if zeros else {"generator": torch.Generator(device="cuda").manual_seed(0)}
+        return tuple(make(B, H, L, D, device="cuda", dtype=getattr(torch, dtype), **gen) for _ in range(3))
+
+    # 1. Warm-up: the first call of a numba kernel includes its compilation.
+    try:
+        from numba import cuda
+
+        @cuda.jit
+        def scale_in_place(x, factor):  # a fresh kernel, never compiled before in this process
+            i = cuda.grid(1)
+            if i < x.size:
+                x[i] *= factor
+
+        x = torch.ones(1 << 20, device="cuda")
+        view = cuda.as_cuda_array(x)
+        blocks = (x.numel() + 255) // 256
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        scale_in_place[blocks, 256](view, 1.0)
+        torch.cuda.synchronize()
+        first_ms = (time.perf_counter() - t0) * 1e3
+        steady = [(lambda: (time.perf_counter(), scale_in_place[blocks, 256](view, 1.0), torch.cuda.synchronize(),
+                            time.perf_counter()))() for _ in range(20)]
+        steady_ms = [(s[3] - s[0]) * 1e3 for s in steady]
+        q, k, v = qkv(1, 16, 1536, 128, "float16")  # a shape no other measurement uses: a cold plan
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, v)
+        torch.cuda.synchronize()
+        sdpa_first = (time.perf_counter() - t0) * 1e3
+        sdpa_steady = [(lambda: (time.perf_counter(), F.scaled_dot_product_attention(q, k, v), torch.cuda.synchronize(),
+                                 time.perf_counter()))() for _ in range(20)]
+        demos["warmup"] = {
+            "what": "wall-clock time of the first call vs the median of the next 20 (synchronized)",
+            "numba_kernel_first_ms": _sig(first_ms), "numba_kernel_steady_median_ms": _sig(statistics.median(steady_ms)),
+            "sdpa_first_ms": _sig(sdpa_first),
+            "sdpa_steady_median_ms": _sig(statistics.median([(s[3] - s[0]) * 1e3 for s in sdpa_steady])),
+            "sdpa_shape": "B1 H16 L1536 D128 fp16"}
+    except Exception as error:  # noqa: BLE001
+        demos["warmup"] = {"error": _short(error)}
+
+    # 2. Asynchrony: a CPU timer without synchronization measures only the launch.
+    q, k, v = qkv(**big)
+    call = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    no_sync, with_sync = [], []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        call()
+        no_sync.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        with_sync.append((time.perf_counter() - t0) * 1e3)
+    events = _event_ms(call, 20)
+    demos["async"] = {"what": "SDPA B4 H16 L4096 D128 fp16 timed three ways, medians of 20",
+                      "cpu_timer_no_sync_ms": _sig(statistics.median(no_sync)),
+                      "cpu_timer_with_sync_ms": _sig(statistics.median(with_sync)),
+                      "cuda_events_ms": _sig(statistics.median(events))}
+
+    # 3. Medians: 300 repeats of a short call; the mean is pulled by a few slow samples.
+    qs, ks, vs = qkv(**small)
+    short_call = lambda: F.scaled_dot_product_attention(qs, ks, vs)  # noqa: E731
+    for _ in range(5):
+        short_call()
+    samples = _event_ms(short_call, 300)
+    demos["medians"] = {"what": "SDPA B1 H16 L1024 D64 fp16, 300 CUDA-event samples, no flush",
+                        **_stats(samples), "samples_ms": [_sig(s, 4) for s in samples]}
+
+    # 4. L2: a small problem timed right after the same call finds its inputs in the L2 cache.
+    hot = _event_ms(short_call, 50, prime=True)
+    cold = _event_ms(short_call, 50, flush=flush)
+    buffer = torch.empty(4 << 20, dtype=torch.float32, device="cuda")  # 16 MiB
+    other = torch.empty_like(buffer)
+    copy_hot = _event_ms(lambda: other.copy_(buffer), 50, prime=True)
+    copy_cold = _event_ms(lambda: other.copy_(buffer), 50, flush=flush)
+    copy_gbps = lambda ms: _sig(2 * buffer.numel() * 4 / (ms / 1e3) / 1e9)  # noqa: E731
+    demos["l2"] = {"what": "the same call right after itself (warm L2) vs right after an L2 flush",
+                   "sdpa_shape": "B1 H16 L1024 D64 fp16 (6 MiB of inputs)",
+                   "sdpa_warm_ms": _sig(statistics.median(hot)), "sdpa_flushed_ms": _sig(statistics.median(cold)),
+                   "copy_mib": 16, "copy_warm_gbps": copy_gbps(statistics.median(copy_hot)),
+                   "copy_flushed_gbps": copy_gbps(statistics.median(copy_cold)),
+                   "l2_bytes": int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0))}
+    del buffer, other
+
+    # 5. Clocks: they move with idle time, load, power and temperature; watch one matmul call by call.
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    torch.cuda.synchronize()
+    clock_idle = _nvidia_smi("clocks.sm")
+    time.sleep(2.0)
+    after_idle = _event_ms(lambda: torch.matmul(a, b), 120)
+    clock_busy = _nvidia_smi("clocks.sm")
+    demos["clocks"] = {"what": "fp16 matmul 8192^3 timed call by call right after 2 s of idle",
+                       "first_ms": _sig(after_idle[0]), "first5_median_ms": _sig(statistics.median(after_idle[:5])),
+                       "last20_median_ms": _sig(statistics.median(after_idle[-20:])),
+                       "min_ms": _sig(min(after_idle)), "max_ms": _sig(max(after_idle)),
+                       "samples_ms": [_sig(s, 4) for s in after_idle],
+                       "sm_clock_mhz_idle": clock_idle, "sm_clock_mhz_busy": clock_busy,
+                       "sm_clock_mhz_max": _nvidia_smi("clocks.max.sm")}
+
+    # 6. Zeros vs random data: the same matmul on zeros draws less power and may run faster.
+    za = torch.zeros_like(a)
+    zb = torch.zeros_like(b)
+    random_ms, zeros_ms = [], []
+    for _ in range(2):  # interleaved blocks, so a clock drift does not favour one side
+        random_ms += _event_ms(lambda: torch.matmul(a, b), 25)
+        zeros_ms += _event_ms(lambda: torch.matmul(za, zb), 25)
+    zq, zk, zv = qkv(**big, zeros=True)
+    sdpa_random = _event_ms(call, 30, flush=flush)
+    sdpa_zeros = _event_ms(lambda: F.scaled_dot_product_attention(zq, zk, zv), 30, flush=flush)
+    flop = 2.0 * 8192 ** 3
+    demos["zeros"] = {"what": "the same work on random inputs and on zeros, CUDA-event medians",
+                      "matmul_random_ms": _sig(statistics.median(random_ms)),
+                      "matmul_zeros_ms": _sig(statistics.median(zeros_ms)),
+                      "matmul_random_tflops": _sig(flop / statistics.median(random_ms) / 1e9),
+                      "matmul_zeros_tflops": _sig(flop / statistics.median(zeros_ms) / 1e9),
+                      "sdpa_random_ms": _sig(statistics.median(sdpa_random)),
+                      "sdpa_zeros_ms": _sig(statistics.median(sdpa_zeros))}
+    del a, b, za, zb
+    _free_device_memory()
+    return demos
+
+
+# ----------------------------------------------------------------------------------------------
+# Printing and drawing them from the results file (what lesson 06 shows)
+# ----------------------------------------------------------------------------------------------
+
+HONESTY_TOPICS = ("warmup", "async", "medians", "l2", "clocks", "zeros")
+NO_DEMOS = "this results file has no GPU demonstrations (they run with --preset honesty on a GPU)"
+
+
+def honesty_lines(results, topic: str) -> list:
+    """Printable lines for one demonstration ("warmup", "async", "medians", "l2", "clocks", "zeros")."""
+    if topic not in HONESTY_TOPICS:
+        raise ValueError(f"topic={topic!r}: one of {', '.join(HONESTY_TOPICS)}")
+    demo = (results.get("honesty") or {}).get(topic)
+    if demo is None:
+        return [NO_DEMOS]
+    if "error" in demo:
+        return [f"the demonstration failed on that run: {demo['error']}"]
+    if topic == "warmup":
+        return [f"numba kernel, first call (compiles it): {demo['numba_kernel_first_ms']:10.3f} ms",
+                f"numba kernel, then (median of 20):      {demo['numba_kernel_steady_median_ms']:10.3f} ms"
+                f"   -> {demo['numba_kernel_first_ms'] / demo['numba_kernel_steady_median_ms']:,.0f}x",
+                f"SDPA at a new shape, first call:        {demo['sdpa_first_ms']:10.3f} ms",
+                f"SDPA, then (median of 20):              {demo['sdpa_steady_median_ms']:10.3f} ms"
+                f"   -> {demo['sdpa_first_ms'] / demo['sdpa_steady_median_ms']:,.1f}x"]
+    if topic == "async":
+        return [f"CPU timer, no synchronize: {demo['cpu_timer_no_sync_ms']:8.3f} ms   (only the launch)",
+                f"CPU timer + synchronize:   {demo['cpu_timer_with_sync_ms']:8.3f} ms",
+                f"CUDA events:               {demo['cuda_events_ms']:8.3f} ms",
+                f"the unsynchronized number is {demo['cuda_events_ms'] / demo['cpu_timer_no_sync_ms']:.0f}x too small"]
+    if topic == "medians":
+        return [f"{demo['n']} samples: median {demo['median_ms']:.4f} ms, mean {demo['mean_ms']:.4f} ms, "
+                f"min {demo['min_ms']:.4f}, max {demo['max_ms']:.4f}",
+                f"middle half (p25-p75): {demo['p25_ms']:.4f}-{demo['p75_ms']:.4f} ms; "
+                f"p95 {demo['p95_ms']:.4f} ms; max/median {demo['max_ms'] / demo['median_ms']:.2f}x"]
+    if topic == "l2":
+        return [f"SDPA {demo['sdpa_shape']}: warm L2 {demo['sdpa_warm_ms']:.4f} ms, flushed "
+                f"{demo['sdpa_flushed_ms']:.4f} ms ({demo['sdpa_flushed_ms'] / demo['sdpa_warm_ms']:.2f}x)",
+                f"copy of {demo['copy_mib']} MiB: warm L2 {demo['copy_warm_gbps']:,.0f} GB/s, flushed "
+                f"{demo['copy_flushed_gbps']:,.0f} GB/s ({demo['copy_warm_gbps'] / demo['copy_flushed_gbps']:.2f}x)",
+                f"L2 cache of that GPU: {demo['l2_bytes'] / 2**20:.0f} MiB"]
+    if topic == "clocks":
+        return [f"first call after 2 s idle: {demo['first_ms']:.3f} ms; median of the first 5 "
+                f"{demo['first5_median_ms']:.3f} ms; of the last 20 of {len(demo['samples_ms'])} "
+                f"{demo['last20_median_ms']:.3f} ms (first 5 / last 20: "
+                f"{demo['first5_median_ms'] / demo['last20_median_ms']:.2f}x)",
+                f"SM clock (nvidia-smi): idle {demo['sm_clock_mhz_idle']} MHz, busy {demo['sm_clock_mhz_busy']} MHz, "
+                f"max {demo['sm_clock_mhz_max']} MHz"]
+    if topic == "zeros":
+        return [f"fp16 matmul 8192^3: random {demo['matmul_random_ms']:.3f} ms ({demo['matmul_random_tflops']:.0f} "
+                f"TFLOP/s), zeros {demo['matmul_zeros_ms']:.3f} ms ({demo['matmul_zeros_tflops']:.0f} TFLOP/s): "
+                f"zeros take {demo['matmul_zeros_ms'] / demo['matmul_random_ms']:.2f}x the time",
+                f"SDPA B4 H16 L4096 D128 fp16: random {demo['sdpa_random_ms']:.3f} ms, zeros "
+                f"{demo['sdpa_zeros_ms']:.3f} ms: zeros take {demo['sdpa_zeros_ms'] / demo['sdpa_random_ms']:.2f}x the time"]
+    raise AssertionError(topic)  # unreachable: every topic is handled above
+
+
+def samples_figure(results):
+    """Left: the medians demonstration's samples as a histogram with median and mean marked.
+    Right: the clocks demonstration's call-by-call times after idle. None without GPU demos."""
+    demos = results.get("honesty") or {}
+    if "medians" not in demos or "clocks" not in demos or "error" in demos["medians"]:
+        return None
+    from ..plots import new_figure
+
+    fig, (left, right) = new_figure(ncols=2)
+    medians = demos["medians"]
+    left.hist(medians["samples_ms"], bins=40, color="#9467bd", alpha=0.7)
+    left.axvline(medians["median_ms"], color="black", label=f"median {medians['median_ms']:.4f} ms")
+    left.axvline(medians["mean_ms"], color="#d62728", linestyle="--", label=f"mean {medians['mean_ms']:.4f} ms")
+    left.set_yscale("log")
+    left.set(xlabel="ms", ylabel="samples", title=f"{medians['n']} repeats of one call")
+    left.legend()
+    clocks = demos["clocks"]
+    right.plot(range(1, len(clocks["samples_ms"]) + 1), clocks["samples_ms"], "o-", markersize=3, color="#1f77b4")
+    right.set(xlabel="call number after 2 s idle", ylabel="ms", title="fp16 matmul 8192³, call by call")
+    return fig

@@ -1,0 +1,126 @@
+"""What the benchmark measures (lesson 06): problems, sweeps over them, and the named presets.
+
+A :class:`Config` is one problem (shapes, dtype, masking), a :class:`Sweep` is contenders x configs,
+and :data:`PRESETS` names the sweeps ``--preset`` runs. Also here: the counts every record carries
+(:func:`attention_flops`, :func:`minimum_bytes`), the key a record is stored under
+(:func:`record_key`), the baselines' names, and :class:`Refused`. Plain data, no torch, so that
+``--help``, ``--list`` and the README table read it without touching a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Config", "Sweep", "PRESETS", "PRESET_HELP", "GPU_PRESETS", "PUBLIC_CONFIGS", "LADDER_LENGTHS", "TOKENS",
+           "BASELINES", "BASELINE_HELP", "attention_flops", "minimum_bytes", "record_key", "Refused"]
+
+# The configurations other public attention-kernel projects report (B, H, L, D), so that numbers
+# here can be set beside theirs: B*L = 16k tokens, 16 heads of 128, plus the small B=1 L=512 D=64.
+PUBLIC_CONFIGS = ((1, 16, 512, 64), (32, 16, 512, 128), (16, 16, 1024, 128), (8, 16, 2048, 128),
+                  (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 16, 16384, 128))
+LADDER_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+TOKENS = 16384  # B * L of the GPU sweeps
+
+
+@dataclass(frozen=True)
+class Config:
+    """One problem: shapes, dtype and masking. Lq == Lk throughout the benchmark."""
+
+    B: int
+    H: int
+    L: int
+    D: int
+    dtype: str
+    causal: bool
+
+    @property
+    def shape_key(self):
+        return (self.B, self.H, self.L, self.D)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Contenders x configurations; a preset is a list of sweeps."""
+
+    name: str
+    contenders: tuple  # stage names and baseline names; absent stages are dropped quietly
+    configs: tuple  # of Config
+
+
+def attention_flops(B: int, H: int, Lq: int, Lk: int, D: int, causal: bool) -> float:
+    """Multiply-adds of QK^T and PV, 2 FLOPs each: 4*B*H*Lq*Lk*D, halved for causal (the usual count)."""
+    flops = 4.0 * B * H * Lq * Lk * D
+    return flops / 2 if causal else flops
+
+
+def minimum_bytes(B: int, H: int, Lq: int, Lk: int, D: int, itemsize: int) -> float:
+    """The traffic no exact kernel can avoid: read q, k, v once and write the output once."""
+    return float(itemsize) * B * H * D * (2 * Lq + 2 * Lk)
+
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _tokens_configs(lengths, D, dtypes, causals, H=16, tokens=TOKENS):
+    return tuple(Config(max(1, tokens // L), H, L, D, dtype, causal)
+                 for dtype in dtypes for causal in causals for L in lengths)
+
+
+def _preset_sweeps() -> dict:
+    ladder_configs = tuple(c for D in (64, 128) for c in _tokens_configs(LADDER_LENGTHS, D, ("float32",), (False,)))
+    tensor_configs = _tokens_configs(LADDER_LENGTHS, 128, ("float16", "bfloat16"), (False, True))
+    flash_configs = tuple(c for D in (64, 128)
+                          for c in _tokens_configs(LADDER_LENGTHS[1:], D, ("float32",), (False,)))
+    public_configs = tuple(Config(B, H, L, D, dtype, causal) for dtype in ("float16",)
+                           for causal in (False, True) for (B, H, L, D) in PUBLIC_CONFIGS)
+    every_baseline = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "torch-eager",
+                      "flash_attn", "vllm")
+    return {
+        "smoke": [Sweep("smoke", ("reference", "naive", "tiled", "flash", "sdpa", "sdpa-math", "torch-eager"),
+                        (Config(1, 1, 32, 16, "float32", False), Config(1, 1, 33, 16, "float32", True)))],
+        "ladder": [Sweep("ladder", ("naive", "tiled", "sdpa", "sdpa-math"), ladder_configs)],
+        "flash-fp32": [Sweep("flash-fp32", ("flash", "sdpa", "sdpa-efficient", "sdpa-math"), flash_configs)],
+        "tensor-cores": [Sweep("tensor-cores", ("wmma", "sdpa", "sdpa-flash", "sdpa-cudnn", "flash_attn"),
+                               tensor_configs)],
+        "public": [Sweep("public", ("wmma", "flash", "tiled", "naive") + every_baseline, public_configs)],
+    }
+
+
+PRESETS = _preset_sweeps()
+PRESET_HELP = {
+    "smoke": "B=1 H=1 L=32/33 D=16 fp32: every stage that runs on the simulator (the CPU preset)",
+    "ladder": "naive, tiled vs SDPA default/MATH: fp32, D=64/128, L=512..16384, B*L=16k, H=16",
+    "flash-fp32": "flash vs SDPA (fp32 -> EFFICIENT) and MATH: fp32, D=64/128, L=1024..16384, B*L=16k",
+    "tensor-cores": "wmma vs SDPA default/FLASH/cuDNN, flash_attn: fp16/bf16, D=128, L=512..16384, "
+                    "causal and not",
+    "public": "every stage and baseline at the configurations other projects report (fp16)",
+    "honesty": "the honest-benchmarking demonstrations of lesson 06 (GPU only)",
+    "all": "public + ladder + flash-fp32 + tensor-cores + honesty (the committed GPU run)",
+}
+GPU_PRESETS = ("ladder", "flash-fp32", "tensor-cores", "public", "honesty", "all")
+
+
+# A record's identity in the results file: a resumed run skips the keys already there.
+def record_key(contender: str, config: Config) -> str:
+    return (f"{contender}|{config.dtype}|B{config.B}|H{config.H}|L{config.L}|D{config.D}|"
+            f"{'causal' if config.causal else 'full'}")
+
+
+# The baselines by name; what each one runs is measure.py's. Presets and --baselines name them,
+# --list describes them and the README table orders its columns by them.
+BASELINE_HELP = {
+    "sdpa": "scaled_dot_product_attention, PyTorch's own choice of kernel",
+    "sdpa-flash": "SDPA forced to FLASH_ATTENTION (FlashAttention-2 inside PyTorch)",
+    "sdpa-efficient": "SDPA forced to EFFICIENT_ATTENTION (memory-efficient, xformers' kernel)",
+    "sdpa-cudnn": "SDPA forced to CUDNN_ATTENTION",
+    "sdpa-math": "SDPA forced to MATH (plain PyTorch ops, materializes L x L)",
+    "torch-eager": "softmax(q k^T / sqrt(D)) v written as PyTorch ops, softmax in float32",
+    "flash_attn": "flash_attn.flash_attn_func, when the flash-attn package is installed",
+    "vllm": "vLLM's flash_attn_varlen_func, when vllm is installed",
+}
+BASELINES = tuple(BASELINE_HELP)
+
+
+# Here, below every other module, because the README update, the sweep and the CLI all raise it.
+class Refused(Exception):
+    """The request cannot run on this machine (printed as a clear message, exit code 2)."""
