@@ -26,7 +26,7 @@ from ...plots import STAGE_COLORS, new_figure
 from ...reference import reference
 
 __all__ = ["SLIDER_LENGTHS", "ROUNDING_CHOICES", "STORAGE", "rounding_errors", "draw_rounding", "shared_memory_parts",
-           "blocks_per_sm", "draw_shared_memory", "traffic_per_tile", "load_tune_results", "draw_performance",
+           "blocks_per_sm", "draw_shared_memory", "traffic_per_tile", "load_tune_results", "draw_performance", "committed_comparison",
            "TUNE_RESULTS"]
 
 SLIDER_LENGTHS = (64, 128, 256, 512, 1024)
@@ -167,3 +167,22 @@ def draw_performance(results: dict, *, dtype: str = "float16", head_dim: int = 1
     fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8)
     fig.suptitle(f"measured on {results['device']}", fontsize=9)
     return fig
+
+
+def committed_comparison(results: dict, head_dim: int = 128) -> list:
+    """The committed benchmark's numbers this lesson discusses, all from one run on one GPU: per dtype, causal
+    and L (B*L = 16k tokens, H = 16), the TFLOP/s of this kernel, of SDPA's FLASH backend (FlashAttention-2), of
+    SDPA's default (cuDNN on Hopper), and of lesson 04's fp32 kernel on CUDA cores where the run timed it."""
+    timed = {}
+    for r in results["records"]:
+        if r.get("status") == "ok" and r["D"] == head_dim and r["B"] * r["Lq"] == 16384 and r["H"] == 16:
+            timed[r["contender"], r["dtype"], r["Lq"], r["causal"]] = r["tflops"]
+    rows = []
+    for (name, dtype, L, causal), tflops in sorted(timed.items(), key=lambda item: (item[0][1], item[0][3], item[0][2])):
+        if name != "wmma":
+            continue
+        row = {"dtype": dtype, "L": L, "causal": causal, "wmma": tflops,
+               "sdpa_flash": timed.get(("sdpa-flash", dtype, L, causal)), "sdpa": timed.get(("sdpa", dtype, L, causal)),
+               "flash_fp32": timed.get(("flash", "float32", L, causal))}
+        rows.append(row)
+    return rows
