@@ -403,3 +403,14 @@ def test_out_may_name_a_folder_and_figures_may_follow_the_run(tmp_path):
     (written,) = folder.glob("*.json")
     assert written.name == bench.default_output("cuda" if not ON_SIMULATOR else "cpu").name
     assert bench.load_results(written)["records"][0]["status"] == "ok"
+
+
+def test_mistake_sizes_from_the_committed_file():
+    from wb_kernels.bench import pitfalls
+
+    results = bench.load_results(bench.committed_results())
+    lines = pitfalls.mistake_sizes(results)
+    assert len(lines) == 9 and lines[0].startswith("timing the first call")
+    factors = [float(line.split("x", 1)[0].split()[-1].replace(",", "")) for line in lines]
+    assert factors[0] > 100 and factors[2] < 0.5  # warm-up and asynchrony: factors, not percents
+    assert pitfalls.mistake_sizes({"honesty": {}}) == [pitfalls.NO_DEMOS]

@@ -78,9 +78,10 @@ def check_answer(name: str, given, expected, *, rel: float = 1e-6, hint: str = "
     check_answers([Exercise(name, lambda: expected, hint, rel)], given)
 
 
-def check_puzzle(name: str, run: Callable, *, hint: str = "") -> bool:
+def check_puzzle(name: str, run: Callable, *, hint: str = "") -> None:
     """Run the learner's kernel with ``run()`` (which returns a :class:`wb_kernels.check.CheckResult`, the
-    result of ``wb.check(..., verbose=False)``) and say whether the puzzle is solved. Returns True if it is."""
+    result of ``wb.check(..., verbose=False)``) and print whether the puzzle is solved. Returns nothing, so that
+    the lesson's cell shows that one line."""
     with warnings.catch_warnings():
         # a wrong kernel computes with garbage (unset shared or device memory); on the simulator NumPy then warns
         # of overflows, a message about the symptom rather than the bug, and one that differs from run to run
@@ -88,6 +89,5 @@ def check_puzzle(name: str, run: Callable, *, hint: str = "") -> bool:
         result = run()
     if result.passed:
         print(f"{name}: solved ✓ (the output matches the float64 reference)")
-        return True
-    print(f"{name}: not solved yet: the output does not match the float64 reference. {hint}".rstrip())
-    return False
+    else:
+        print(f"{name}: not solved yet: the output does not match the float64 reference. {hint}".rstrip())

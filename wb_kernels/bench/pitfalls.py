@@ -15,7 +15,7 @@ import time
 from .measure import _free_device_memory, _short
 from .results import _nvidia_smi, _sig
 
-__all__ = ["honesty_demos", "HONESTY_TOPICS", "NO_DEMOS", "honesty_lines", "samples_figure"]
+__all__ = ["mistake_sizes", "honesty_demos", "HONESTY_TOPICS", "NO_DEMOS", "honesty_lines", "samples_figure"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +236,10 @@ def honesty_lines(results, topic: str) -> list:
                 f"{demo['sdpa_flushed_ms']:.4f} ms ({demo['sdpa_flushed_ms'] / demo['sdpa_warm_ms']:.2f}x)",
                 f"copy of {demo['copy_mib']} MiB: warm L2 {demo['copy_warm_gbps']:,.0f} GB/s, flushed "
                 f"{demo['copy_flushed_gbps']:,.0f} GB/s ({demo['copy_warm_gbps'] / demo['copy_flushed_gbps']:.2f}x)",
-                f"L2 cache of that GPU: {demo['l2_bytes'] / 2**20:.0f} MiB"]
+                f"L2 cache of that GPU: {demo['l2_bytes'] / 2**20:.0f} MiB",
+                "the SDPA call ran " + ("faster with the cache flushed than warm: at this size the cache is not what "
+                                        "decides its time" if demo["sdpa_flushed_ms"] < demo["sdpa_warm_ms"] else
+                                        "faster from the warm cache")]
     if topic == "clocks":
         return [f"first call after 2 s idle: {demo['first_ms']:.3f} ms; median of the first 5 "
                 f"{demo['first5_median_ms']:.3f} ms; of the last 20 of {len(demo['samples_ms'])} "
@@ -273,3 +276,23 @@ def samples_figure(results):
     right.plot(range(1, len(clocks["samples_ms"]) + 1), clocks["samples_ms"], "o-", markersize=3, color="#1f77b4")
     right.set(xlabel="call number after 2 s idle", ylabel="ms", title="fp16 matmul 8192³, call by call")
     return fig
+
+
+def mistake_sizes(results) -> list:
+    """How far each benchmarking mistake moved the number in this results file, one line each: the factor by
+    which the wrong way's time differs from the right way's (above 1: the wrong way reports more time)."""
+    demos = results.get("honesty") or {}
+    if not demos or any("error" in demos.get(topic, {}) for topic in HONESTY_TOPICS if topic in demos):
+        return [NO_DEMOS]
+    w, a, m, l2, c, z = (demos[topic] for topic in HONESTY_TOPICS)
+    rows = [("timing the first call (warm-up)", w["numba_kernel_first_ms"] / w["numba_kernel_steady_median_ms"],
+             "numba kernel"),
+            ("", w["sdpa_first_ms"] / w["sdpa_steady_median_ms"], "SDPA at a new shape"),
+            ("a CPU timer without synchronize", a["cpu_timer_no_sync_ms"] / a["cuda_events_ms"], "SDPA"),
+            ("the mean instead of the median", m["mean_ms"] / m["median_ms"], f"{m['n']} samples"),
+            ("a warm L2 instead of a flushed one", l2["sdpa_warm_ms"] / l2["sdpa_flushed_ms"], "SDPA, short call"),
+            ("", l2["copy_flushed_gbps"] / l2["copy_warm_gbps"], "a 16 MiB copy"),
+            ("timing right after idle (clocks)", c["first5_median_ms"] / c["last20_median_ms"], "first 5 calls vs the last 20"),
+            ("zeros instead of random inputs", z["matmul_zeros_ms"] / z["matmul_random_ms"], "fp16 matmul"),
+            ("", z["sdpa_zeros_ms"] / z["sdpa_random_ms"], "SDPA")]
+    return [f"{mistake:36s} {factor:>10,.2f}x   ({what})" for mistake, factor, what in rows]

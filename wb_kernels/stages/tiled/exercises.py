@@ -27,7 +27,7 @@ def check(answer_1, answer_2, answer_3) -> None:
     check_answers(EXERCISES, answer_1, answer_2, answer_3)
 
 
-def check_scores_puzzle(make_scores_kernel, tile: int = 8) -> bool:
+def check_scores_puzzle(make_scores_kernel, tile: int = 8) -> None:
     """Run tiled attention with the learner's scores kernel (``make_scores_kernel(tile)``) and our softmax and
     weighted sum, on a problem of several tiles with both masks, and check it against the float64 reference."""
     import wb_kernels as wb
@@ -41,5 +41,5 @@ def check_scores_puzzle(make_scores_kernel, tile: int = 8) -> bool:
         return wb.check("your scores kernel", out, q, k, v, lse=lse, causal=True, key_padding_mask=mask,
                         verbose=False, raise_on_failure=False)
 
-    return check_puzzle("bug hunt", run, hint="Compare the kernel with make_tiled_kernels above, line by line: "
+    check_puzzle("bug hunt", run, hint="Compare the kernel with make_tiled_kernels above, line by line: "
                         "what must every thread of the block wait for before it reads a tile?")
