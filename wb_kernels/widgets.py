@@ -86,5 +86,6 @@ def progress(items, *, description: str = "", unit: str = "it", disable: bool = 
             done += 1
             bar.value, count.value = done, f"{done}/{len(items)} {unit}"
     finally:
-        handle.update(f"{description}: {done}/{len(items)} {unit} in {time.perf_counter() - start:.1f} s"
-                      + ("" if done == len(items) else " (stopped early)"))
+        text = (f"{description}: {done}/{len(items)} {unit} in {time.perf_counter() - start:.1f} s"
+                + ("" if done == len(items) else " (stopped early)"))
+        handle.update({"text/plain": text}, raw=True)  # raw: the line itself, not the repr of a string
