@@ -2,6 +2,8 @@
 
 - ``kernel.py``: the tiled kernels, their launcher ``tiled_forward`` and the stage registration (``STAGE``);
 - ``slider.py``: the logic behind the lesson's figures and tile-size slider;
+- ``tune.py``: every tile size checked, then timed against the naive stage on a GPU
+  (``python -m wb_kernels.stages.tiled.tune``);
 - ``NOTES.md``: versions, predictions and measurements.
 
 Lesson: ``notebooks/03_tiled.ipynb``; tests: ``tests/test_tiled.py``.
