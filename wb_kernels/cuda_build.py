@@ -11,8 +11,9 @@ The one CUDA source is ``wb_kernels/stages/wmma/flash_wmma.cu``. Two ways to com
 - :func:`nvcc_compile_report` and :func:`sass` (need only nvcc, no GPU, no CUDA torch): compile the
   kernels alone (``-DWB_KERNEL_ONLY``) to a cubin for sm_80 or sm_90 and report registers, spills
   and shared memory from ``ptxas -v``, and the tensor-core (HMMA) instructions of the machine code
-  via ``cuobjdump -sass`` (the ``nvidia-cuda-cuobjdump`` wheel ships one). CI runs this, so a
-  broken ``.cu`` fails CI on machines without a GPU.
+  via ``cuobjdump -sass``. The tools come from the CUDA wheels on PyPI when installed (``make lab``), else
+  from a toolkit (:mod:`wb_kernels.cuda_toolchain`). CI runs this, so a broken ``.cu`` fails CI on machines
+  without a GPU.
 
 A lesson shows the source region by region (``// region: NAME``). :func:`enable_region_cells` lets a
 notebook cell that starts with ``# region: NAME (wb_kernels/stages/wmma/flash_wmma.cu)`` hold C++: running the
