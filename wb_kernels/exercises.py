@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Exercise", "grade", "check_answers", "check_answer", "check_puzzle"]
+__all__ = ["Exercise", "grade", "check_answers", "check_puzzle"]
 
 
 @dataclass(frozen=True)
@@ -71,11 +71,6 @@ def check_answers(exercises, *answers) -> None:
             wrong.append(exercise.name)
     if wrong:
         raise AssertionError(f"not right yet: {', '.join(wrong)} (the hints above say where to look)")
-
-
-def check_answer(name: str, given, expected, *, rel: float = 1e-6, hint: str = "") -> None:
-    """One answer against a value computed in the lesson (for exercises that need the lesson's own state)."""
-    check_answers([Exercise(name, lambda: expected, hint, rel)], given)
 
 
 def check_puzzle(name: str, run: Callable, *, hint: str = "") -> None:
