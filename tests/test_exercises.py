@@ -132,3 +132,12 @@ def test_flash_online_softmax_puzzle_solution_and_a_nan_trap(capsys):
 
     with np.errstate(invalid="ignore"):
         assert not _solved(exercises.check_online_softmax_puzzle, without_the_guard, capsys)
+
+
+def test_wmma_tile_puzzle_solution_and_the_stub(capsys):
+    from wb_kernels.stages.wmma import exercises, solutions, tile
+
+    _needs_nvcc("wb_kernels.stages.wmma")
+    assert _solved(exercises.check_tile_puzzle, solutions.tile_kernel, capsys)
+    stub = tile.kernel_text().split("{")[0] + "{\n}"
+    assert not _solved(exercises.check_tile_puzzle, stub, capsys)

@@ -356,3 +356,25 @@ def test_a_broken_source_fails_with_the_compilers_message():
         cuda_build.nvcc_compile_report("sm_90", source=broken)
     message = str(raised.value)
     assert 'identifier "tile_summ" is undefined' in message and len(message.splitlines()) < 20
+
+
+# ---------------------------------------------------------------------------------------------
+# The lesson's first step: one 16 x 16 x 16 product by one warp (wmma_tile.cu)
+
+def test_tile_kernel_compiles_to_two_hmma():
+    from wb_kernels.stages.wmma import tile
+
+    _tool_or_skip(cuda_build.find_nvcc)
+    _tool_or_skip(cuda_build.find_cuobjdump)
+    hmma = tile.hmma_instructions()
+    assert [line.split()[0] for line in hmma] == ["HMMA.16816.F32"] * 2, hmma
+
+
+@needs_gpu
+def test_tile_product_matches_numpy():
+    from wb_kernels.stages.wmma import tile
+
+    a, b = (torch.randn(16, 16, device="cuda").half() for _ in range(2))
+    c = tile.product(a, b)
+    assert c.dtype == torch.float32 and c.shape == (16, 16)
+    torch.testing.assert_close(c.double(), a.double() @ b.double(), rtol=1e-5, atol=1e-4)

@@ -40,7 +40,7 @@ __all__ = [
     "SOURCE_PATH", "SOURCE_NAME", "CudaBuildError", "NvccNotFound", "KernelResources", "package_source",
     "current_source", "set_region", "record_region_cell", "reset_regions", "edited_regions", "enable_region_cells",
     "build_flags", "extension_name", "build", "find_nvcc", "find_cuobjdump", "nvcc_compile_report", "sass",
-    "shared_memory_bytes", "VARIANTS",
+    "shared_memory_bytes", "VARIANTS", "build_extension", "compile_cubin", "sass_lines",
 ]
 
 SOURCE_PATH = PACKAGE_ROOT / "stages" / "wmma" / "flash_wmma.cu"
@@ -172,13 +172,13 @@ def build_flags(gencode=None) -> list:
             *(gencode if gencode is not None else _gencode_for_current_device())]
 
 
-def extension_name(source: str, flags: list) -> str:
+def extension_name(source: str, flags: list, prefix: str = "flash_wmma") -> str:
     """A name that changes whenever the source, the flags or the torch/CUDA versions change."""
     import torch
 
     digest = hashlib.sha256("\0".join([source, " ".join(flags), torch.__version__,
                                        str(torch.version.cuda)]).encode()).hexdigest()
-    return f"wb_flash_wmma_{digest[:16]}"
+    return f"wb_{prefix}_{digest[:16]}"
 
 
 def _cache_root() -> Path:
@@ -228,7 +228,7 @@ _loaded: dict = {}
 LINE_NAME = "flash_wmma.cu"  # the file name compiler messages give, through a #line directive
 
 
-def prepare_build_directory(build_dir: Path, source: str) -> str:
+def prepare_build_directory(build_dir: Path, source: str, file_name: str = LINE_NAME) -> str:
     """Make `build_dir` and return the text to hand to load_inline: `source` behind ``#line 1 "flash_wmma.cu"``,
     so that compiler messages point at lines of flash_wmma.cu, not of load_inline's copy.
 
@@ -237,42 +237,53 @@ def prepare_build_directory(build_dir: Path, source: str) -> str:
     (a minute) instead of loading it. So the source is also written there under that name, and rewritten only
     when it changed, so that its timestamp stays older than the library built from it."""
     build_dir.mkdir(parents=True, exist_ok=True)
-    named_copy = build_dir / LINE_NAME
+    named_copy = build_dir / file_name
     if not named_copy.exists() or named_copy.read_text() != source:
         named_copy.write_text(source)
-    return f'#line 1 "{LINE_NAME}"\n{source}'
+    return f'#line 1 "{file_name}"\n{source}'
 
 
-def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
-    """Compile (or load from the cache) the extension for `source`; returns the Python module.
-
-    `source` defaults to :func:`current_source` (the package's kernel with the learner's edits).
-    Needs a CUDA GPU and a CUDA build of torch.
-    """
+def build_extension(source: str, *, file_name: str, declarations: str, functions: list,
+                    flags: list | None = None, verbose: bool = False, display_name: str | None = None):
+    """Compile (or load from the cache) any CUDA source of the package as a Python extension with `functions`
+    (declared in C++ by `declarations`). Compiler messages name `file_name`; errors name `display_name` (the
+    path lessons use), by default `file_name`. Needs a CUDA GPU and a CUDA build of torch."""
     import torch
+
+    display_name = display_name or file_name
 
     if not torch.cuda.is_available() or torch.version.cuda is None:
         raise RuntimeError(
-            "building the tensor-core kernel needs a CUDA GPU and a CUDA build of torch "
-            f"(this torch is {torch.__version__}); without one, use nvcc_compile_report() and sass()")
-    source = current_source() if source is None else source
+            f"building {display_name} needs a CUDA GPU and a CUDA build of torch "
+            f"(this torch is {torch.__version__}); without one, use the compile report (nvcc alone)")
     flags = build_flags() if flags is None else list(flags)
-    name = extension_name(source, flags)
+    name = extension_name(source, flags, prefix=Path(file_name).stem)
     if name in _loaded:
         return _loaded[name]
     from torch.utils.cpp_extension import load_inline
 
     build_dir = _cache_root() / name
-    cuda_source = prepare_build_directory(build_dir, source)
+    cuda_source = prepare_build_directory(build_dir, source, file_name)
     with _file_lock(_cache_root() / f"{name}.lock"):
         try:
-            module = load_inline(name=name, cpp_sources=[_CPP_DECLARATION], cuda_sources=[cuda_source],
-                                 functions=_FUNCTIONS, extra_cuda_cflags=flags, build_directory=str(build_dir),
+            module = load_inline(name=name, cpp_sources=[declarations], cuda_sources=[cuda_source],
+                                 functions=functions, extra_cuda_cflags=flags, build_directory=str(build_dir),
                                  verbose=verbose)
         except RuntimeError as error:
-            raise CudaBuildError(f"building {SOURCE_NAME} failed:\n{_trim_compiler_output(str(error))}") from None
+            raise CudaBuildError(f"building {display_name} failed:\n{_trim_compiler_output(str(error))}") from None
     _loaded[name] = module
     return module
+
+
+def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
+    """Compile (or load from the cache) the tensor-core kernel's extension; returns the Python module.
+
+    `source` defaults to :func:`current_source` (the package's kernel with the learner's edits).
+    Needs a CUDA GPU and a CUDA build of torch.
+    """
+    source = current_source() if source is None else source
+    return build_extension(source, file_name=LINE_NAME, declarations=_CPP_DECLARATION, functions=_FUNCTIONS,
+                           flags=flags, verbose=verbose, display_name=SOURCE_NAME)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,20 +300,23 @@ def _check_arch(arch) -> str:
 _cubins: dict = {}  # (source hash, arch) -> (cubin path, ptxas log)
 
 
-def _compile_cubin(arch: str, source: str):
+def compile_cubin(arch: str, source: str, file_name: str = LINE_NAME, display_name: str = SOURCE_NAME):
+    """nvcc alone (no GPU): `source` compiled for `arch` to a cubin, ``-DWB_KERNEL_ONLY`` (the kernels without their
+    torch launcher); returns (cubin path, ptxas's -v report). Cached per source and arch in this process."""
+    arch = _check_arch(arch)
     key = (hashlib.sha256(source.encode()).hexdigest(), arch)
     if key in _cubins and Path(_cubins[key][0]).exists():
         return _cubins[key]
     workdir = Path(tempfile.mkdtemp(prefix="wb_nvcc_"))
-    cu = workdir / "flash_wmma.cu"
+    cu = workdir / file_name
     cu.write_text(source)
-    cubin = workdir / f"flash_wmma_sm{arch}.cubin"
+    cubin = workdir / f"{Path(file_name).stem}_sm{arch}.cubin"
     command = [find_nvcc(), "-std=c++17", "-O3", "--use_fast_math", "-DWB_KERNEL_ONLY", "-cubin",
                "-gencode", f"arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-o", cubin.name, cu.name]  # relative: messages name flash_wmma.cu, not a temp dir
     result = subprocess.run(command, capture_output=True, text=True, cwd=workdir)
     log = result.stdout + result.stderr
     if result.returncode != 0:
-        raise CudaBuildError(f"nvcc for sm_{arch} failed on {SOURCE_NAME}:\n{_trim_compiler_output(log)}")
+        raise CudaBuildError(f"nvcc for sm_{arch} failed on {display_name}:\n{_trim_compiler_output(log)}")
     _cubins[key] = (str(cubin), log)
     return _cubins[key]
 
@@ -352,7 +366,7 @@ def nvcc_compile_report(arch="sm_90", source: str | None = None) -> list:
     """Compile every kernel variant for `arch` with nvcc; returns one :class:`KernelResources` each."""
     arch = _check_arch(arch)
     source = current_source() if source is None else source
-    _, log = _compile_cubin(arch, source)
+    _, log = compile_cubin(arch, source)
     found, current = [], None
     for line in log.splitlines():
         entry = _ENTRY.search(line)
@@ -383,28 +397,36 @@ def nvcc_compile_report(arch="sm_90", source: str | None = None) -> list:
                                         rank[(r.num_warps, r.q_in_registers, r.row_frags)]))
 
 
-def sass(arch="sm_90", *, dtype="float16", head_dim=128, num_warps=4, q_in_registers=True, row_frags=1,
-         source: str | None = None, pattern: str = "HMMA") -> list:
-    """The machine instructions of one kernel variant that contain `pattern` (tensor-core HMMA by default)."""
-    arch = _check_arch(arch)
-    source = current_source() if source is None else source
-    cubin, _ = _compile_cubin(arch, source)
+def sass_lines(cubin: str, function, pattern: str = "HMMA") -> list:
+    """The machine instructions containing `pattern` in the functions of `cubin` whose (mangled) name `function`
+    accepts (a callable returning a bool)."""
     cuobjdump = find_cuobjdump()
     # cuobjdump -sass runs nvdisasm, which the nvidia-cuda-nvdisasm wheel puts next to it
     env = dict(os.environ, PATH=str(Path(cuobjdump).parent) + os.pathsep + os.environ.get("PATH", ""))
     result = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"cuobjdump -sass failed: {result.stderr.strip()}")
-    want = ("6__half" if dtype == "float16" else "13__nv_bfloat16", str(head_dim), str(num_warps),
-            "1" if q_in_registers else "0", str(row_frags))
     lines, inside = [], False
     for line in result.stdout.splitlines():
         if "Function :" in line:
-            match = _MANGLED.search(line)
-            inside = bool(match) and match.groups() == want
+            inside = bool(function(line.split("Function :", 1)[1].strip()))
             continue
         if inside and pattern in line:
             # "/*0450*/  HMMA.16816.F32 R24, R4, R16, R24 ;  /* 0x... */" -> "HMMA.16816.F32 R24, R4, R16, R24 ;"
-            text = line.split("*/", 1)[-1].split("/*", 1)[0].strip()
-            lines.append(text)
+            lines.append(line.split("*/", 1)[-1].split("/*", 1)[0].strip())
     return lines
+
+
+def sass(arch="sm_90", *, dtype="float16", head_dim=128, num_warps=4, q_in_registers=True, row_frags=1,
+         source: str | None = None, pattern: str = "HMMA") -> list:
+    """The machine instructions of one kernel variant that contain `pattern` (tensor-core HMMA by default)."""
+    source = current_source() if source is None else source
+    cubin, _ = compile_cubin(arch, source)
+    want = ("6__half" if dtype == "float16" else "13__nv_bfloat16", str(head_dim), str(num_warps),
+            "1" if q_in_registers else "0", str(row_frags))
+
+    def is_variant(name):
+        match = _MANGLED.search(name)
+        return bool(match) and match.groups() == want
+
+    return sass_lines(cubin, is_variant, pattern)

@@ -1,5 +1,6 @@
 """Rung 05, ``wmma``: FlashAttention-2 on tensor cores, CUDA C++ with nvcuda::wmma, built with ``load_inline``.
 
+- ``wmma_tile.cu`` and ``tile.py``: the lesson's first step, one 16 x 16 x 16 product by one warp;
 - ``flash_wmma.cu``: the kernel and its torch launcher (the lesson shows it region by region);
 - ``launcher.py``: the Python side (``forward``, the tuned launch variants) and the stage registration (``STAGE``);
 - ``fragment_model.py``: the kernel's numerics in NumPy, rounding where the kernel rounds;
