@@ -309,3 +309,15 @@ def test_gpu_runs_at_65536_where_naive_cannot_allocate():
     assert torch.isfinite(out).all()
     assert (out[:, :, rows].double() - ref).abs().max().item() < 1e-4
     assert (lse[:, :, rows].double() - torch.logsumexp(s, dim=-1)).abs().max().item() < 1e-4
+
+
+def test_register_blocking_owners_match_the_kernel():
+    """Each thread owns TM rows x block_n/TPR keys of S, rows strided by the number of row groups, keys by TPR."""
+    config = fc.SIMULATOR_CONFIG
+    owner = flash_widgets.owners(config.block_m, config.block_n, config.rows_per_thread, config.threads_per_row)
+    counts = np.bincount(owner.ravel(), minlength=config.threads)
+    assert set(counts) == {config.rows_per_thread * config.block_n // config.threads_per_row}
+    rows, cols = np.nonzero(owner == 5)
+    row_groups = config.block_m // config.rows_per_thread
+    assert set(np.diff(np.unique(rows))) == {row_groups} and set(np.diff(np.unique(cols))) == {config.threads_per_row}
+    assert len(flash_widgets.draw_register_blocking(config, 32).axes) == 2

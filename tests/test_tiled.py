@@ -80,3 +80,10 @@ def test_slider_logic():
     if wb.BACKEND.is_simulator:
         with pytest.raises(RuntimeError, match="GPU"):
             slider.tile_speed()
+
+
+def test_bank_conflict_picture():
+    # without the padding column a warp's column read conflicts, more with larger tiles; with it, never
+    assert [slider.conflict_degree(slider.warp_banks(t, padded=False)) for t in (8, 16, 32)] == [2, 8, 32]
+    assert [slider.conflict_degree(slider.warp_banks(t, padded=True)) for t in (8, 16, 32)] == [1, 1, 1]
+    assert len(slider.draw_bank_conflicts(16).axes) == 2

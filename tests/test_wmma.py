@@ -378,3 +378,11 @@ def test_tile_product_matches_numpy():
     c = tile.product(a, b)
     assert c.dtype == torch.float32 and c.shape == (16, 16)
     torch.testing.assert_close(c.double(), a.double() @ b.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_double_buffering_picture():
+    from wb_kernels.stages.wmma import slider
+
+    fig = slider.draw_double_buffering(tiles=4, copy=1.0, compute=1.4)
+    one, two = (ax.get_title() for ax in fig.axes)
+    assert "100%" in one and "69%" in two  # (4 x 1.4 + 1.0) / (4 x 2.4): only the first load is not hidden

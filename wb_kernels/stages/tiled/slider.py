@@ -10,7 +10,7 @@ import math
 from ...backend import BACKEND
 from ...plots import STAGE_COLORS, new_figure
 
-__all__ = ["TILE_CHOICES", "reuse_rows", "tile_picture", "tile_figure", "tile_speed", "speed_figure"]
+__all__ = ["TILE_CHOICES", "warp_banks", "draw_bank_conflicts", "reuse_rows", "tile_picture", "tile_figure", "tile_speed", "speed_figure"]
 
 TILE_CHOICES = (4, 8, 16, 32)
 
@@ -103,4 +103,46 @@ def speed_figure(times: dict, *, L: int, D: int):
     colors = [STAGE_COLORS["naive"] if key == "naive" else STAGE_COLORS["tiled"] for key in times]
     ax.bar(labels, values, color=colors)
     ax.set(ylabel="ms (median)", title=f"tiled attention on the GPU, L={L} D={D}")
+    return fig
+
+
+BANKS = 32  # shared memory is split into 32 banks of 4-byte words; word w lives in bank w % 32
+
+
+def warp_banks(tile: int, padded: bool, dd: int = 0) -> list:
+    """(thread, word, bank) for the 32 threads of the first warp of a tile x tile block when each reads
+    ``k_tile[tx, dd]`` (the scores kernel's inner loop): rows of k_tile are `tile` words long, or tile + 1 with
+    the padding column. Threads are numbered as CUDA numbers them, x fastest."""
+    stride = tile + 1 if padded else tile
+    rows = []
+    for thread in range(min(32, tile * tile)):
+        tx = thread % tile
+        word = tx * stride + dd
+        rows.append((thread, word, word % BANKS))
+    return rows
+
+
+def conflict_degree(rows) -> int:
+    """How many different words of one bank the warp asks for at once: the loads that bank serves one by one
+    (threads reading the same word share it: a broadcast)."""
+    words = {}
+    for _, word, bank in rows:
+        words.setdefault(bank, set()).add(word)
+    return max(len(w) for w in words.values())
+
+
+def draw_bank_conflicts(tile: int = 16):
+    """Which bank each thread of a warp reads when the scores kernel walks a column of k_tile, without and with the
+    padding column: one dot per thread, its bank on the x axis. Dots stacked in one bank at different words are
+    served one after the other."""
+    fig, axes = new_figure(ncols=2, width=9, height=3.4)
+    for ax, padded in zip(axes, (False, True)):
+        rows = warp_banks(tile, padded)
+        for thread, word, bank in rows:
+            ax.scatter(bank, thread, s=22, color=STAGE_COLORS["tiled"] if padded else STAGE_COLORS["naive"])
+        ax.set(xlim=(-1, BANKS), ylim=(len(rows), -1), xlabel="shared-memory bank", ylabel="thread of the warp",
+               title=f"{'padded rows (tile + 1 words)' if padded else 'rows of tile words'}: "
+                     f"{conflict_degree(rows)}-way conflict" if conflict_degree(rows) > 1 else
+                     f"{'padded rows (tile + 1 words)' if padded else 'rows of tile words'}: no conflict")
+    fig.suptitle(f"one warp reads k_tile[tx, dd] (tile = {tile}): the bank of each thread's word", fontsize=9)
     return fig

@@ -25,7 +25,7 @@ from ...inputs import random_qkv
 from ...plots import STAGE_COLORS, new_figure
 from ...reference import reference
 
-__all__ = ["SLIDER_LENGTHS", "ROUNDING_CHOICES", "STORAGE", "rounding_errors", "draw_rounding", "shared_memory_parts",
+__all__ = ["draw_double_buffering", "SLIDER_LENGTHS", "ROUNDING_CHOICES", "STORAGE", "rounding_errors", "draw_rounding", "shared_memory_parts",
            "blocks_per_sm", "draw_shared_memory", "traffic_per_tile", "load_tune_results", "draw_performance", "committed_comparison",
            "TUNE_RESULTS"]
 
@@ -186,3 +186,35 @@ def committed_comparison(results: dict, head_dim: int = 128) -> list:
                "flash_fp32": timed.get(("flash", "float32", L, causal))}
         rows.append(row)
     return rows
+
+
+def draw_double_buffering(tiles: int = 4, copy: float = 1.0, compute: float = 1.4):
+    """Time lines of the K/V tile loop, one buffer against two (a schematic: `copy` and `compute` are the relative
+    durations of loading one tile and computing with it). With one buffer the copy of tile j + 1 must wait until
+    tile j is used up; with two, ``cp.async`` fills one buffer while the tensor cores read the other, and the
+    copies hide behind the work."""
+    from matplotlib.patches import Rectangle
+
+    colors = ("#9ecae1", "#fdae6b")  # buffer 0, buffer 1
+    fig, axes = new_figure(nrows=2, width=9, height=3.6)
+    for ax, buffers in zip(axes, (1, 2)):
+        copy_end, compute_end = [], []
+        for j in range(tiles):
+            if buffers == 1:  # load, then compute, then the next load may overwrite the buffer
+                start = compute_end[-1] if compute_end else 0.0
+            else:  # the copy of tile j may start once tile j - 2 (same buffer) is used up, and after copy j - 1
+                start = max(copy_end[-1] if copy_end else 0.0, compute_end[j - 2] if j >= 2 else 0.0)
+            copy_end.append(start + copy)
+            begin = max(copy_end[j], compute_end[-1] if compute_end else 0.0)
+            compute_end.append(begin + compute)
+            buffer = j % buffers
+            ax.add_patch(Rectangle((start, 1.1), copy, 0.8, color=colors[buffer]))
+            ax.text(start + copy / 2, 1.5, f"load {j}", ha="center", va="center", fontsize=8)
+            ax.add_patch(Rectangle((begin, 0.1), compute, 0.8, color=colors[buffer], alpha=0.7))
+            ax.text(begin + compute / 2, 0.5, f"compute {j}", ha="center", va="center", fontsize=8)
+        ax.set(xlim=(0, tiles * (copy + compute) + 0.2), ylim=(0, 2), yticks=[0.5, 1.5],
+               yticklabels=["tensor cores", "cp.async"], xticks=[],
+               title=f"{buffers} buffer{'s' if buffers > 1 else ''}: {tiles} tiles in "
+                     f"{compute_end[-1] / (tiles * (copy + compute)):.0%} of the serial time")
+    axes[1].set_xlabel("time (schematic); colour = which shared-memory buffer holds the tile")
+    return fig
