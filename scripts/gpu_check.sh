@@ -61,8 +61,8 @@ if has env; then
 fi
 if has build; then
   # the tensor-core extension, built once into the cache that the tests and lessons then load in milliseconds
-  run_step build 300 python3 -c "import time, wb_kernels; from wb_kernels import cuda_build; t = time.time(); \
-cuda_build.build(cuda_build.package_source()); print(f'flash_wmma extension ready in {time.time() - t:.1f} s')"
+  run_step build 300 python3 -c "import time, wb_kernels; from wb_kernels.stages.wmma import build; t = time.time(); \
+build.build(build.package_source()); print(f'flash_wmma extension ready in {time.time() - t:.1f} s')"
 fi
 if has traffic; then
   run_step traffic "${TRAFFIC_LIMIT:-240}" python3 -m wb_kernels.stages.naive.traffic --timeout $(( ${TRAFFIC_LIMIT:-240} - 20 ))

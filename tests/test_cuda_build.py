@@ -21,6 +21,7 @@ import torch
 
 import wb_kernels as wb
 from wb_kernels import cuda_build
+from wb_kernels.stages.wmma import build as wmma_build
 
 REPO = Path(__file__).resolve().parent.parent
 gpu_only = pytest.mark.skipif(not (wb.BACKEND.is_gpu and torch.version.cuda),
@@ -37,35 +38,35 @@ def marked(source: str, tag: str) -> str:
 
 def test_the_cache_key_follows_the_file_on_disk(tmp_path, monkeypatch):
     copy = tmp_path / "flash_wmma.cu"
-    copy.write_text(cuda_build.package_source())
-    monkeypatch.setattr(cuda_build, "SOURCE_PATH", copy)
-    before = cuda_build.extension_name(cuda_build.current_source(), FLAGS)
-    assert cuda_build.extension_name(cuda_build.current_source(), FLAGS) == before  # unchanged: cached
+    copy.write_text(wmma_build.package_source())
+    monkeypatch.setattr(wmma_build.SOURCE, "path", copy)
+    before = cuda_build.extension_name(wmma_build.current_source(), FLAGS, "flash_wmma")
+    assert cuda_build.extension_name(wmma_build.current_source(), FLAGS, "flash_wmma") == before  # unchanged: cached
     copy.write_text(copy.read_text().replace("tile_sum += p[t];", "tile_sum += 1.0f * p[t];"))
-    after = cuda_build.extension_name(cuda_build.current_source(), FLAGS)
+    after = cuda_build.extension_name(wmma_build.current_source(), FLAGS, "flash_wmma")
     assert after != before and after.startswith("wb_flash_wmma_")
 
 
 def test_the_cache_key_follows_edited_regions():
-    name = next(iter(cuda_build.module_regions(cuda_build.SOURCE_PATH)))
-    shipped = cuda_build.module_regions(cuda_build.SOURCE_PATH)[name]
-    original = cuda_build.extension_name(cuda_build.current_source(), FLAGS)
+    name = next(iter(cuda_build.module_regions(wmma_build.SOURCE_PATH)))
+    shipped = cuda_build.module_regions(wmma_build.SOURCE_PATH)[name]
+    original = cuda_build.extension_name(wmma_build.current_source(), FLAGS, "flash_wmma")
     try:
-        cuda_build.set_region(name, shipped + "\n// a learner's edit", verbose=False)
-        edited = cuda_build.extension_name(cuda_build.current_source(), FLAGS)
-        cuda_build.set_region(name, shipped, verbose=False)  # back to the shipped text: the shipped key
+        wmma_build.set_region(name, shipped + "\n// a learner's edit", verbose=False)
+        edited = cuda_build.extension_name(wmma_build.current_source(), FLAGS, "flash_wmma")
+        wmma_build.set_region(name, shipped, verbose=False)  # back to the shipped text: the shipped key
         assert edited != original
-        assert cuda_build.extension_name(cuda_build.current_source(), FLAGS) == original
+        assert cuda_build.extension_name(wmma_build.current_source(), FLAGS, "flash_wmma") == original
     finally:
-        cuda_build.reset_regions()
+        wmma_build.reset_regions()
 
 
 def test_the_cache_key_follows_flags_and_toolchain(monkeypatch):
-    source = cuda_build.package_source()
-    key = cuda_build.extension_name(source, FLAGS)
-    assert cuda_build.extension_name(source, FLAGS[:-1] + ["arch=compute_80,code=sm_80"]) != key
+    source = wmma_build.package_source()
+    key = cuda_build.extension_name(source, FLAGS, "flash_wmma")
+    assert cuda_build.extension_name(source, FLAGS[:-1] + ["arch=compute_80,code=sm_80"], "flash_wmma") != key
     monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
-    assert cuda_build.extension_name(source, FLAGS) != key  # another torch: its ABI may differ
+    assert cuda_build.extension_name(source, FLAGS, "flash_wmma") != key  # another torch: its ABI may differ
 
 
 # --- two processes at once ----------------------------------------------------------------------------
@@ -113,12 +114,12 @@ CONCURRENT_BUILD = textwrap.dedent("""
     import sys, torch
     import wb_kernels as wb
     from wb_kernels import cuda_build
-    source = cuda_build.package_source() + "\\n// concurrent build test " + sys.argv[1] + "\\n"
-    module = cuda_build.build(source)
+    source = wmma_build.package_source() + "\\n// concurrent build test " + sys.argv[1] + "\\n"
+    module = wmma_build.build(source)
     q, k, v = wb.random_qkv(1, 2, 100, 64, dtype="float16", framework="torch", device="cuda", seed=1)
     out, lse = wb.get_stage("wmma").forward(q, k, v, causal=True, key_padding_mask=None, scale=None, module=module)
     wb.check("wmma", out, q, k, v, lse=lse, causal=True, verbose=False)
-    print(cuda_build.extension_name(source, cuda_build.build_flags()))
+    print(cuda_build.extension_name(source, cuda_build.build_flags(), "flash_wmma"))
 """)
 
 
@@ -148,10 +149,10 @@ def test_two_processes_building_the_same_source_at_once(tmp_path):
 
 @gpu_only
 def test_a_changed_source_is_rebuilt_and_the_old_one_kept():
-    original = cuda_build.build(cuda_build.package_source())
-    changed = cuda_build.build(marked(cuda_build.package_source(), f"rebuild test {time.time_ns()}"))
+    original = wmma_build.build(wmma_build.package_source())
+    changed = wmma_build.build(marked(wmma_build.package_source(), f"rebuild test {time.time_ns()}"))
     assert changed is not original and changed.__name__ != original.__name__
-    assert cuda_build.build(cuda_build.package_source()) is original
+    assert wmma_build.build(wmma_build.package_source()) is original
 
 
 # --- a compile error surfaces the compiler's message ------------------------------------------------------
@@ -167,15 +168,15 @@ def _nvcc_or_skip():
 
 
 def _broken_line() -> int:
-    lines = cuda_build.package_source().splitlines()
+    lines = wmma_build.package_source().splitlines()
     return next(i for i, line in enumerate(lines, 1) if BROKEN[0] in line)
 
 
 def test_nvcc_error_names_the_identifier_the_file_and_the_line():
     _nvcc_or_skip()
-    broken = cuda_build.package_source().replace(*BROKEN)
+    broken = wmma_build.package_source().replace(*BROKEN)
     with pytest.raises(cuda_build.CudaBuildError) as raised:
-        cuda_build.nvcc_compile_report("sm_80", source=broken)
+        wmma_build.nvcc_compile_report("sm_80", source=broken)
     message = str(raised.value)
     assert "p_undefined_in_this_scope" in message and "is undefined" in message
     assert f"flash_wmma.cu({_broken_line()})" in message
@@ -184,9 +185,9 @@ def test_nvcc_error_names_the_identifier_the_file_and_the_line():
 
 def test_nvcc_syntax_error_is_reported_not_swallowed():
     _nvcc_or_skip()
-    broken = cuda_build.package_source().replace(BROKEN[0], "tile_sum += p[t]  // missing semicolon", 1)
+    broken = wmma_build.package_source().replace(BROKEN[0], "tile_sum += p[t]  // missing semicolon", 1)
     with pytest.raises(cuda_build.CudaBuildError, match=r"flash_wmma\.cu\(\d+\): error"):
-        cuda_build.nvcc_compile_report("sm_90", source=broken)
+        wmma_build.nvcc_compile_report("sm_90", source=broken)
 
 
 def test_trimmed_error_drops_the_ninja_command_of_torchs_wrapper_line():
@@ -207,9 +208,9 @@ def test_trimmed_error_drops_the_ninja_command_of_torchs_wrapper_line():
 
 @gpu_only
 def test_load_inline_error_names_the_identifier_and_the_line():
-    broken = marked(cuda_build.package_source().replace(*BROKEN), f"broken {time.time_ns()}")
+    broken = marked(wmma_build.package_source().replace(*BROKEN), f"broken {time.time_ns()}")
     with pytest.raises(cuda_build.CudaBuildError) as raised:
-        cuda_build.build(broken)
+        wmma_build.build(broken)
     message = str(raised.value)
     assert "p_undefined_in_this_scope" in message and f"flash_wmma.cu({_broken_line()})" in message
     assert "ninja" not in message.lower() and len(message.splitlines()) < 30
@@ -218,14 +219,14 @@ def test_load_inline_error_names_the_identifier_and_the_line():
 # --- a cached build is loaded, not rebuilt ----------------------------------------------------------------
 
 def test_build_directory_holds_the_file_the_line_directive_names(tmp_path):
-    text = cuda_build.prepare_build_directory(tmp_path / "b", "int x;\n")
-    named = tmp_path / "b" / cuda_build.LINE_NAME
-    assert text == f'#line 1 "{cuda_build.LINE_NAME}"\nint x;\n' and named.read_text() == "int x;\n"
+    text = cuda_build.prepare_build_directory(tmp_path / "b", "int x;\n", wmma_build.LINE_NAME)
+    named = tmp_path / "b" / wmma_build.LINE_NAME
+    assert text == f'#line 1 "{wmma_build.LINE_NAME}"\nint x;\n' and named.read_text() == "int x;\n"
     before = named.stat().st_mtime_ns
     time.sleep(0.01)
-    cuda_build.prepare_build_directory(tmp_path / "b", "int x;\n")
+    cuda_build.prepare_build_directory(tmp_path / "b", "int x;\n", wmma_build.LINE_NAME)
     assert named.stat().st_mtime_ns == before  # unchanged source: the copy keeps its older timestamp
-    cuda_build.prepare_build_directory(tmp_path / "b", "int y;\n")
+    cuda_build.prepare_build_directory(tmp_path / "b", "int y;\n", wmma_build.LINE_NAME)
     assert named.read_text() == "int y;\n"
 
 
@@ -234,12 +235,12 @@ def test_every_dependency_nvcc_reports_exists_in_the_build_directory(tmp_path):
     nvcc report flash_wmma.cu as one (relative to the build directory, where ninja runs); before the build
     directory held that file, every new process recompiled the extension instead of loading it."""
     _nvcc_or_skip()
-    text = cuda_build.prepare_build_directory(tmp_path, "#include <cstdio>\n__global__ void kernel() {}\n")
+    text = cuda_build.prepare_build_directory(tmp_path, "#include <cstdio>\n__global__ void kernel() {}\n", wmma_build.LINE_NAME)
     (tmp_path / "cuda.cu").write_text(text)
     done = subprocess.run([cuda_build.find_nvcc(), "-M", "cuda.cu", "-MF", "cuda.d"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     dependencies = (tmp_path / "cuda.d").read_text().replace("\\\n", " ").split(":", 1)[1].split()
-    assert cuda_build.LINE_NAME in dependencies
+    assert wmma_build.LINE_NAME in dependencies
     missing = [d for d in dependencies if not (tmp_path / d).exists()]
     assert not missing, f"ninja would rebuild every time: missing {missing}"

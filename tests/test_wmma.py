@@ -21,6 +21,7 @@ import pytest
 
 import wb_kernels as wb
 from wb_kernels import cuda_build
+from wb_kernels.stages.wmma import build as wmma_build
 from wb_kernels.stages.wmma.fragment_model import fragment_model, round_to, ulp
 from wb_kernels.stages.wmma.launcher import DEFAULT_VARIANT
 from wb_kernels.sync import module_regions
@@ -95,32 +96,32 @@ def test_rounding_p_is_what_costs_accuracy():
 
 
 def test_region_cells_record_edits_and_reset():
-    regions = module_regions(cuda_build.SOURCE_PATH)
+    regions = module_regions(wmma_build.SOURCE_PATH)
     assert {"async_tile_copy", "online_softmax_rows", "flash_wmma_kernel", "torch_launcher"} <= set(regions)
-    cell = [f"# region: online_softmax_rows ({cuda_build.SOURCE_NAME})\n"] + [
+    cell = [f"# region: online_softmax_rows ({wmma_build.SOURCE_NAME})\n"] + [
         line + "\n" for line in regions["online_softmax_rows"].splitlines()]
     code = "".join(cuda_build._region_cell_transform(cell))
     try:
         exec(compile(code, "<cell>", "exec"), {})
-        assert cuda_build.edited_regions() == [] and cuda_build.current_source() == cuda_build.package_source()
+        assert wmma_build.edited_regions() == [] and wmma_build.current_source() == wmma_build.package_source()
         edited = regions["online_softmax_rows"].replace("tile_sum += p[t];", "tile_sum += 2.0f * p[t];")
-        assert cuda_build.set_region("online_softmax_rows", edited, verbose=False)
-        assert cuda_build.edited_regions() == ["online_softmax_rows"]
-        assert "tile_sum += 2.0f * p[t];" in cuda_build.current_source()
-        assert module_regions(cuda_build.SOURCE_PATH)["online_softmax_rows"] == regions["online_softmax_rows"]
+        assert wmma_build.set_region("online_softmax_rows", edited, verbose=False)
+        assert wmma_build.edited_regions() == ["online_softmax_rows"]
+        assert "tile_sum += 2.0f * p[t];" in wmma_build.current_source()
+        assert module_regions(wmma_build.SOURCE_PATH)["online_softmax_rows"] == regions["online_softmax_rows"]
     finally:
-        cuda_build.reset_regions()
-    assert cuda_build.current_source() == cuda_build.package_source()
+        wmma_build.reset_regions()
+    assert wmma_build.current_source() == wmma_build.package_source()
     assert cuda_build._region_cell_transform(["x = 1\n"]) == ["x = 1\n"]
 
 
 def test_extension_name_follows_source_and_flags():
-    source = cuda_build.package_source()
+    source = wmma_build.package_source()
     flags = cuda_build.build_flags(gencode=["-gencode", "arch=compute_90,code=sm_90"])
-    name = cuda_build.extension_name(source, flags)
-    assert name == cuda_build.extension_name(source, list(flags))
-    assert name != cuda_build.extension_name(source + "\n// edited\n", flags)
-    assert name != cuda_build.extension_name(source, flags[:-1] + ["arch=compute_80,code=sm_80"])
+    name = cuda_build.extension_name(source, flags, "flash_wmma")
+    assert name == cuda_build.extension_name(source, list(flags), "flash_wmma")
+    assert name != cuda_build.extension_name(source + "\n// edited\n", flags, "flash_wmma")
+    assert name != cuda_build.extension_name(source, flags[:-1] + ["arch=compute_80,code=sm_80"], "flash_wmma")
 
 
 def test_compiler_output_is_trimmed_to_the_errors():
@@ -182,7 +183,7 @@ def test_kernel_meets_the_tolerance_rule(dtype, D, causal, padded, shape):
 
 
 @needs_gpu
-@pytest.mark.parametrize("variant", cuda_build.VARIANTS, ids=lambda v: f"warps{v[0]}-qregs{int(v[1])}-rows{16 * v[2]}")
+@pytest.mark.parametrize("variant", wmma_build.VARIANTS, ids=lambda v: f"warps{v[0]}-qregs{int(v[1])}-rows{16 * v[2]}")
 @pytest.mark.parametrize("D", [64, 128])
 def test_every_launch_variant(variant, D):
     from wb_kernels.stages.wmma import launcher as stage
@@ -235,12 +236,12 @@ def test_build_is_cached_and_compile_errors_are_readable():
     import time
 
     t0 = time.perf_counter()
-    first = cuda_build.build(cuda_build.package_source())
-    assert cuda_build.build(cuda_build.package_source()) is first
+    first = wmma_build.build(wmma_build.package_source())
+    assert wmma_build.build(wmma_build.package_source()) is first
     assert time.perf_counter() - t0 < 600
-    broken = cuda_build.package_source().replace("tile_sum += p[t];", "tile_summ += p[t];")
+    broken = wmma_build.package_source().replace("tile_sum += p[t];", "tile_summ += p[t];")
     with pytest.raises(cuda_build.CudaBuildError) as raised:
-        cuda_build.build(broken)
+        wmma_build.build(broken)
     message = str(raised.value)
     assert "tile_summ" in message and "error" in message and len(message.splitlines()) < 40
     assert "flash_wmma.cu(" in message  # points at the .cu's own line numbers
@@ -265,12 +266,12 @@ def test_shared_memory_layout_adds_up_and_fits():
     from wb_kernels.stages.wmma import slider as tc
 
     for D in (64, 128):
-        for variant in cuda_build.VARIANTS:
+        for variant in wmma_build.VARIANTS:
             parts = tc.shared_memory_parts(D, *variant)
-            total = cuda_build.shared_memory_bytes(D, *variant)
+            total = wmma_build.shared_memory_bytes(D, *variant)
             assert sum(parts.values()) == total <= 227 * 1024
             assert tc.blocks_per_sm(total) >= 1
-    assert tc.blocks_per_sm(cuda_build.shared_memory_bytes(128, 4, False, 1)) == 2
+    assert tc.blocks_per_sm(wmma_build.shared_memory_bytes(128, 4, False, 1)) == 2
     traffic = tc.traffic_per_tile(128)
     assert traffic["total bytes"] == 2 * 64 * 128 * 2 + 2 * 16 * 64 * 4 + 2 * 16 * 64 * 2
     assert traffic["tensor-core FLOPs"] == 4 * 16 * 64 * 128
@@ -313,14 +314,14 @@ def _tool_or_skip(find):
 @pytest.fixture(scope="module")
 def reports():
     _tool_or_skip(cuda_build.find_nvcc)
-    return {arch: cuda_build.nvcc_compile_report(arch, source=cuda_build.package_source()) for arch in ARCHES}
+    return {arch: wmma_build.nvcc_compile_report(arch, source=wmma_build.package_source()) for arch in ARCHES}
 
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_every_variant_compiles(reports, arch):
     report = reports[arch]
     expected = {(dtype, D, *variant) for dtype in ("float16", "bfloat16") for D in (64, 128)
-                for variant in cuda_build.VARIANTS}
+                for variant in wmma_build.VARIANTS}
     assert {(k.dtype, k.head_dim, k.num_warps, k.q_in_registers, k.row_frags) for k in report} == expected
     for kernel in report:
         assert 0 < kernel.registers <= 255, kernel
@@ -341,8 +342,8 @@ def test_machine_code_uses_tensor_cores(reports, arch, dtype, mnemonic):
     _tool_or_skip(cuda_build.find_cuobjdump)
     for D in (64, 128):
         num_warps, q_in_registers, row_frags = DEFAULT_VARIANT[D]
-        hmma = cuda_build.sass(arch, dtype=dtype, head_dim=D, num_warps=num_warps, q_in_registers=q_in_registers,
-                               row_frags=row_frags, source=cuda_build.package_source())
+        hmma = wmma_build.sass(arch, dtype=dtype, head_dim=D, num_warps=num_warps, q_in_registers=q_in_registers,
+                               row_frags=row_frags, source=wmma_build.package_source())
         # per 64-key tile and 16 rows a warp does D/16 x 4 WMMAs for S and 4 x D/16 for PV; each is
         # 2 HMMA.16816 (the loops are unrolled, so each appears once in the machine code)
         assert len(hmma) == row_frags * 2 * 2 * (D // 16) * 4, (D, len(hmma))
@@ -351,9 +352,9 @@ def test_machine_code_uses_tensor_cores(reports, arch, dtype, mnemonic):
 
 def test_a_broken_source_fails_with_the_compilers_message():
     _tool_or_skip(cuda_build.find_nvcc)
-    broken = cuda_build.package_source().replace("tile_sum += p[t];", "tile_summ += p[t];")
+    broken = wmma_build.package_source().replace("tile_sum += p[t];", "tile_summ += p[t];")
     with pytest.raises(cuda_build.CudaBuildError) as raised:
-        cuda_build.nvcc_compile_report("sm_90", source=broken)
+        wmma_build.nvcc_compile_report("sm_90", source=broken)
     message = str(raised.value)
     assert 'identifier "tile_summ" is undefined' in message and len(message.splitlines()) < 20
 

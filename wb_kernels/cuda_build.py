@@ -1,24 +1,21 @@
-"""Building the tensor-core kernel (lesson 05; used by the "wmma" stage, its tests and its tune.py).
+"""Building and compiling the series' CUDA C++ kernels (lesson 05 on; each rung's ``build.py`` describes its file).
 
-The one CUDA source is ``wb_kernels/stages/wmma/flash_wmma.cu``. Two ways to compile it:
+What every CUDA C++ rung shares:
 
-- :func:`build` (needs a CUDA GPU and a CUDA build of torch): ``torch.utils.cpp_extension.load_inline``
-  turns it into a Python extension. The extension's name carries a hash of the source and the flags,
-  so an edited source (or other flags) is a new extension and is rebuilt, and an unchanged one is
-  loaded from the cache in milliseconds. A file lock keeps two processes from building the same
-  extension at once. A failed build raises :class:`CudaBuildError` with only the compiler's error
-  lines, not the several hundred lines of a ninja log.
-- :func:`nvcc_compile_report` and :func:`sass` (need only nvcc, no GPU, no CUDA torch): compile the
-  kernels alone (``-DWB_KERNEL_ONLY``) to a cubin for sm_80 or sm_90 and report registers, spills
-  and shared memory from ``ptxas -v``, and the tensor-core (HMMA) instructions of the machine code
-  via ``cuobjdump -sass``. The tools come from the CUDA wheels on PyPI when installed (``make lab``), else
-  from a toolkit (:mod:`wb_kernels.cuda_toolchain`). CI runs this, so a broken ``.cu`` fails CI on machines
-  without a GPU.
-
-A lesson shows the source region by region (``// region: NAME``). :func:`enable_region_cells` lets a
-notebook cell that starts with ``# region: NAME (wb_kernels/stages/wmma/flash_wmma.cu)`` hold C++: running the
-cell records the learner's version of that region (:func:`set_region`), and the next :func:`build` or
-:func:`nvcc_compile_report` without an explicit source compiles the edited kernel.
+- :class:`EditableSource`: a ``.cu`` file of the package that a lesson shows region by region (``// region: NAME``).
+  A notebook cell that starts with ``# region: NAME (wb_kernels/stages/<rung>/<file>.cu)`` holds C++; once
+  :func:`enable_region_cells` has run, running the cell records the learner's version of that region, and the
+  next build or compile of that file uses it.
+- :func:`build_extension` (needs a CUDA GPU and a CUDA build of torch): ``torch.utils.cpp_extension.load_inline``
+  turns a source into a Python extension. Its name carries a hash of the source and the flags, so an edited source
+  (or other flags) is a new extension and is rebuilt, and an unchanged one is loaded from the cache in
+  milliseconds. A file lock keeps two processes from building the same extension at once. A failed build raises
+  :class:`CudaBuildError` with only the compiler's error lines, not the several hundred lines of a ninja log.
+- :func:`compile_cubin`, :func:`ptxas_entries` and :func:`sass_lines` (need only nvcc, no GPU, no CUDA torch):
+  compile the kernels alone (``-DWB_KERNEL_ONLY``) to a cubin for sm_80 or sm_90, read registers, spills and
+  stack from ``ptxas -v``, and list machine instructions (the tensor-core HMMA ones, say) via ``cuobjdump -sass``.
+  The tools come from the CUDA wheels on PyPI when installed (``make lab``), else from a toolkit
+  (:mod:`wb_kernels.cuda_toolchain`). CI runs these, so a broken ``.cu`` fails CI on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -37,23 +34,10 @@ from .cuda_toolchain import NvccNotFound, find_cuobjdump, find_nvcc  # noqa: F40
 from .sync import PACKAGE_ROOT, module_regions
 
 __all__ = [
-    "SOURCE_PATH", "SOURCE_NAME", "CudaBuildError", "NvccNotFound", "KernelResources", "package_source",
-    "current_source", "set_region", "record_region_cell", "reset_regions", "edited_regions", "enable_region_cells",
-    "build_flags", "extension_name", "build", "find_nvcc", "find_cuobjdump", "nvcc_compile_report", "sass",
-    "shared_memory_bytes", "VARIANTS", "build_extension", "compile_cubin", "sass_lines",
+    "CudaBuildError", "NvccNotFound", "EditableSource", "enable_region_cells", "record_region_cell", "build_flags",
+    "extension_name", "build_extension", "find_nvcc", "find_cuobjdump", "compile_cubin", "PtxasEntry",
+    "ptxas_entries", "sass_lines",
 ]
-
-SOURCE_PATH = PACKAGE_ROOT / "stages" / "wmma" / "flash_wmma.cu"
-SOURCE_NAME = "wb_kernels/stages/wmma/flash_wmma.cu"  # as lessons name it in their region cells
-_FUNCTIONS = ["flash_wmma_forward"]
-_CPP_DECLARATION = (
-    "std::vector<torch::Tensor> flash_wmma_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, "
-    "torch::Tensor key_keep, bool causal, double scale, int64_t num_warps, bool q_in_registers, "
-    "int64_t row_frags);"
-)
-# Every variant the launcher can choose: (num_warps, q_in_registers, row_frags), as WB_FOR_EACH_VARIANT
-# in flash_wmma.cu lists them. A warp owns row_frags x 16 query rows. The compile report covers all.
-VARIANTS = ((4, True, 1), (8, True, 1), (4, False, 1), (8, False, 1), (4, True, 2), (4, False, 2))
 
 
 class CudaBuildError(RuntimeError):
@@ -61,80 +45,85 @@ class CudaBuildError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------
-# The source, with the learner's edits
+# A source, with the learner's edits
+
+_SOURCES: dict = {}  # name as lessons write it -> EditableSource
 
 
-_edits: dict = {}  # region name -> text the learner ran in the lesson
+class EditableSource:
+    """A ``.cu`` file of the package and the regions a learner edited in this Python process."""
 
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.name = self.path.relative_to(PACKAGE_ROOT.parent).as_posix()  # "wb_kernels/stages/<rung>/<file>.cu"
+        self.file_name = self.path.name  # what compiler messages call it
+        self._edits: dict = {}  # region name -> text the learner ran in the lesson
+        _SOURCES[self.name] = self
 
-def package_source() -> str:
-    """The .cu file as the package ships it."""
-    return SOURCE_PATH.read_text()
+    def package_source(self) -> str:
+        """The file as the package ships it."""
+        return self.path.read_text()
 
+    def _replace_region(self, source: str, name: str, text: str) -> str:
+        pattern = re.compile(
+            r"(^[ \t]*// region: " + re.escape(name) + r"[ \t]*\n)(.*?)(^[ \t]*// endregion[ \t]*$)",
+            re.MULTILINE | re.DOTALL)
+        match = pattern.search(source)
+        if match is None:
+            raise KeyError(f"{self.name} has no region {name!r}")
+        return source[:match.start(2)] + text.strip("\n") + "\n" + source[match.end(2):]
 
-def _replace_region(source: str, name: str, text: str) -> str:
-    pattern = re.compile(
-        r"(^[ \t]*// region: " + re.escape(name) + r"[ \t]*\n)(.*?)(^[ \t]*// endregion[ \t]*$)",
-        re.MULTILINE | re.DOTALL)
-    match = pattern.search(source)
-    if match is None:
-        raise KeyError(f"{SOURCE_NAME} has no region {name!r}")
-    return source[:match.start(2)] + text.strip("\n") + "\n" + source[match.end(2):]
+    def current_source(self) -> str:
+        """The package source with every region the learner edited in this Python process put in."""
+        source = self.package_source()
+        for name, text in self._edits.items():
+            source = self._replace_region(source, name, text)
+        return source
 
-
-def current_source() -> str:
-    """The package source with every region the learner edited in this Python process put in."""
-    source = package_source()
-    for name, text in _edits.items():
-        source = _replace_region(source, name, text)
-    return source
-
-
-def set_region(name: str, text: str, verbose: bool = True) -> bool:
-    """Use `text` for region `name` in later builds; returns (and prints) whether it differs from the package."""
-    shipped = module_regions(SOURCE_PATH)
-    if name not in shipped:
-        raise KeyError(f"{SOURCE_NAME} has no region {name!r}; it has {sorted(shipped)}")
-    text = text.strip("\n")
-    if text == shipped[name]:
-        _edits.pop(name, None)
+    def set_region(self, name: str, text: str, verbose: bool = True) -> bool:
+        """Use `text` for region `name` in later builds; returns (and prints) whether it differs from the package."""
+        shipped = module_regions(self.path)
+        if name not in shipped:
+            raise KeyError(f"{self.name} has no region {name!r}; it has {sorted(shipped)}")
+        text = text.strip("\n")
+        if text == shipped[name]:
+            self._edits.pop(name, None)
+            if verbose:
+                print(f"region {name}: as in {self.name}")
+            return False
+        self._edits[name] = text
         if verbose:
-            print(f"region {name}: as in {SOURCE_NAME}")
-        return False
-    _edits[name] = text
-    if verbose:
-        old, new = shipped[name].splitlines(), text.splitlines()
-        changed = sum(a != b for a, b in zip(old, new)) + abs(len(old) - len(new))
-        print(f"region {name}: edited ({changed} line(s) differ from {SOURCE_NAME}); "
-              "the next build compiles your version")
-    return True
+            old, new = shipped[name].splitlines(), text.splitlines()
+            changed = sum(a != b for a, b in zip(old, new)) + abs(len(old) - len(new))
+            print(f"region {name}: edited ({changed} line(s) differ from {self.name}); "
+                  "the next build compiles your version")
+        return True
+
+    def reset_regions(self) -> None:
+        """Forget the learner's edits: builds use the package source again."""
+        self._edits.clear()
+
+    def edited_regions(self) -> list:
+        return sorted(self._edits)
 
 
-def reset_regions() -> None:
-    """Forget the learner's edits: builds use the package source again."""
-    _edits.clear()
-
-
-def edited_regions() -> list:
-    return sorted(_edits)
-
-
-_REGION_CELL = re.compile(r"^# region: (\w+) \(" + re.escape(SOURCE_NAME) + r"\)\s*$")
+_REGION_CELL = re.compile(r"^# region: (\w+) \((wb_kernels/[\w/.]+\.cu)\)\s*$")
 
 
 def _region_cell_transform(lines: list) -> list:
-    """IPython input transformer: a cell headed ``# region: NAME (wb_kernels/stages/wmma/flash_wmma.cu)``
-    holds C++; turn it into the Python call that records it."""
-    if not lines or not _REGION_CELL.match(lines[0].rstrip("\n")):
+    """IPython input transformer: a cell headed ``# region: NAME (wb_kernels/stages/<rung>/<file>.cu)`` holds
+    C++; turn it into the Python call that records it."""
+    match = _REGION_CELL.match(lines[0].rstrip("\n")) if lines else None
+    if match is None or match.group(2) not in _SOURCES:
         return lines
-    name = _REGION_CELL.match(lines[0].rstrip("\n")).group(1)
+    name, source = match.groups()
     text = "".join(lines[1:])
-    return [f"__import__('wb_kernels.cuda_build').cuda_build.record_region_cell({name!r}, {text!r})\n"]
+    return [f"__import__('wb_kernels.cuda_build').cuda_build.record_region_cell({source!r}, {name!r}, {text!r})\n"]
 
 
-def record_region_cell(name: str, text: str) -> None:
-    """What a C++ region cell runs: :func:`set_region`, returning nothing (so the cell shows one line)."""
-    set_region(name, text)
+def record_region_cell(source: str, name: str, text: str) -> None:
+    """What a C++ region cell runs: ``set_region``, returning nothing (so the cell shows one line)."""
+    _SOURCES[source].set_region(name, text)
 
 
 def enable_region_cells() -> bool:
@@ -161,7 +150,7 @@ def _gencode_for_current_device() -> list:
 
     major, minor = torch.cuda.get_device_capability()
     if major < 8:
-        raise RuntimeError(f"the tensor-core kernel needs an sm_80 or newer GPU (bf16 WMMA, cp.async); "
+        raise RuntimeError(f"the CUDA C++ kernels of this series need an sm_80 or newer GPU (bf16 tensor cores, cp.async); "
                            f"this one is sm_{major}{minor}")
     return ["-gencode", f"arch=compute_{major}{minor},code=sm_{major}{minor}"]
 
@@ -172,7 +161,7 @@ def build_flags(gencode=None) -> list:
             *(gencode if gencode is not None else _gencode_for_current_device())]
 
 
-def extension_name(source: str, flags: list, prefix: str = "flash_wmma") -> str:
+def extension_name(source: str, flags: list, prefix: str) -> str:
     """A name that changes whenever the source, the flags or the torch/CUDA versions change."""
     import torch
 
@@ -225,14 +214,11 @@ def _trim_compiler_output(output: str, max_errors: int = 12) -> str:
 _loaded: dict = {}
 
 
-LINE_NAME = "flash_wmma.cu"  # the file name compiler messages give, through a #line directive
+def prepare_build_directory(build_dir: Path, source: str, file_name: str) -> str:
+    """Make `build_dir` and return the text to hand to load_inline: `source` behind ``#line 1 "<file_name>"``,
+    so that compiler messages point at lines of that file, not of load_inline's copy.
 
-
-def prepare_build_directory(build_dir: Path, source: str, file_name: str = LINE_NAME) -> str:
-    """Make `build_dir` and return the text to hand to load_inline: `source` behind ``#line 1 "flash_wmma.cu"``,
-    so that compiler messages point at lines of flash_wmma.cu, not of load_inline's copy.
-
-    The directive makes nvcc list ``flash_wmma.cu`` among the dependencies it reports to ninja; a dependency
+    The directive makes nvcc list `file_name` among the dependencies it reports to ninja; a dependency
     that does not exist marks the build out of date, and every new process then recompiled the extension
     (a minute) instead of loading it. So the source is also written there under that name, and rewritten only
     when it changed, so that its timestamp stays older than the library built from it."""
@@ -275,17 +261,6 @@ def build_extension(source: str, *, file_name: str, declarations: str, functions
     return module
 
 
-def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
-    """Compile (or load from the cache) the tensor-core kernel's extension; returns the Python module.
-
-    `source` defaults to :func:`current_source` (the package's kernel with the learner's edits).
-    Needs a CUDA GPU and a CUDA build of torch.
-    """
-    source = current_source() if source is None else source
-    return build_extension(source, file_name=LINE_NAME, declarations=_CPP_DECLARATION, functions=_FUNCTIONS,
-                           flags=flags, verbose=verbose, display_name=SOURCE_NAME)
-
-
 # ---------------------------------------------------------------------------------------------
 # Without a GPU: nvcc alone
 
@@ -300,10 +275,11 @@ def _check_arch(arch) -> str:
 _cubins: dict = {}  # (source hash, arch) -> (cubin path, ptxas log)
 
 
-def compile_cubin(arch: str, source: str, file_name: str = LINE_NAME, display_name: str = SOURCE_NAME):
+def compile_cubin(arch: str, source: str, file_name: str, display_name: str | None = None):
     """nvcc alone (no GPU): `source` compiled for `arch` to a cubin, ``-DWB_KERNEL_ONLY`` (the kernels without their
     torch launcher); returns (cubin path, ptxas's -v report). Cached per source and arch in this process."""
     arch = _check_arch(arch)
+    display_name = display_name or file_name
     key = (hashlib.sha256(source.encode()).hexdigest(), arch)
     if key in _cubins and Path(_cubins[key][0]).exists():
         return _cubins[key]
@@ -322,59 +298,31 @@ def compile_cubin(arch: str, source: str, file_name: str = LINE_NAME, display_na
 
 
 @dataclass(frozen=True)
-class KernelResources:
-    """What ptxas reports for one instantiation of the kernel (per thread, except shared memory)."""
+class PtxasEntry:
+    """What ``ptxas -v`` reports for one kernel of a cubin (per thread)."""
 
-    arch: str
-    dtype: str  # "float16" or "bfloat16"
-    head_dim: int
-    num_warps: int
-    q_in_registers: bool
-    row_frags: int  # a warp owns row_frags x 16 query rows
+    function: str  # the mangled name: a rung decodes its template arguments from it
+    arch: str  # "sm_90"
     registers: int
     spill_stores: int  # bytes per thread written to local memory because registers ran out
     spill_loads: int
     stack_bytes: int
-    shared_bytes: int  # dynamic shared memory per block (from the layout; ptxas sees only static)
-
-    @property
-    def label(self) -> str:
-        return (f"{self.dtype} D={self.head_dim} warps={self.num_warps} rows/warp={16 * self.row_frags} "
-                f"Q in {'registers' if self.q_in_registers else 'smem'}")
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
-_MANGLED = re.compile(r"flash_wmma_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELi(\d+)ELb([01])ELi(\d+)E")
 _SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGISTERS = re.compile(r"Used (\d+) registers")
 
 
-def shared_memory_bytes(head_dim: int, num_warps: int, q_in_registers: bool, row_frags: int = 1) -> int:
-    """Dynamic shared memory per block; mirrors ``Layout`` in flash_wmma.cu."""
-    block_n, pad = 64, 8
-    block_m = num_warps * row_frags * 16
-    kv = 2 * 2 * block_n * (head_dim + pad) * 2  # 2 stages x (K, V), fp16/bf16
-    s_scratch = block_m * (block_n + pad) * 4
-    p_scratch = block_m * (block_n + pad) * 2
-    bias = 2 * block_n * 4
-    row = block_m * 4
-    q = 0 if q_in_registers else block_m * (head_dim + pad) * 2
-    return kv + s_scratch + p_scratch + bias + row + q
-
-
-def nvcc_compile_report(arch="sm_90", source: str | None = None) -> list:
-    """Compile every kernel variant for `arch` with nvcc; returns one :class:`KernelResources` each."""
-    arch = _check_arch(arch)
-    source = current_source() if source is None else source
-    _, log = compile_cubin(arch, source)
-    found, current = [], None
+def ptxas_entries(log: str) -> list:
+    """Every kernel ``ptxas -v`` reported in `log` (the second value :func:`compile_cubin` returns)."""
+    found, function, arch, spills = [], None, None, None
     for line in log.splitlines():
         entry = _ENTRY.search(line)
         if entry:
-            current = _MANGLED.search(entry.group(1))
-            spills = None
+            function, arch, spills = entry.group(1), entry.group(2), None
             continue
-        if current is None:
+        if function is None:
             continue
         match = _SPILLS.search(line)
         if match:
@@ -382,19 +330,9 @@ def nvcc_compile_report(arch="sm_90", source: str | None = None) -> list:
             continue
         match = _REGISTERS.search(line)
         if match and spills is not None:
-            dtype = "float16" if current.group(1) == "6__half" else "bfloat16"
-            head_dim, warps, q_regs = int(current.group(2)), int(current.group(3)), current.group(4) == "1"
-            row_frags = int(current.group(5))
-            found.append(KernelResources(f"sm_{arch}", dtype, head_dim, warps, q_regs, row_frags,
-                                         int(match.group(1)), spills[1], spills[2], spills[0],
-                                         shared_memory_bytes(head_dim, warps, q_regs, row_frags)))
-            current = None
-    if not found:
-        raise CudaBuildError(f"nvcc for sm_{arch} reported no kernel; its output was:\n{log[-2000:]}")
-    order = {"float16": 0, "bfloat16": 1}
-    rank = {variant: i for i, variant in enumerate(VARIANTS)}
-    return sorted(found, key=lambda r: (order[r.dtype], r.head_dim,
-                                        rank[(r.num_warps, r.q_in_registers, r.row_frags)]))
+            found.append(PtxasEntry(function, f"sm_{arch}", int(match.group(1)), spills[1], spills[2], spills[0]))
+            function = None
+    return found
 
 
 def sass_lines(cubin: str, function, pattern: str = "HMMA") -> list:
@@ -415,18 +353,3 @@ def sass_lines(cubin: str, function, pattern: str = "HMMA") -> list:
             # "/*0450*/  HMMA.16816.F32 R24, R4, R16, R24 ;  /* 0x... */" -> "HMMA.16816.F32 R24, R4, R16, R24 ;"
             lines.append(line.split("*/", 1)[-1].split("/*", 1)[0].strip())
     return lines
-
-
-def sass(arch="sm_90", *, dtype="float16", head_dim=128, num_warps=4, q_in_registers=True, row_frags=1,
-         source: str | None = None, pattern: str = "HMMA") -> list:
-    """The machine instructions of one kernel variant that contain `pattern` (tensor-core HMMA by default)."""
-    source = current_source() if source is None else source
-    cubin, _ = compile_cubin(arch, source)
-    want = ("6__half" if dtype == "float16" else "13__nv_bfloat16", str(head_dim), str(num_warps),
-            "1" if q_in_registers else "0", str(row_frags))
-
-    def is_variant(name):
-        match = _MANGLED.search(name)
-        return bool(match) and match.groups() == want
-
-    return sass_lines(cubin, is_variant, pattern)

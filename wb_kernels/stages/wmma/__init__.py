@@ -2,13 +2,15 @@
 
 - ``wmma_tile.cu`` and ``tile.py``: the lesson's first step, one 16 x 16 x 16 product by one warp;
 - ``flash_wmma.cu``: the kernel and its torch launcher (the lesson shows it region by region);
+- ``build.py``: the kernel described to the shared :mod:`wb_kernels.cuda_build`: its build, the learner's edits,
+  the compile report of every launch variant without a GPU;
 - ``launcher.py``: the Python side (``forward``, the tuned launch variants) and the stage registration (``STAGE``);
 - ``fragment_model.py``: the kernel's numerics in NumPy, rounding where the kernel rounds;
 - ``slider.py``: the logic behind the lesson's figures and slider (rounding points, shared memory, tuning results);
 - ``tune.py``: launch variants built, checked and timed on a GPU (``python -m wb_kernels.stages.wmma.tune``);
 - ``NOTES.md``: versions, predictions and measurements.
 
-Building and the compile report without a GPU are shared: :mod:`wb_kernels.cuda_build`.
+The build machinery every CUDA C++ rung shares is :mod:`wb_kernels.cuda_build`.
 Lesson: ``notebooks/05_wmma.ipynb``; tests: ``tests/test_wmma.py``.
 """
 

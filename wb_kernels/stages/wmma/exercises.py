@@ -7,19 +7,19 @@ answers are in ``solutions.py`` next to this file: open it when you want them.
 
 from __future__ import annotations
 
-from ... import cuda_build
+from ...cuda_build import CudaBuildError
 from ...backend import BACKEND
-from . import tile
+from . import build, tile
 from ...exercises import Exercise, check_answers
 from .fragment_model import ulp
 
 __all__ = ["EXERCISES", "check", "check_tile_puzzle"]
 
 EXERCISES = (
-    Exercise("exercise 1", lambda: len(cuda_build.sass("sm_90", dtype="float16", head_dim=128, q_in_registers=False,
-                                                       source=cuda_build.package_source())),
+    Exercise("exercise 1", lambda: len(build.sass("sm_90", dtype="float16", head_dim=128, q_in_registers=False,
+                                                  source=build.package_source())),
              "S: (D/16) x (64/16) WMMAs; PV: (64/16) x (D/16); two HMMA each."),
-    Exercise("exercise 2", lambda: cuda_build.shared_memory_bytes(64, 4, True),
+    Exercise("exercise 2", lambda: build.shared_memory_bytes(64, 4, True),
              "2 stages x 2 tiles x 64 rows x (64+8) x 2 bytes, plus 64 rows x (64+8) x (4 + 2) bytes, "
              "plus 2 x 64 x 4 + 64 x 4."),
     Exercise("exercise 3", lambda: float(ulp(1.0, "bfloat16")), "bf16 stores 7 bits after the leading 1."),
@@ -40,7 +40,7 @@ def check_tile_puzzle(kernel: str) -> None:
     source = tile.source_with(kernel)
     try:
         hmma = tile.hmma_instructions(source)
-    except cuda_build.CudaBuildError as error:
+    except CudaBuildError as error:
         print("tile puzzle: not solved yet: nvcc rejects it:\n" + str(error).split("\n", 1)[-1])
         return
     if not hmma:

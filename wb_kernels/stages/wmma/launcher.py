@@ -1,6 +1,6 @@
 """Stage 05: FlashAttention-2 on tensor cores, CUDA C++ with nvcuda::wmma (lesson 05_wmma).
 
-The kernel is ``flash_wmma.cu`` in this folder, built by :mod:`wb_kernels.cuda_build` with torch's
+The kernel is ``flash_wmma.cu`` in this folder, built by ``build.py`` (on the shared :mod:`wb_kernels.cuda_build`) with torch's
 ``load_inline`` the first time the stage runs (cached afterwards). It takes CUDA torch tensors in
 float16 or bfloat16 with head dim 64 or 128 and needs an sm_80 or newer GPU; the benchmark and
 this folder's tune.py use it through ``wb_kernels.attention(..., stage="wmma")`` like every other stage.
@@ -8,7 +8,7 @@ this folder's tune.py use it through ``wb_kernels.attention(..., stage="wmma")``
 
 from __future__ import annotations
 
-from ... import cuda_build
+from . import build as wmma_build
 from .. import Stage
 
 __all__ = ["STAGE", "forward", "DEFAULT_VARIANT", "variant_for"]
@@ -25,15 +25,15 @@ def variant_for(head_dim: int):
 def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=None, variant=None):
     """Run the WMMA kernel on CUDA tensors; returns ``(out, lse)`` as CUDA tensors.
 
-    `module`: an extension from :func:`wb_kernels.cuda_build.build` (a lesson passes the one it
+    `module`: an extension from :func:`wb_kernels.stages.wmma.build.build` (a lesson passes the one it
     built from its own edited source); by default the package's kernel, built once and cached.
-    `variant`: ``(num_warps, q_in_registers, row_frags)`` (see ``cuda_build.VARIANTS``), by default the
+    `variant`: ``(num_warps, q_in_registers, row_frags)`` (see ``build.VARIANTS``), by default the
     tuned one for the head dim.
     """
     import torch
 
     if module is None:
-        module = cuda_build.build(cuda_build.package_source())
+        module = wmma_build.build(wmma_build.package_source())
     D = q.shape[-1]
     num_warps, q_in_registers, row_frags = variant if variant is not None else variant_for(D)
     scale = float(D) ** -0.5 if scale is None else float(scale)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...cuda_build import VARIANTS, shared_memory_bytes
+from .build import VARIANTS, shared_memory_bytes
 from .fragment_model import fragment_model, round_to
 from ...inputs import random_qkv
 from ...plots import STAGE_COLORS, new_figure

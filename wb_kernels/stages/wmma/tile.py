@@ -39,8 +39,7 @@ def source_with(kernel: str) -> str:
 
 def hmma_instructions(source: str | None = None, arch: str = "sm_90") -> list:
     """The tensor-core (HMMA) instructions nvcc makes of the kernel; needs nvcc, not a GPU."""
-    cubin, _ = cuda_build.compile_cubin(arch, source or package_source(), file_name=SOURCE_PATH.name,
-                                        display_name=SOURCE_NAME)
+    cubin, _ = cuda_build.compile_cubin(arch, source or package_source(), SOURCE_PATH.name, SOURCE_NAME)
     return cuda_build.sass_lines(cubin, lambda name: "wmma_tile_kernel" in name)
 
 

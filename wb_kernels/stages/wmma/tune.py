@@ -26,6 +26,7 @@ from pathlib import Path
 
 import wb_kernels as wb  # noqa: E402  (first: chooses the backend)
 from wb_kernels import cuda_build  # noqa: E402
+from wb_kernels.stages.wmma import build as wmma_build  # noqa: E402
 from wb_kernels.stages.wmma import launcher as wmma_stage  # noqa: E402
 
 TOKENS = 16 * 1024
@@ -69,12 +70,12 @@ def main(argv=None):
 
     lengths = args.lengths or ([2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384])
     t0 = time.perf_counter()
-    module = cuda_build.build(cuda_build.package_source())
+    module = wmma_build.build(wmma_build.package_source())
     build_s = time.perf_counter() - t0
-    print(f"built {cuda_build.extension_name(cuda_build.package_source(), cuda_build.build_flags())} "
+    print(f"built {cuda_build.extension_name(wmma_build.package_source(), cuda_build.build_flags(), 'flash_wmma')} "
           f"in {build_s:.1f} s on {torch.cuda.get_device_name()}")
 
-    variants = list(cuda_build.VARIANTS)
+    variants = list(wmma_build.VARIANTS)
     passed = {}
     for D in args.head_dims:
         for dtype in args.dtypes:
