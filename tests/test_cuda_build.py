@@ -114,6 +114,7 @@ CONCURRENT_BUILD = textwrap.dedent("""
     import sys, torch
     import wb_kernels as wb
     from wb_kernels import cuda_build
+    from wb_kernels.stages.wmma import build as wmma_build
     source = wmma_build.package_source() + "\\n// concurrent build test " + sys.argv[1] + "\\n"
     module = wmma_build.build(source)
     q, k, v = wb.random_qkv(1, 2, 100, 64, dtype="float16", framework="torch", device="cuda", seed=1)
