@@ -282,17 +282,19 @@ def test_figures_draw():
 
     from wb_kernels.stages.wmma import slider as tc
 
-    fake = {"device": "a GPU", "rows": [
-        {"dtype": "float16", "D": 128, "L": L, "causal": causal,
-         "tflops": {"sdpa_flash": 300.0, "sdpa_default": 600.0, "wmma_w4_r16_qsmem": 170.0}}
-        for L in (1024, 2048) for causal in (False, True)]}
-    for figure in (tc.draw_rounding(64), tc.draw_shared_memory(64), tc.draw_performance(fake)):
+    for figure in (tc.draw_rounding(64), tc.draw_shared_memory(64), tc.draw_double_buffering()):
         assert isinstance(figure, Figure)
-    committed = tc.load_tune_results()
-    if committed is not None:  # the lesson reads it: every row has the baselines and a WMMA variant
-        for row in committed["rows"]:
-            assert {"sdpa_flash", "sdpa_default"} <= set(row["tflops"])
-            assert any(name.startswith("wmma") for name in row["tflops"])
+
+
+def test_committed_comparison_has_every_baseline():
+    """The lesson's table: every WMMA row of the committed benchmark has FLASH and cuDNN from the same run."""
+    from wb_kernels import bench
+    from wb_kernels.stages.wmma import slider as tc
+
+    rows = tc.committed_comparison(bench.load_results(bench.committed_results()))
+    assert {r["dtype"] for r in rows} == {"float16", "bfloat16"} and {r["causal"] for r in rows} == {False, True}
+    assert all(r["sdpa_flash"] and r["sdpa"] and r["wmma"] for r in rows)
+    assert any(r["flash_fp32"] for r in rows)
 
 
 # ---------------------------------------------------------------------------------------------

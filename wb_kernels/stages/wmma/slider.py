@@ -8,14 +8,12 @@ Plain functions (inputs -> numbers or a matplotlib Figure) that pytest calls wit
   launch variant against an H100's budget, and how many blocks fit on one SM;
 - :func:`traffic_per_tile`: shared-memory bytes and tensor-core FLOPs per warp and key tile, the
   arithmetic behind "what limits WMMA";
-- :func:`load_tune_results` / :func:`draw_performance`: the committed GPU measurements of
-  ``python -m wb_kernels.stages.wmma.tune`` (TFLOP/s against L, with SDPA's FLASH and default backends).
+- :func:`committed_comparison`: this kernel against SDPA's FLASH and default backends and lesson 04's fp32
+  kernel, from the committed benchmark results file (one run, one GPU).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 
@@ -26,8 +24,7 @@ from ...plots import STAGE_COLORS, new_figure
 from ...reference import reference
 
 __all__ = ["draw_double_buffering", "SLIDER_LENGTHS", "ROUNDING_CHOICES", "STORAGE", "rounding_errors", "draw_rounding", "shared_memory_parts",
-           "blocks_per_sm", "draw_shared_memory", "traffic_per_tile", "load_tune_results", "draw_performance", "committed_comparison",
-           "TUNE_RESULTS"]
+           "blocks_per_sm", "draw_shared_memory", "traffic_per_tile", "committed_comparison"]
 
 SLIDER_LENGTHS = (64, 128, 256, 512, 1024)
 # (label, fragment_model switches): the kernel's own choice first
@@ -38,7 +35,6 @@ ROUNDING_CHOICES = (
 )
 SMEM_PER_SM = 228 * 1024       # an H100 (and A100: 164 KB) SM's shared memory
 SMEM_RESERVED_PER_BLOCK = 1024  # the driver keeps 1 KB per resident block
-TUNE_RESULTS = Path(__file__).resolve().parents[3] / "results" / "wmma" / "tune_h200.json"
 
 
 STORAGE = "storing the exact O in 16 bits"
@@ -135,38 +131,6 @@ def traffic_per_tile(head_dim: int, *, rows: int = 16, keys: int = 64) -> dict:
     return {"K and V fragments": k_and_v, "S round trip (fp32)": s_round_trip,
             "P round trip (16-bit)": p_round_trip, "total bytes": total, "tensor-core FLOPs": flops,
             "FLOPs per shared byte": flops / total}
-
-
-def load_tune_results(path=None):
-    """The committed results of this rung's tune.py (a dict), or None when there are none."""
-    path = Path(path) if path is not None else TUNE_RESULTS
-    if not path.exists():
-        return None
-    return json.loads(path.read_text())
-
-
-def draw_performance(results: dict, *, dtype: str = "float16", head_dim: int = 128):
-    """TFLOP/s against L: the best WMMA variant, SDPA FLASH (FlashAttention-2) and SDPA default."""
-    fig, axes = new_figure(ncols=2, width=8.0, height=3.6)
-    for ax, causal in zip(axes, (False, True)):
-        rows = sorted((r for r in results["rows"] if r["dtype"] == dtype and r["D"] == head_dim
-                       and r["causal"] == causal), key=lambda r: r["L"])
-        if not rows:
-            continue
-        lengths = [r["L"] for r in rows]
-        best = [max((t for n, t in r["tflops"].items() if n.startswith("wmma")), default=np.nan) for r in rows]
-        ax.plot(lengths, [r["tflops"].get("sdpa_default", np.nan) for r in rows], "s--", color="gray",
-                label="SDPA default (cuDNN)")
-        ax.plot(lengths, [r["tflops"].get("sdpa_flash", np.nan) for r in rows], "o--", color=STAGE_COLORS["sdpa"],
-                label="SDPA FLASH (FA2)")
-        ax.plot(lengths, best, "o-", color=STAGE_COLORS["wmma"], label="WMMA (this lesson)")
-        ax.set_xscale("log", base=2)
-        ax.set(xlabel="L (B·L = 16k tokens, H = 16)", ylabel="TFLOP/s", ylim=(0, None),
-               title=f"{dtype}, D = {head_dim}, {'causal' if causal else 'non-causal'}")
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8)
-    fig.suptitle(f"measured on {results['device']}", fontsize=9)
-    return fig
 
 
 def committed_comparison(results: dict, head_dim: int = 128) -> list:
