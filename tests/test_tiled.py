@@ -6,6 +6,7 @@ On the simulator the sizes stay small (every CUDA thread is a Python thread); th
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import wb_kernels as wb
@@ -87,3 +88,26 @@ def test_bank_conflict_picture():
     assert [slider.conflict_degree(slider.warp_banks(t, padded=False)) for t in (8, 16, 32)] == [2, 8, 32]
     assert [slider.conflict_degree(slider.warp_banks(t, padded=True)) for t in (8, 16, 32)] == [1, 1, 1]
     assert len(slider.draw_bank_conflicts(16).axes) == 2
+
+
+@simulator_only
+def test_simulator_gives_a_block_one_shared_array_per_call_site():
+    """numba's simulator looked up and allocated a block's static shared array in two steps, so two of its threads
+    could get different arrays (a rare wrong result of this stage); wb_kernels.simulator makes it one step."""
+    import threading
+
+    from numba.cuda.simulator import kernelapi
+
+    assert getattr(kernelapi.FakeCUDAShared.array, "wb_thread_safe", False)
+    shared, start, got = kernelapi.FakeCUDAShared(0), threading.Barrier(32), []
+
+    def thread():
+        start.wait()
+        got.append(id(shared.array((4, 4), np.float32)))
+
+    threads = [threading.Thread(target=thread) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 32 and len(set(got)) == 1

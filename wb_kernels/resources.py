@@ -33,6 +33,11 @@ from pathlib import Path
 
 from .backend import BACKEND
 
+if BACKEND.is_simulator:  # every numba rung imports this module before it defines a kernel
+    from .simulator import make_shared_arrays_thread_safe
+
+    make_shared_arrays_thread_safe()
+
 __all__ = ["KernelEntry", "register_kernel", "registered_kernels", "find_entry", "compile_ptx",
            "kernel_resources", "resources_of_entries", "ptx_resources", "CCS"]
 
