@@ -17,7 +17,7 @@ import pytest
 LESSONS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 MEASURED = re.compile(
     r"(?<![\w$\\])\d+(?:\.\d+)?(?:[–-]\d+(?:\.\d+)?)?\s?(?:×|x\b)(?!\s*\d)(?! rule)"  # a ratio: 0.5×, 7.3x, 2.1–2.4×
-    r"|\d+(?:\.\d+)?\s*(?:TFLOP/s|GB/s|ms\b|µs\b)"                                   # a speed or a time
+    r"|\d+(?:\.\d+)?\s*(?:TFLOP/s|GB/s|ms\b|µs\b|s\b|seconds?\b|minutes?\b)"        # a speed or a time
     r"|\d+(?:\.\d+)?\s?%")                                                             # a percentage
 
 
@@ -39,4 +39,5 @@ def test_the_check_would_catch_a_typed_ratio():
     assert MEASURED.search("it lands at 0.5–0.7× FlashAttention-2")
     assert MEASURED.search("about 4 TFLOP/s on this GPU")
     assert MEASURED.search("raised D=64 by 30 %")
+    assert MEASURED.search("measures all six again, live (about 15 seconds)")
     assert not MEASURED.search("tiles of 16 × 16 and the 2× rule")
