@@ -1,4 +1,5 @@
-"""Inputs for tests that run every stage of the package (test_edge_cases.py, test_properties.py).
+"""Inputs for tests that run every stage of the package (test_edge_cases.py, test_properties.py), and the
+skip-or-fail rule for tests that need the CUDA compiler.
 
 Stages join these tests by existing: the list comes from ``wb.available_stages()``. A stage that needs
 a GPU is skipped on the simulator, with that reason; everything else runs everywhere, at the small
@@ -83,3 +84,16 @@ def numpy64(x) -> np.ndarray:
 
 def dtype_name(x) -> str:
     return str(x.dtype).replace("torch.", "")
+
+
+def tool_or_skip(find, purpose: str = "compile the CUDA kernel"):
+    """`find()` (nvcc, cuobjdump, ...) or, when it is missing, a skip with the reason; under CI (the variable CI
+    set) a failure instead, so that a check that needs the tool cannot silently disappear."""
+    import os
+
+    try:
+        return find()
+    except FileNotFoundError as missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must {purpose}, but: {missing}")
+        pytest.skip(f"not in CI and {missing}")

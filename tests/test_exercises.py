@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 import wb_kernels as wb
 from wb_kernels import cuda_build
+from stage_cases import tool_or_skip
 from wb_kernels.exercises import Exercise, check_answers, grade
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,16 +37,10 @@ def _modules(package):
 
 
 def _needs_nvcc(package):
-    """Lesson 05's first exercise is graded from the compiled kernel: nvcc and cuobjdump are needed (in CI they
-    must be there; elsewhere the test is skipped with the reason)."""
+    """Lesson 05's first exercise is graded from the compiled kernel: nvcc and cuobjdump are needed."""
     if package.endswith(".wmma"):
         for find in (cuda_build.find_nvcc, cuda_build.find_cuobjdump):
-            try:
-                find()
-            except FileNotFoundError as missing:
-                if os.environ.get("CI"):
-                    pytest.fail(f"CI must grade lesson 05's exercises, but: {missing}")
-                pytest.skip(f"not in CI and {missing}")
+            tool_or_skip(find, "grade lesson 05's exercises")
 
 
 def test_every_lesson_has_exercises():

@@ -14,8 +14,6 @@ compiler) they are skipped with the reason.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -25,6 +23,7 @@ from wb_kernels.stages.wmma import build as wmma_build
 from wb_kernels.stages.wmma.fragment_model import fragment_model, round_to, ulp
 from wb_kernels.stages.wmma.launcher import DEFAULT_VARIANT
 from wb_kernels.sync import module_regions
+from stage_cases import tool_or_skip
 
 torch = pytest.importorskip("torch")
 
@@ -300,17 +299,10 @@ def test_committed_comparison_has_every_baseline():
 # ---------------------------------------------------------------------------------------------
 # The compile check without a GPU (nvcc alone; CI runs it)
 
-IN_CI = bool(os.environ.get("CI"))
 ARCHES = ["sm_80", "sm_90"]
 
 
-def _tool_or_skip(find):
-    try:
-        return find()
-    except FileNotFoundError as missing:
-        if IN_CI:
-            pytest.fail(f"CI must compile the CUDA kernel, but: {missing}")
-        pytest.skip(f"not in CI and {missing}")
+_tool_or_skip = tool_or_skip
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,10 @@ class EditableSource:
             source = self._replace_region(source, name, text)
         return source
 
+    def source_with(self, name: str, text: str) -> str:
+        """The package source with `text` in region `name` (a one-off version, e.g. a puzzle's answer)."""
+        return self._replace_region(self.package_source(), name, text)
+
     def set_region(self, name: str, text: str, verbose: bool = True) -> bool:
         """Use `text` for region `name` in later builds; returns (and prints) whether it differs from the package."""
         shipped = module_regions(self.path)

@@ -7,47 +7,39 @@ a learner's version of the kernel (the lesson's puzzle) into the file, so both w
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from ... import cuda_build
 from ...sync import module_regions
 
-__all__ = ["SOURCE_PATH", "package_source", "source_with", "hmma_instructions", "build", "product"]
+__all__ = ["SOURCE", "package_source", "kernel_text", "source_with", "hmma_instructions", "build", "product"]
 
-SOURCE_PATH = Path(__file__).resolve().parent / "wmma_tile.cu"
-SOURCE_NAME = "wb_kernels/stages/wmma/wmma_tile.cu"
+SOURCE = cuda_build.EditableSource(Path(__file__).resolve().parent / "wmma_tile.cu")
 KERNEL_REGION = "wmma_tile_kernel"
-
-
-def package_source() -> str:
-    return SOURCE_PATH.read_text()
+package_source = SOURCE.package_source
 
 
 def kernel_text() -> str:
     """The kernel as the package ships it (what the lesson prints)."""
-    return module_regions(SOURCE_PATH)[KERNEL_REGION]
+    return module_regions(SOURCE.path)[KERNEL_REGION]
 
 
 def source_with(kernel: str) -> str:
     """The file with `kernel` in place of the package's ``wmma_tile_kernel``."""
-    source = package_source()
-    start = re.search(r"^// region: " + KERNEL_REGION + r"\n", source, re.MULTILINE).end()
-    end = source.index("// endregion", start)
-    return source[:start] + kernel.strip("\n") + "\n" + source[end:]
+    return SOURCE.source_with(KERNEL_REGION, kernel)
 
 
 def hmma_instructions(source: str | None = None, arch: str = "sm_90") -> list:
     """The tensor-core (HMMA) instructions nvcc makes of the kernel; needs nvcc, not a GPU."""
-    cubin, _ = cuda_build.compile_cubin(arch, source or package_source(), SOURCE_PATH.name, SOURCE_NAME)
+    cubin, _ = cuda_build.compile_cubin(arch, source or package_source(), SOURCE.file_name, SOURCE.name)
     return cuda_build.sass_lines(cubin, lambda name: "wmma_tile_kernel" in name)
 
 
 def build(source: str | None = None):
     """The extension with ``wmma_tile(a, b)`` (needs a CUDA GPU and a CUDA build of torch)."""
-    return cuda_build.build_extension(source or package_source(), file_name=SOURCE_PATH.name,
+    return cuda_build.build_extension(source or package_source(), file_name=SOURCE.file_name,
                                       declarations="torch::Tensor wmma_tile(torch::Tensor a, torch::Tensor b);",
-                                      functions=["wmma_tile"], display_name=SOURCE_NAME)
+                                      functions=["wmma_tile"], display_name=SOURCE.name)
 
 
 def product(a, b, source: str | None = None):
