@@ -8,6 +8,7 @@
 #                                        the benchmark because lesson 06 shows the newest results file)
 #   NOTEBOOKS="notebooks/04_*.ipynb" scripts/gpu_check.sh notebooks     only some lessons
 #   TESTS="tests/test_flash.py" scripts/gpu_check.sh tests             only some tests
+#   TUNE_RUNGS="mma" TUNE_ARGS="--quick" scripts/gpu_check.sh tune     only some rungs' tuning, fewer lengths
 #   TESTS_WORKERS=8 (default): pytest-xdist processes sharing the GPU for the unit tests; 0 = one process
 #   PROPERTIES_WORKERS=5 (default): the same for the property tests (one stage each); 0 = one process
 #
@@ -60,9 +61,13 @@ if has env; then
   tee -a "$LOG" < logs/env.log
 fi
 if has build; then
-  # the tensor-core extension, built once into the cache that the tests and lessons then load in milliseconds
-  run_step build 300 python3 -c "import time, wb_kernels; from wb_kernels.stages.wmma import build; t = time.time(); \
-build.build(build.package_source()); print(f'flash_wmma extension ready in {time.time() - t:.1f} s')"
+  # every CUDA C++ rung's extension (wb_kernels/stages/<rung>/build.py), built once into the cache that the tests
+  # and lessons then load in milliseconds
+  for script in wb_kernels/stages/*/build.py; do
+    rung=$(basename "$(dirname "$script")")
+    run_step "build_$rung" 300 python3 -c "import time, wb_kernels; from wb_kernels.stages.$rung import build; \
+t = time.time(); build.build(build.package_source()); print(f'$rung extension ready in {time.time() - t:.1f} s')"
+  done
 fi
 if has traffic; then
   run_step traffic "${TRAFFIC_LIMIT:-240}" python3 -m wb_kernels.stages.naive.traffic --timeout $(( ${TRAFFIC_LIMIT:-240} - 20 ))
@@ -116,10 +121,13 @@ if has notebooks || has nbval; then
 fi
 if has tune; then
   # every rung with a tuning script: wb_kernels/stages/<rung>/tune.py, results into results/<rung>/
+  # TUNE_RUNGS="mma" only some rungs; TUNE_ARGS="--quick" passed on to each tune.py
   for script in wb_kernels/stages/*/tune.py; do
     rung=$(basename "$(dirname "$script")")
+    if [ -n "${TUNE_RUNGS:-}" ] && [[ " $TUNE_RUNGS " != *" $rung "* ]]; then continue; fi
     gpu=$(python3 -c "import torch; n = torch.cuda.get_device_name(); print(next((g for g in ('H100', 'H200', 'A100', 'B200') if g in n), 'gpu').lower())")
-    run_step "tune_$rung" 420 python3 -m "wb_kernels.stages.$rung.tune" --json "results/$rung/tune_$gpu.json"
+    run_step "tune_$rung" "${TUNE_LIMIT:-420}" python3 -m "wb_kernels.stages.$rung.tune" ${TUNE_ARGS:-} \
+      --json "results/$rung/tune_$gpu.json"
   done
 fi
 echo "== collected into $OUT/gpu_results.tgz; overall status $status" | tee -a "$LOG"

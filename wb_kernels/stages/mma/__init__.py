@@ -1,11 +1,18 @@
-"""Rung 06, ``mma`` (in progress): FlashAttention-2 by hand on tensor cores with PTX ``mma.sync``.
-
-So far this folder holds the teaching model the lesson will start from:
+"""Rung 06, ``mma``: FlashAttention-2 by hand on tensor cores with PTX ``mma.sync``, built with ``load_inline``.
 
 - ``fragments.py``: which lane of a warp holds which element of the A, B and C/D operands of
   ``mma.sync.aligned.m16n8k16`` (fp16/bf16 in, fp32 accumulate), as the PTX ISA documents them, what ``ldmatrix.x4``
-  delivers, and why the accumulator of S = Q Kᵀ can be reused in registers as the A operand of P V.
+  delivers, and why the accumulator of S = Q Kᵀ can be reused in registers as the A operand of P V;
+- ``flash_mma.cu``: the kernel and its torch launcher (the lesson shows it region by region);
+- ``build.py``: the kernel described to the shared :mod:`wb_kernels.cuda_build`: its build, the learner's edits,
+  the compile report of every launch variant and the instruction counts of its key loop, without a GPU;
+- ``launcher.py``: the Python side (``forward``, the tuned launch variants) and the stage registration (``STAGE``);
+- ``tune.py``: launch variants built, checked and timed on a GPU (``python -m wb_kernels.stages.mma.tune``);
+- ``NOTES.md``: versions, predictions and measurements.
 
-The kernel, its launcher and ``STAGE``, the lesson (``notebooks/06_mma.ipynb``, before the benchmark dashboard) and
-the rest of the folder come next; until then the registry does not list this rung (there is no ``STAGE``).
+Lesson: ``notebooks/06_mma.ipynb``; tests: ``tests/test_mma.py``.
 """
+
+from .launcher import STAGE
+
+__all__ = ["STAGE"]

@@ -1,0 +1,62 @@
+"""Stage 06: FlashAttention-2 by hand on tensor cores, PTX mma.sync in CUDA C++ (lesson 06_mma).
+
+The kernel is ``flash_mma.cu`` in this folder, built by ``build.py`` with torch's ``load_inline`` the first time the
+stage runs (cached afterwards). It takes CUDA torch tensors in float16 or bfloat16 with head dim 64 or 128 and needs
+an sm_80 or newer GPU; the benchmark and ``tune.py`` use it through ``wb_kernels.attention(..., stage="mma")``.
+"""
+
+from __future__ import annotations
+
+from . import build as mma_build
+from .. import Stage
+
+__all__ = ["STAGE", "forward", "DEFAULT_VARIANT", "variant_for"]
+
+# The launch variant per head dim, chosen by tune.py on the GPU (NOTES.md has the measurements).
+DEFAULT_VARIANT = {64: mma_build.Variant(64, 4, 1, 128, True), 128: mma_build.Variant(128, 4, 1, 64, True)}
+
+
+def variant_for(head_dim: int) -> "mma_build.Variant":
+    return DEFAULT_VARIANT[head_dim]
+
+
+def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=None, variant=None):
+    """Run the mma.sync kernel on CUDA tensors; returns ``(out, lse)`` as CUDA tensors.
+
+    `module`: an extension from :func:`wb_kernels.stages.mma.build.build` (a lesson passes the one it built from
+    its own edited source); by default the package's kernel, built once and cached.
+    `variant`: a :class:`~wb_kernels.stages.mma.build.Variant` (see ``build.VARIANTS``), by default the tuned one.
+    """
+    import torch
+
+    if module is None:
+        module = mma_build.build(mma_build.package_source())
+    D = q.shape[-1]
+    variant = variant if variant is not None else variant_for(D)
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    if scale < 0:
+        # The kernel tracks each row's maximum of the raw scores, which is the maximum of the scaled ones only for
+        # a non-negative scale; scale * (q . k) = |scale| * (-q . k), and negating a 16-bit number is exact.
+        q, scale = -q, -scale
+    if key_padding_mask is None:
+        keep = torch.empty(0, dtype=torch.uint8, device=q.device)
+    else:
+        keep = torch.as_tensor(key_padding_mask).to(device=q.device, dtype=torch.uint8).contiguous()
+    out, lse = module.flash_mma_forward(q.contiguous(), k.contiguous(), v.contiguous(), keep, bool(causal), scale,
+                                        variant.num_warps, variant.row_tiles, variant.block_n,
+                                        variant.q_in_registers)
+    return out, lse
+
+
+STAGE = Stage(
+    name="mma",
+    lesson="06_mma",
+    summary="FlashAttention-2 by hand on tensor cores (PTX mma.sync, ldmatrix, swizzle), fp16/bf16, D 64 or 128",
+    forward=forward,
+    dtypes=("float16", "bfloat16"),
+    head_dims=(64, 128),
+    needs_gpu=True,
+    workspace_bytes=lambda B, H, Lq, Lk, D: 2 * B * H * Lq * D + 4 * B * H * Lq,  # out + lse
+    order=6,
+    linear_memory=True,
+)
