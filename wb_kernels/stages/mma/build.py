@@ -58,7 +58,7 @@ class Variant:
 
 # Every variant the launcher can choose, as WB_FOR_EACH_MMA_VARIANT in flash_mma.cu lists them.
 VARIANTS = tuple(Variant(*v) for v in (
-    (64, 4, 1, 64, True), (64, 4, 2, 64, True), (64, 4, 1, 128, True), (64, 4, 2, 128, False),
+    (64, 4, 1, 64, True), (64, 4, 2, 64, True), (64, 4, 1, 128, True), (64, 4, 2, 128, False), (64, 8, 1, 128, True),
     (128, 4, 1, 64, True), (128, 4, 2, 64, False), (128, 8, 1, 64, True), (128, 4, 1, 128, True)))
 
 package_source = SOURCE.package_source

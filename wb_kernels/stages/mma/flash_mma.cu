@@ -34,7 +34,7 @@ struct FlashParams {
     float* lse;               // (B, H, Lq), natural-log log-sum-exp of the scaled scores
     const uint8_t* key_keep;  // (B, Lk), 1 = key takes part; nullptr = no padding mask
     int B, H, Lq, Lk;
-    float scale_log2;         // scale * log2(e) >= 0: softmax runs in base 2 (the launcher makes it non-negative)
+    float scale_log2;         // scale * log2(e) > 0: softmax runs in base 2 (the launcher makes the scale positive)
     int causal;               // query i sees keys j <= i (top-left)
 };
 
@@ -144,7 +144,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[N_TILES][4], float (&m
                                                float (&alpha)[2], float scale_log2) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // h = 0: row g (registers 0, 1); h = 1: row g + 8 (registers 2, 3)
-        float row_max = m_run[h];  // in units of raw scores: scale_log2 >= 0 keeps the order
+        float row_max = m_run[h];  // in units of raw scores: scale_log2 > 0 keeps the order
 #pragma unroll
         for (int n = 0; n < N_TILES; ++n) row_max = fmaxf(row_max, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
         row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
@@ -418,8 +418,9 @@ constexpr int smem_bytes() { return Layout<HEAD_DIM, NUM_WARPS, ROW_TILES, BLOCK
 
 // Every launch variant (head dim, warps, 16-row tiles per warp, keys per tile, Q in registers);
 // wb_kernels/stages/mma/build.py lists the same. X is a macro taking the five.
-#define WB_FOR_EACH_MMA_VARIANT(X)                                                                          \
+#define WB_FOR_EACH_MMA_VARIANT(X)                                                                       \
     X(64, 4, 1, 64, true) X(64, 4, 2, 64, true) X(64, 4, 1, 128, true) X(64, 4, 2, 128, false)              \
+    X(64, 8, 1, 128, true)                                                                                  \
     X(128, 4, 1, 64, true) X(128, 4, 2, 64, false) X(128, 8, 1, 64, true) X(128, 4, 1, 128, true)
 
 }  // namespace wb
@@ -482,7 +483,7 @@ std::vector<torch::Tensor> flash_mma_forward(torch::Tensor q, torch::Tensor k, t
     TORCH_CHECK(D == 64 || D == 128, "flash_mma: head dim must be 64 or 128, got ", D);
     TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(),
                 "flash_mma: k and v must be (B, H, Lk, D) with q's B, H, D");
-    TORCH_CHECK(scale >= 0, "flash_mma: the launcher passes a non-negative scale (got ", scale, ")");
+    TORCH_CHECK(scale > 0, "flash_mma: the launcher passes a positive scale (got ", scale, ")");
     const bool has_mask = key_keep.numel() > 0;
     if (has_mask) {
         TORCH_CHECK(key_keep.is_cuda() && key_keep.scalar_type() == torch::kUInt8 && key_keep.is_contiguous() &&

@@ -36,8 +36,12 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=
     scale = float(D) ** -0.5 if scale is None else float(scale)
     if scale < 0:
         # The kernel tracks each row's maximum of the raw scores, which is the maximum of the scaled ones only for
-        # a non-negative scale; scale * (q . k) = |scale| * (-q . k), and negating a 16-bit number is exact.
+        # a positive scale; scale * (q . k) = |scale| * (-q . k), and negating a 16-bit number is exact.
         q, scale = -q, -scale
+    elif scale == 0:
+        # A masked score is -inf before it is scaled, and -inf * 0 is NaN; 0 * (q . k) = 1 * (0 . k) instead.
+        # (Non-finite inputs are the API's business: wb.attention patches their rows as the reference has them.)
+        q, scale = torch.zeros_like(q), 1.0
     if key_padding_mask is None:
         keep = torch.empty(0, dtype=torch.uint8, device=q.device)
     else:
