@@ -61,6 +61,35 @@ def test_presets_cover_the_requested_configurations():
                                                              for c in (False, True)}
 
 
+@pytest.mark.skipif(not ON_SIMULATOR, reason="the refusal is what a machine without a GPU does")
+def test_flex_is_refused_without_a_gpu_with_a_reason(tmp_path, capsys):
+    out = tmp_path / "flex.json"
+    flags = ["--stages", "", "--lengths", "8", "--head-dims", "16", "--dtypes", "float16", "--batch-heads", "1,1",
+             "--no-progress", "--no-figures", "--out", str(out)]
+    # named explicitly: refused before anything runs
+    assert bench.main(flags + ["--baselines", "flex"]) == 2
+    assert "baseline 'flex' needs a CUDA GPU" in capsys.readouterr().err
+    assert not out.exists()
+    # in a sweep: left out, and the results file says why, as it does for flash_attn and vllm
+    config = bench.Config(1, 1, 8, 16, "float16", False)
+    results = measure.run([bench.Sweep("x", ("flex",), (config,))], out, progress=False, log=lambda *a: None)
+    assert results["records"] == [] and results["unavailable"]["flex"] == "needs a CUDA GPU"
+    assert "flex" in cli._listing().split("baselines:")[1]
+    flex_line = [line for line in cli._listing().splitlines() if line.strip().startswith("flex ")][0]
+    assert "absent:" in flex_line
+
+
+def test_flex_names_what_it_is_missing(monkeypatch):
+    """An old torch (no flex_attention module) or no triton: the reason names the missing module."""
+    real = measure._import_problem
+    monkeypatch.setattr(measure, "_import_problem",
+                        lambda module: "triton is not importable here (X)" if module == "triton" else real(module))
+    assert "triton" in measure.contenders()["flex"].unavailable
+    monkeypatch.setattr(measure, "_import_problem", lambda module: f"{module} is not importable here (X)")
+    assert measure.contenders()["flex"].unavailable.startswith("torch.nn.attention.flex_attention")
+    assert measure.contenders()["flex"].dtypes == ("float16", "bfloat16") and measure.contenders()["flex"].needs_gpu
+
+
 def test_torch_reference_matches_the_numpy_reference():
     torch = pytest.importorskip("torch")
     q, k, v = wb.random_qkv(1, 1, 13, 16, framework="torch", seed=3)
@@ -255,6 +284,11 @@ def test_readme_table_lists_the_public_configurations():
     assert len(rows) == 2 * len(bench.PUBLIC_CONFIGS)
     assert rows[0].startswith("| 1 | 16 | 512 | 64 | no | ")
     assert "1 (" in rows[0]  # sdpa's 1.0 ms, as 3 significant digits
+
+
+def test_every_baseline_has_a_color_and_a_line_style():
+    for name in bench.BASELINES:
+        assert name in figures._BASELINE_COLORS and name in figures._BASELINE_STYLE, name
 
 
 def test_update_readme_rewrites_only_the_block(tmp_path):

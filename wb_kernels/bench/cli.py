@@ -39,9 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     presets = "\n".join(f"  {name:15s} {text}" for name, text in PRESET_HELP.items())
     parser = argparse.ArgumentParser(
         prog="python -m wb_kernels.bench", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Benchmark the attention stages of wb_kernels against PyTorch (and flash-attn, vLLM when "
-                    "installed). Results go to one JSON file per run, written after every measurement and "
-                    "resumed when the same command runs again.",
+        description="Benchmark the attention stages of wb_kernels against PyTorch (SDPA's backends, FlexAttention; "
+                    "flash-attn and vLLM when installed). Results go to one JSON file per run, written after every "
+                    "measurement and resumed when the same command runs again.",
         epilog=f"presets:\n{presets}\n\nfree flags (--stages, --lengths, ...) define one more sweep; without a "
                "preset they are the whole run. Examples:\n"
                "  python -m wb_kernels.bench --preset smoke\n"
@@ -117,8 +117,9 @@ def _listing() -> str:
                      + (" (GPU only)" if stage.needs_gpu else ""))
     lines.append("baselines:")
     table = contenders()
+    on_cuda = _device() == "cuda"
     for name in BASELINES:
-        why = table[name].unavailable
+        why = table[name].unavailable or ("needs a CUDA GPU" if table[name].needs_gpu and not on_cuda else None)
         lines.append(f"  {name:15s} {BASELINE_HELP[name]}" + (f" -- absent: {why}" if why else ""))
     return "\n".join(lines)
 

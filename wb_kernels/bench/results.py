@@ -77,7 +77,8 @@ def environment() -> dict:
         env.update(gpu=torch.cuda.get_device_name(0), compute_capability=f"{props.major}.{props.minor}",
                    sm_count=props.multi_processor_count, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                    cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
-                   driver=_nvidia_smi("driver_version"), flash_attn=_version("flash-attn"), vllm=_version("vllm"))
+                   driver=_nvidia_smi("driver_version"), triton=_version("triton"), flash_attn=_version("flash-attn"),
+                   vllm=_version("vllm"))
     else:
         env.update(gpu=None, cuda=torch.version.cuda, driver=None)
     try:

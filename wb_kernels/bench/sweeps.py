@@ -73,7 +73,7 @@ def _preset_sweeps() -> dict:
                           for c in _tokens_configs(LADDER_LENGTHS[1:], D, ("float32",), (False,)))
     public_configs = tuple(Config(B, H, L, D, dtype, causal) for dtype in ("float16",)
                            for causal in (False, True) for (B, H, L, D) in PUBLIC_CONFIGS)
-    every_baseline = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "torch-eager",
+    every_baseline = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "torch-eager", "flex",
                       "flash_attn", "vllm")
     return {
         "smoke": [Sweep("smoke", ("reference", "naive", "tiled", "flash", "sdpa", "sdpa-math", "torch-eager"),
@@ -115,6 +115,8 @@ BASELINE_HELP = {
     "sdpa-cudnn": "SDPA forced to CUDNN_ATTENTION",
     "sdpa-math": "SDPA forced to MATH (plain PyTorch ops, materializes L x L)",
     "torch-eager": "softmax(q k^T / sqrt(D)) v written as PyTorch ops, softmax in float32",
+    "flex": "FlexAttention (torch.nn.attention.flex_attention) compiled by torch.compile into a Triton kernel, "
+            "causal through a block mask; needs a CUDA GPU and triton",
     "flash_attn": "flash_attn.flash_attn_func, when the flash-attn package is installed",
     "vllm": "vLLM's flash_attn_varlen_func, when vllm is installed",
 }
