@@ -11,7 +11,7 @@ import pytest
 
 import wb_kernels as wb
 from wb_kernels import api, bench, stages
-from wb_kernels.bench import cli, dashboard, figures, measure, pitfalls
+from wb_kernels.bench import cli, dashboard, figures, measure, pitfalls, sweeps
 from wb_kernels.bench import results as results_file  # (tests name their results dicts `results`)
 from wb_kernels.reference import reference
 from wb_kernels.stages import Stage
@@ -59,6 +59,29 @@ def test_presets_cover_the_requested_configurations():
     assert {"wmma", "sdpa-flash", "sdpa"} <= set(tensor.contenders)
     assert {(c.dtype, c.causal) for c in tensor.configs} == {(d, c) for d in ("float16", "bfloat16")
                                                              for c in (False, True)}
+
+
+def test_mma_preset_covers_the_rungs_workloads():
+    """The mma rung's issue: fp16 and bf16, D 64 and 128, L 512..16384 at 16k tokens and 16 heads, causal and
+    not, against wmma, SDPA's default, FLASH and cuDNN, and FlexAttention; plus the small public problem."""
+    (sweep,) = bench.PRESETS["mma"]
+    assert set(sweep.contenders) == {"wmma", "mma", "sdpa-flash", "sdpa-cudnn", "sdpa", "flex"}
+    expected = {bench.Config(bench.TOKENS // L, 16, L, D, dtype, causal) for dtype in ("float16", "bfloat16")
+                for D in (64, 128) for L in bench.LADDER_LENGTHS for causal in (False, True)}
+    expected |= {bench.Config(1, 16, 512, 64, "float16", causal) for causal in (False, True)}
+    assert set(sweep.configs) == expected and len(sweep.configs) == len(expected)
+    assert "mma" in bench.PRESETS["public"][0].contenders and "flex" in bench.PRESETS["public"][0].contenders
+    assert "mma" in sweeps.GPU_PRESETS and "mma" in sweeps.ALL_PRESETS
+    assert set(sweeps.ALL_PRESETS) == set(sweeps.PRESET_HELP) - {"smoke", "all"}
+
+
+def test_a_stage_not_registered_yet_is_dropped_quietly():
+    """The presets may name the mma rung before its folder exists: planned without it, with a note."""
+    table = {name: c for name, c in measure.contenders().items() if name != "mma"}
+    config = bench.Config(1, 1, 8, 16, "float32", False)
+    jobs, notes = measure.plan([bench.Sweep("x", ("mma", "sdpa"), (config,))], table)
+    assert [job[0].name for job in jobs] == ["sdpa"]
+    assert notes == {"mma": "not a stage of this package yet"}
 
 
 @pytest.mark.skipif(not ON_SIMULATOR, reason="the refusal is what a machine without a GPU does")
@@ -191,7 +214,7 @@ def test_real_gpu_stages_and_gpu_presets_are_refused_on_the_simulator(capsys, tm
         if stage.needs_gpu:
             assert bench.main(["--stages", name, "--out", str(tmp_path / "x.json"), "--no-progress"]) == 2
             assert f"stage {name!r} runs only on a CUDA GPU" in capsys.readouterr().err
-    for preset in ("ladder", "tensor-cores", "all", "honesty"):
+    for preset in ("ladder", "tensor-cores", "mma", "all", "honesty"):
         assert bench.main(["--preset", preset, "--out", str(tmp_path / "x.json")]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
     assert bench.main(["--stages", "no_such_stage", "--out", str(tmp_path / "x.json")]) == 2

@@ -22,7 +22,8 @@ from typing import Optional
 from ..stages import available_stages
 from .measure import TimingPolicy, _device, contenders, run
 from .results import default_output, load_results, update_readme
-from .sweeps import BASELINE_HELP, BASELINES, GPU_PRESETS, PRESET_HELP, PRESETS, TOKENS, Config, Refused, Sweep
+from .sweeps import (ALL_PRESETS, BASELINE_HELP, BASELINES, GPU_PRESETS, PRESET_HELP, PRESETS, TOKENS, Config,
+                     Refused, Sweep)
 
 __all__ = ["main"]
 
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
         on_cuda = _device() == "cuda"
         presets = list(args.preset or [])
         if "all" in presets:
-            presets = [p for p in presets if p != "all"] + ["public", "ladder", "flash-fp32", "tensor-cores", "honesty"]
+            presets = [p for p in presets if p != "all"] + list(ALL_PRESETS)
         custom = _custom_sweep(args, on_cuda)
         if not presets and custom is None:
             presets = ["smoke"]
