@@ -280,18 +280,16 @@ def test_figures_are_drawn_from_a_results_file(tiny_results, tmp_path):
     np.testing.assert_allclose(y, np.minimum(50.0, 3000.0 * 1e9 * x / 1e12))
 
 
-def _public_results(with_stage=True):
+def _public_results(timed=(("sdpa", "baseline", 1.0), ("wmma", "stage", 2.0)), shapes=bench.PUBLIC_CONFIGS):
+    """A GPU results file's README-relevant records: each (name, kind, ms) timed at `shapes`, fp16, causal and not."""
     records = []
     for causal in (False, True):
-        for i, (B, H, L, D) in enumerate(bench.PUBLIC_CONFIGS):
-            for name, ms in (("sdpa", 1.0 + i), ("wmma", 2.0 + i)):
-                if name == "wmma" and not with_stage:
-                    continue
+        for i, (B, H, L, D) in enumerate(shapes):
+            for name, kind, ms in timed:
                 config = bench.Config(B, H, L, D, "float16", causal)
                 flops = bench.attention_flops(B, H, L, L, D, causal)
                 records.append({"key": bench.record_key(name, config), "contender": name, "status": "ok",
-                                "kind": "baseline" if name == "sdpa" else "stage", "median_ms": ms,
-                                "tflops": flops / ms / 1e9})
+                                "kind": kind, "median_ms": ms + i, "tflops": flops / (ms + i) / 1e9})
     return {"environment": {"gpu": "Test GPU", "cuda": "13.0", "torch": "2.11", "driver": "580", "date": "2026-11-21"},
             "records": records}
 
@@ -309,9 +307,59 @@ def test_readme_table_lists_the_public_configurations():
     assert "1 (" in rows[0]  # sdpa's 1.0 ms, as 3 significant digits
 
 
+def test_readme_table_shows_the_mma_rung_and_flex_when_the_file_has_them():
+    """Columns for a contender the file timed (the mma stage even before this checkout registers it, FlexAttention
+    among the baselines), none for one it did not; rows only for the public configurations the file has."""
+    timed = (("sdpa", "baseline", 1.0), ("flex", "baseline", 1.5), ("mma", "stage", 1.2), ("wmma", "stage", 2.0))
+    shapes = bench.PUBLIC_CONFIGS[:3]
+    results = _public_results(timed, shapes)
+    results["records"].append({"key": "sdpa-cudnn|float16|B1|H16|L512|D64|full", "contender": "sdpa-cudnn",
+                               "status": "ok", "kind": "baseline", "median_ms": 1.0, "tflops": 1.0})
+    def contender_columns(table):
+        header = [line for line in table.splitlines() if line.startswith("| B |")][0]
+        return header.strip("| ").split(" | ")[5:]
+
+    lines = bench.readme_table(results).splitlines()
+    columns = contender_columns("\n".join(lines))
+    assert set(columns) == {"wmma", "mma", "sdpa", "flex"}  # sdpa-cudnn is no README column
+    assert columns.index("mma") < columns.index("sdpa") < columns.index("flex")  # stages first, then baselines
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| B |")]
+    assert len(rows) == 2 * len(shapes)
+    flex_cell = rows[0].strip("| ").split(" | ")[5 + columns.index("flex")]
+    assert flex_cell.startswith("1.5 (")
+    # without flex and mma in the file, the table is the one it was before they existed
+    assert contender_columns(bench.readme_table(_public_results())) == ["wmma", "sdpa"]
+
+
+def test_figures_and_dashboard_draw_flex_and_the_mma_rung(tiny_results, tmp_path):
+    """A file holding records of FlexAttention and of the mma stage: both drawn, in colors of their own, and
+    compared with the baselines of the same file."""
+    results = bench.load_results(tiny_results)
+    renamed = {"sdpa-math": ("flex", "baseline"), "reference": ("mma", "stage")}
+    for r in results["records"]:
+        if r["contender"] in renamed:
+            name, kind = renamed[r["contender"]]
+            r.update(contender=name, kind=kind, key=name + "|" + r["key"].split("|", 1)[1])
+    bench.add_speedups(results)
+    view = figures.default_view(results)
+    data = figures.series(results, view)
+    assert {"flex", "mma"} <= set(data)
+    assert all("flex" in r["speedup_vs"] for r in data["mma"])
+    ax = figures.latency_figure(results, view).axes[0]
+    colors = {line.get_label(): line.get_color() for line in ax.get_lines()}
+    assert len({colors["flex"], colors["mma"], colors["sdpa"], colors["torch-eager"]}) == 4
+    assert "#333333" not in (colors["flex"], colors["mma"])  # the color of a contender nobody named
+    assert len(figures.save_all(results, directory=tmp_path)) == len(figures.FIGURE_NAMES)
+    rows = dashboard.summary_rows(results, view["dtype"], view["D"], view["causal"], 8)
+    assert any(row.strip().startswith("flex:") for row in rows) and any(row.strip().startswith("mma:") for row in rows)
+
+
 def test_every_baseline_has_a_color_and_a_line_style():
+    from wb_kernels.plots import STAGE_COLORS
+
     for name in bench.BASELINES:
         assert name in figures._BASELINE_COLORS and name in figures._BASELINE_STYLE, name
+    assert "mma" in STAGE_COLORS
 
 
 def test_update_readme_rewrites_only_the_block(tmp_path):
