@@ -519,3 +519,131 @@ def test_mistake_sizes_from_the_committed_file():
     factors = [float(line.split("x", 1)[0].split()[-1].replace(",", "")) for line in lines]
     assert factors[0] > 100 and factors[2] < 0.5  # warm-up and asynchrony: factors, not percents
     assert pitfalls.mistake_sizes({"honesty": {}}) == [pitfalls.NO_DEMOS]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared-memory traffic under Nsight Compute (wb_kernels/bench/ncu_traffic.py): the parts that need no GPU
+
+
+def _ncu_csv(launches, metrics=None, environment=None):
+    """What `ncu --csv --print-units base` prints: its own lines, the program's, then one row per metric of each
+    profiled launch. `launches`: (launch ID, kernel name, scale of the values)."""
+    from wb_kernels.bench import ncu_traffic
+
+    units = {"sm__sass_data_bytes_mem_shared.sum": "byte", "gpu__time_duration.sum": "nsecond"}
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+    lines = ["==PROF== Connected to process 4242 (python3)",
+             '==PROF== Profiling "flash_wmma_kernel" - 0: 0%....50%....100% - 9 passes']
+    if environment is not None:
+        lines.append(ncu_traffic._ENVIRONMENT_TAG + json.dumps(environment))
+    lines += ["==PROF== Disconnected from process 4242", header]
+    for launch_id, kernel, scale in launches:
+        for n, metric in enumerate(metrics or ncu_traffic.METRICS):
+            value = f"{int(scale * 1000 * (n + 1)):,}"  # ncu groups thousands
+            lines.append(f'"{launch_id}","4242","python3","host","{kernel}","1","7","(128, 1, 1)","(64, 64, 1)",'
+                         f'"0","9.0","Command line profiler metrics","{metric}","{units.get(metric, "")}","{value}"')
+    return "\n".join(lines) + "\n"
+
+
+WMMA_KERNEL = "void wb::flash_wmma_kernel<__half, 128, 4, false, 1>(wb::FlashParams)"
+MMA_KERNEL = "void wb::flash_mma_kernel<__half, 128, 4>(wb::FlashParams)"
+
+
+def test_ncu_csv_parser_finds_each_stages_launch():
+    from wb_kernels.bench import ncu_traffic
+
+    text = _ncu_csv([(0, WMMA_KERNEL, 1), (1, MMA_KERNEL, 2), (2, "void at::native::reduce_kernel<512, 1>()", 5)])
+    found = ncu_traffic.parse_ncu_csv(text, ["wmma", "mma"])
+    assert set(found) == {"wmma", "mma"}
+    assert found["wmma"]["kernel"] == WMMA_KERNEL and found["mma"]["kernel"] == MMA_KERNEL
+    assert found["wmma"]["metrics"]["sm__sass_data_bytes_mem_shared.sum"] == 1000  # "1,000" byte
+    assert found["mma"]["metrics"]["sm__sass_data_bytes_mem_shared.sum"] == 2000
+    duration = "gpu__time_duration.sum"
+    assert found["wmma"]["metrics"][duration] == pytest.approx(1000 * (ncu_traffic.METRICS.index(duration) + 1) * 1e-9)
+    # one stage's kernel name is not inside the other's: flash_mma_kernel never matches flash_wmma_kernel
+    assert ncu_traffic.parse_ncu_csv(text, ["wmma"])["wmma"]["kernel"] == WMMA_KERNEL
+
+
+def test_ncu_csv_parser_says_what_is_missing():
+    from wb_kernels.bench import ncu_traffic
+
+    with pytest.raises(ValueError, match="no ncu CSV table"):
+        ncu_traffic.parse_ncu_csv("==PROF== nothing profiled\n", ["wmma"])
+    with pytest.raises(ValueError, match="no launch of flash_mma_kernel"):
+        ncu_traffic.parse_ncu_csv(_ncu_csv([(0, WMMA_KERNEL, 1)]), ["wmma", "mma"])
+    with pytest.raises(ValueError, match="2 launches of flash_wmma_kernel"):
+        ncu_traffic.parse_ncu_csv(_ncu_csv([(0, WMMA_KERNEL, 1), (1, WMMA_KERNEL, 1)]), ["wmma"])
+    partial = _ncu_csv([(0, WMMA_KERNEL, 1)], metrics=ncu_traffic.METRICS[:-2])
+    with pytest.raises(ValueError, match=r"no value for smsp__sass_inst_executed_op_ldgsts\.sum, gpu__time_duration"):
+        ncu_traffic.parse_ncu_csv(partial, ["wmma"])
+    refused = ("==PROF== Connected to process 1\n"
+               "==ERROR== Failed to find metric regex:^smsp__sass_inst_executed_op_ldgsts(\\.(sum|avg))?$\n")
+    message = ncu_traffic.missing_metrics_message(refused)
+    assert "ncu does not know smsp__sass_inst_executed_op_ldgsts.sum" in message and "--query-metrics" in message
+    assert ncu_traffic.missing_metrics_message("==PROF== Disconnected\n") is None
+
+
+def test_ncu_result_is_per_flop_of_the_problem():
+    from wb_kernels.bench import ncu_traffic
+
+    found = ncu_traffic.parse_ncu_csv(_ncu_csv([(0, WMMA_KERNEL, 1), (1, MMA_KERNEL, 2)]), ["wmma", "mma"])
+    problem = dict(ncu_traffic.DEFAULT_PROBLEM)
+    result = ncu_traffic.build_result(found, problem, {"gpu": "Test GPU", "date": "2026-11-23T00:00:00Z",
+                                                       "torch": "2.11"}, command="python -m x", ncu_version="2025.1")
+    flops = bench.attention_flops(4, 16, 4096, 4096, 128, causal=False)
+    assert result["problem"]["flops"] == flops and result["gpu"] == "Test GPU" and result["date"].startswith("2026")
+    assert result["environment"]["torch"] == "2.11" and result["command"] == "python -m x"
+    assert result["ncu_version"] == "2025.1" and result["ncu_metrics"] == list(ncu_traffic.METRICS)
+    wmma, mma = result["stages"]["wmma"], result["stages"]["mma"]
+    assert wmma["shared_bytes_per_flop"] == pytest.approx(1000 / flops)
+    assert mma["shared_bytes_per_flop"] == pytest.approx(2 * wmma["shared_bytes_per_flop"])
+    assert wmma["bank_conflicts_per_wavefront"] == pytest.approx(3000 / 2000)  # 3rd metric over the 2nd
+    assert wmma["tflops_under_ncu"] == pytest.approx(flops / (wmma["duration_ms_under_ncu"] / 1e3) / 1e12)
+    json.dumps(result, allow_nan=False)
+
+
+def test_ncu_traffic_from_a_csv_writes_the_json(tmp_path, capsys):
+    from wb_kernels.bench import ncu_traffic
+
+    csv_path = tmp_path / "ncu.csv"
+    csv_path.write_text(_ncu_csv([(0, WMMA_KERNEL, 1), (1, MMA_KERNEL, 2)],
+                                 environment={"gpu": "Test GPU", "date": "2026-11-23T00:00:00Z"}))
+    out = tmp_path / "smem.json"
+    assert ncu_traffic.main(["--stages", "wmma", "mma", "--from-csv", str(csv_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["stages"]) == {"wmma", "mma"} and result["gpu"] == "Test GPU"
+    assert result["command"].startswith("python -m wb_kernels.bench.ncu_traffic --stages wmma mma")
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_ncu_command_profiles_one_launch_per_stage_after_the_warmup():
+    from wb_kernels.bench import ncu_traffic
+
+    command = ncu_traffic.ncu_command("ncu", ["wmma", "mma"], dict(ncu_traffic.DEFAULT_PROBLEM, causal=True), 3)
+    option = {name: command[command.index(name) + 1] for name in ("--launch-skip", "--launch-count", "--kernel-name")}
+    assert option == {"--launch-skip": "6", "--launch-count": "2",
+                      "--kernel-name": "regex:flash_wmma_kernel|flash_mma_kernel"}
+    assert command[command.index("--metrics") + 1].split(",") == list(ncu_traffic.METRICS)
+    child = command[command.index("--child"):]
+    assert child[:4] == ["--child", "--stages", "wmma", "mma"] and child[-1] == "--causal"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "wmma", "wmma"], "names a stage twice"),
+    (["--stages", "no_such_stage"], "'no_such_stage' is not registered"),
+    (["--stages", "naive"], "'naive' is not a CUDA C++ rung"),
+    (["--stages", "wmma", "--D", "96"], "head dims 64, 128, not 96"),
+    (["--stages", "wmma", "--L", "0"], "must be a positive integer"),
+    (["--stages", "wmma", "--dtype", "float32"], "invalid choice"),
+    (["--stages", "wmma", "--ncu", "/no/such/ncu"], "needs a CUDA GPU" if ON_SIMULATOR else "ncu not found"),
+    (["--stages", "wmma", "--from-csv", "/no/such.csv"], "no file"),
+    (["--L", "64"], "--stages"),
+])
+def test_ncu_traffic_refuses_bad_arguments(argv, message, capsys):
+    from wb_kernels.bench import ncu_traffic
+
+    with pytest.raises(SystemExit) as stopped:
+        ncu_traffic.main(argv)
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
