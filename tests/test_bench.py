@@ -11,7 +11,7 @@ import pytest
 
 import wb_kernels as wb
 from wb_kernels import api, bench, stages
-from wb_kernels.bench import cli, dashboard, figures, measure, pitfalls
+from wb_kernels.bench import cli, dashboard, figures, measure, pitfalls, sweeps
 from wb_kernels.bench import results as results_file  # (tests name their results dicts `results`)
 from wb_kernels.reference import reference
 from wb_kernels.stages import Stage
@@ -59,6 +59,58 @@ def test_presets_cover_the_requested_configurations():
     assert {"wmma", "sdpa-flash", "sdpa"} <= set(tensor.contenders)
     assert {(c.dtype, c.causal) for c in tensor.configs} == {(d, c) for d in ("float16", "bfloat16")
                                                              for c in (False, True)}
+
+
+def test_mma_preset_covers_the_rungs_workloads():
+    """The mma rung's issue: fp16 and bf16, D 64 and 128, L 512..16384 at 16k tokens and 16 heads, causal and
+    not, against wmma, SDPA's default, FLASH and cuDNN, and FlexAttention; plus the small public problem."""
+    (sweep,) = bench.PRESETS["mma"]
+    assert set(sweep.contenders) == {"wmma", "mma", "sdpa-flash", "sdpa-cudnn", "sdpa", "flex"}
+    expected = {bench.Config(bench.TOKENS // L, 16, L, D, dtype, causal) for dtype in ("float16", "bfloat16")
+                for D in (64, 128) for L in bench.LADDER_LENGTHS for causal in (False, True)}
+    expected |= {bench.Config(1, 16, 512, 64, "float16", causal) for causal in (False, True)}
+    assert set(sweep.configs) == expected and len(sweep.configs) == len(expected)
+    assert "mma" in bench.PRESETS["public"][0].contenders and "flex" in bench.PRESETS["public"][0].contenders
+    assert "mma" in sweeps.GPU_PRESETS and "mma" in sweeps.ALL_PRESETS
+    assert set(sweeps.ALL_PRESETS) == set(sweeps.PRESET_HELP) - {"smoke", "all"}
+
+
+def test_a_stage_not_registered_yet_is_dropped_quietly():
+    """The presets may name the mma rung before its folder exists: planned without it, with a note."""
+    table = {name: c for name, c in measure.contenders().items() if name != "mma"}
+    config = bench.Config(1, 1, 8, 16, "float32", False)
+    jobs, notes = measure.plan([bench.Sweep("x", ("mma", "sdpa"), (config,))], table)
+    assert [job[0].name for job in jobs] == ["sdpa"]
+    assert notes == {"mma": "not a stage of this package yet"}
+
+
+@pytest.mark.skipif(not ON_SIMULATOR, reason="the refusal is what a machine without a GPU does")
+def test_flex_is_refused_without_a_gpu_with_a_reason(tmp_path, capsys):
+    out = tmp_path / "flex.json"
+    flags = ["--stages", "", "--lengths", "8", "--head-dims", "16", "--dtypes", "float16", "--batch-heads", "1,1",
+             "--no-progress", "--no-figures", "--out", str(out)]
+    # named explicitly: refused before anything runs
+    assert bench.main(flags + ["--baselines", "flex"]) == 2
+    assert "baseline 'flex' needs a CUDA GPU" in capsys.readouterr().err
+    assert not out.exists()
+    # in a sweep: left out, and the results file says why, as it does for flash_attn and vllm
+    config = bench.Config(1, 1, 8, 16, "float16", False)
+    results = measure.run([bench.Sweep("x", ("flex",), (config,))], out, progress=False, log=lambda *a: None)
+    assert results["records"] == [] and results["unavailable"]["flex"] == "needs a CUDA GPU"
+    assert "flex" in cli._listing().split("baselines:")[1]
+    flex_line = [line for line in cli._listing().splitlines() if line.strip().startswith("flex ")][0]
+    assert "absent:" in flex_line
+
+
+def test_flex_names_what_it_is_missing(monkeypatch):
+    """An old torch (no flex_attention module) or no triton: the reason names the missing module."""
+    real = measure._import_problem
+    monkeypatch.setattr(measure, "_import_problem",
+                        lambda module: "triton is not importable here (X)" if module == "triton" else real(module))
+    assert "triton" in measure.contenders()["flex"].unavailable
+    monkeypatch.setattr(measure, "_import_problem", lambda module: f"{module} is not importable here (X)")
+    assert measure.contenders()["flex"].unavailable.startswith("torch.nn.attention.flex_attention")
+    assert measure.contenders()["flex"].dtypes == ("float16", "bfloat16") and measure.contenders()["flex"].needs_gpu
 
 
 def test_torch_reference_matches_the_numpy_reference():
@@ -162,7 +214,7 @@ def test_real_gpu_stages_and_gpu_presets_are_refused_on_the_simulator(capsys, tm
         if stage.needs_gpu:
             assert bench.main(["--stages", name, "--out", str(tmp_path / "x.json"), "--no-progress"]) == 2
             assert f"stage {name!r} runs only on a CUDA GPU" in capsys.readouterr().err
-    for preset in ("ladder", "tensor-cores", "all", "honesty"):
+    for preset in ("ladder", "tensor-cores", "mma", "all", "honesty"):
         assert bench.main(["--preset", preset, "--out", str(tmp_path / "x.json")]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
     assert bench.main(["--stages", "no_such_stage", "--out", str(tmp_path / "x.json")]) == 2
@@ -228,18 +280,16 @@ def test_figures_are_drawn_from_a_results_file(tiny_results, tmp_path):
     np.testing.assert_allclose(y, np.minimum(50.0, 3000.0 * 1e9 * x / 1e12))
 
 
-def _public_results(with_stage=True):
+def _public_results(timed=(("sdpa", "baseline", 1.0), ("wmma", "stage", 2.0)), shapes=bench.PUBLIC_CONFIGS):
+    """A GPU results file's README-relevant records: each (name, kind, ms) timed at `shapes`, fp16, causal and not."""
     records = []
     for causal in (False, True):
-        for i, (B, H, L, D) in enumerate(bench.PUBLIC_CONFIGS):
-            for name, ms in (("sdpa", 1.0 + i), ("wmma", 2.0 + i)):
-                if name == "wmma" and not with_stage:
-                    continue
+        for i, (B, H, L, D) in enumerate(shapes):
+            for name, kind, ms in timed:
                 config = bench.Config(B, H, L, D, "float16", causal)
                 flops = bench.attention_flops(B, H, L, L, D, causal)
                 records.append({"key": bench.record_key(name, config), "contender": name, "status": "ok",
-                                "kind": "baseline" if name == "sdpa" else "stage", "median_ms": ms,
-                                "tflops": flops / ms / 1e9})
+                                "kind": kind, "median_ms": ms + i, "tflops": flops / (ms + i) / 1e9})
     return {"environment": {"gpu": "Test GPU", "cuda": "13.0", "torch": "2.11", "driver": "580", "date": "2026-11-21"},
             "records": records}
 
@@ -255,6 +305,61 @@ def test_readme_table_lists_the_public_configurations():
     assert len(rows) == 2 * len(bench.PUBLIC_CONFIGS)
     assert rows[0].startswith("| 1 | 16 | 512 | 64 | no | ")
     assert "1 (" in rows[0]  # sdpa's 1.0 ms, as 3 significant digits
+
+
+def test_readme_table_shows_the_mma_rung_and_flex_when_the_file_has_them():
+    """Columns for a contender the file timed (the mma stage even before this checkout registers it, FlexAttention
+    among the baselines), none for one it did not; rows only for the public configurations the file has."""
+    timed = (("sdpa", "baseline", 1.0), ("flex", "baseline", 1.5), ("mma", "stage", 1.2), ("wmma", "stage", 2.0))
+    shapes = bench.PUBLIC_CONFIGS[:3]
+    results = _public_results(timed, shapes)
+    results["records"].append({"key": "sdpa-cudnn|float16|B1|H16|L512|D64|full", "contender": "sdpa-cudnn",
+                               "status": "ok", "kind": "baseline", "median_ms": 1.0, "tflops": 1.0})
+    def contender_columns(table):
+        header = [line for line in table.splitlines() if line.startswith("| B |")][0]
+        return header.strip("| ").split(" | ")[5:]
+
+    lines = bench.readme_table(results).splitlines()
+    columns = contender_columns("\n".join(lines))
+    assert set(columns) == {"wmma", "mma", "sdpa", "flex"}  # sdpa-cudnn is no README column
+    assert columns.index("mma") < columns.index("sdpa") < columns.index("flex")  # stages first, then baselines
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| B |")]
+    assert len(rows) == 2 * len(shapes)
+    flex_cell = rows[0].strip("| ").split(" | ")[5 + columns.index("flex")]
+    assert flex_cell.startswith("1.5 (")
+    # without flex and mma in the file, the table is the one it was before they existed
+    assert contender_columns(bench.readme_table(_public_results())) == ["wmma", "sdpa"]
+
+
+def test_figures_and_dashboard_draw_flex_and_the_mma_rung(tiny_results, tmp_path):
+    """A file holding records of FlexAttention and of the mma stage: both drawn, in colors of their own, and
+    compared with the baselines of the same file."""
+    results = bench.load_results(tiny_results)
+    renamed = {"sdpa-math": ("flex", "baseline"), "reference": ("mma", "stage")}
+    for r in results["records"]:
+        if r["contender"] in renamed:
+            name, kind = renamed[r["contender"]]
+            r.update(contender=name, kind=kind, key=name + "|" + r["key"].split("|", 1)[1])
+    bench.add_speedups(results)
+    view = figures.default_view(results)
+    data = figures.series(results, view)
+    assert {"flex", "mma"} <= set(data)
+    assert all("flex" in r["speedup_vs"] for r in data["mma"])
+    ax = figures.latency_figure(results, view).axes[0]
+    colors = {line.get_label(): line.get_color() for line in ax.get_lines()}
+    assert len({colors["flex"], colors["mma"], colors["sdpa"], colors["torch-eager"]}) == 4
+    assert "#333333" not in (colors["flex"], colors["mma"])  # the color of a contender nobody named
+    assert len(figures.save_all(results, directory=tmp_path)) == len(figures.FIGURE_NAMES)
+    rows = dashboard.summary_rows(results, view["dtype"], view["D"], view["causal"], 8)
+    assert any(row.strip().startswith("flex:") for row in rows) and any(row.strip().startswith("mma:") for row in rows)
+
+
+def test_every_baseline_has_a_color_and_a_line_style():
+    from wb_kernels.plots import STAGE_COLORS
+
+    for name in bench.BASELINES:
+        assert name in figures._BASELINE_COLORS and name in figures._BASELINE_STYLE, name
+    assert "mma" in STAGE_COLORS
 
 
 def test_update_readme_rewrites_only_the_block(tmp_path):
@@ -414,3 +519,131 @@ def test_mistake_sizes_from_the_committed_file():
     factors = [float(line.split("x", 1)[0].split()[-1].replace(",", "")) for line in lines]
     assert factors[0] > 100 and factors[2] < 0.5  # warm-up and asynchrony: factors, not percents
     assert pitfalls.mistake_sizes({"honesty": {}}) == [pitfalls.NO_DEMOS]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared-memory traffic under Nsight Compute (wb_kernels/bench/ncu_traffic.py): the parts that need no GPU
+
+
+def _ncu_csv(launches, metrics=None, environment=None):
+    """What `ncu --csv --print-units base` prints: its own lines, the program's, then one row per metric of each
+    profiled launch. `launches`: (launch ID, kernel name, scale of the values)."""
+    from wb_kernels.bench import ncu_traffic
+
+    units = {"sm__sass_data_bytes_mem_shared.sum": "byte", "gpu__time_duration.sum": "nsecond"}
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+    lines = ["==PROF== Connected to process 4242 (python3)",
+             '==PROF== Profiling "flash_wmma_kernel" - 0: 0%....50%....100% - 9 passes']
+    if environment is not None:
+        lines.append(ncu_traffic._ENVIRONMENT_TAG + json.dumps(environment))
+    lines += ["==PROF== Disconnected from process 4242", header]
+    for launch_id, kernel, scale in launches:
+        for n, metric in enumerate(metrics or ncu_traffic.METRICS):
+            value = f"{int(scale * 1000 * (n + 1)):,}"  # ncu groups thousands
+            lines.append(f'"{launch_id}","4242","python3","host","{kernel}","1","7","(128, 1, 1)","(64, 64, 1)",'
+                         f'"0","9.0","Command line profiler metrics","{metric}","{units.get(metric, "")}","{value}"')
+    return "\n".join(lines) + "\n"
+
+
+WMMA_KERNEL = "void wb::flash_wmma_kernel<__half, 128, 4, false, 1>(wb::FlashParams)"
+MMA_KERNEL = "void wb::flash_mma_kernel<__half, 128, 4>(wb::FlashParams)"
+
+
+def test_ncu_csv_parser_finds_each_stages_launch():
+    from wb_kernels.bench import ncu_traffic
+
+    text = _ncu_csv([(0, WMMA_KERNEL, 1), (1, MMA_KERNEL, 2), (2, "void at::native::reduce_kernel<512, 1>()", 5)])
+    found = ncu_traffic.parse_ncu_csv(text, ["wmma", "mma"])
+    assert set(found) == {"wmma", "mma"}
+    assert found["wmma"]["kernel"] == WMMA_KERNEL and found["mma"]["kernel"] == MMA_KERNEL
+    assert found["wmma"]["metrics"]["sm__sass_data_bytes_mem_shared.sum"] == 1000  # "1,000" byte
+    assert found["mma"]["metrics"]["sm__sass_data_bytes_mem_shared.sum"] == 2000
+    duration = "gpu__time_duration.sum"
+    assert found["wmma"]["metrics"][duration] == pytest.approx(1000 * (ncu_traffic.METRICS.index(duration) + 1) * 1e-9)
+    # one stage's kernel name is not inside the other's: flash_mma_kernel never matches flash_wmma_kernel
+    assert ncu_traffic.parse_ncu_csv(text, ["wmma"])["wmma"]["kernel"] == WMMA_KERNEL
+
+
+def test_ncu_csv_parser_says_what_is_missing():
+    from wb_kernels.bench import ncu_traffic
+
+    with pytest.raises(ValueError, match="no ncu CSV table"):
+        ncu_traffic.parse_ncu_csv("==PROF== nothing profiled\n", ["wmma"])
+    with pytest.raises(ValueError, match="no launch of flash_mma_kernel"):
+        ncu_traffic.parse_ncu_csv(_ncu_csv([(0, WMMA_KERNEL, 1)]), ["wmma", "mma"])
+    with pytest.raises(ValueError, match="2 launches of flash_wmma_kernel"):
+        ncu_traffic.parse_ncu_csv(_ncu_csv([(0, WMMA_KERNEL, 1), (1, WMMA_KERNEL, 1)]), ["wmma"])
+    partial = _ncu_csv([(0, WMMA_KERNEL, 1)], metrics=ncu_traffic.METRICS[:-2])
+    with pytest.raises(ValueError, match=r"no value for smsp__sass_inst_executed_op_ldgsts\.sum, gpu__time_duration"):
+        ncu_traffic.parse_ncu_csv(partial, ["wmma"])
+    refused = ("==PROF== Connected to process 1\n"
+               "==ERROR== Failed to find metric regex:^smsp__sass_inst_executed_op_ldgsts(\\.(sum|avg))?$\n")
+    message = ncu_traffic.missing_metrics_message(refused)
+    assert "ncu does not know smsp__sass_inst_executed_op_ldgsts.sum" in message and "--query-metrics" in message
+    assert ncu_traffic.missing_metrics_message("==PROF== Disconnected\n") is None
+
+
+def test_ncu_result_is_per_flop_of_the_problem():
+    from wb_kernels.bench import ncu_traffic
+
+    found = ncu_traffic.parse_ncu_csv(_ncu_csv([(0, WMMA_KERNEL, 1), (1, MMA_KERNEL, 2)]), ["wmma", "mma"])
+    problem = dict(ncu_traffic.DEFAULT_PROBLEM)
+    result = ncu_traffic.build_result(found, problem, {"gpu": "Test GPU", "date": "2026-11-23T00:00:00Z",
+                                                       "torch": "2.11"}, command="python -m x", ncu_version="2025.1")
+    flops = bench.attention_flops(4, 16, 4096, 4096, 128, causal=False)
+    assert result["problem"]["flops"] == flops and result["gpu"] == "Test GPU" and result["date"].startswith("2026")
+    assert result["environment"]["torch"] == "2.11" and result["command"] == "python -m x"
+    assert result["ncu_version"] == "2025.1" and result["ncu_metrics"] == list(ncu_traffic.METRICS)
+    wmma, mma = result["stages"]["wmma"], result["stages"]["mma"]
+    assert wmma["shared_bytes_per_flop"] == pytest.approx(1000 / flops)
+    assert mma["shared_bytes_per_flop"] == pytest.approx(2 * wmma["shared_bytes_per_flop"])
+    assert wmma["bank_conflicts_per_wavefront"] == pytest.approx(3000 / 2000)  # 3rd metric over the 2nd
+    assert wmma["tflops_under_ncu"] == pytest.approx(flops / (wmma["duration_ms_under_ncu"] / 1e3) / 1e12)
+    json.dumps(result, allow_nan=False)
+
+
+def test_ncu_traffic_from_a_csv_writes_the_json(tmp_path, capsys):
+    from wb_kernels.bench import ncu_traffic
+
+    csv_path = tmp_path / "ncu.csv"
+    csv_path.write_text(_ncu_csv([(0, WMMA_KERNEL, 1), (1, MMA_KERNEL, 2)],
+                                 environment={"gpu": "Test GPU", "date": "2026-11-23T00:00:00Z"}))
+    out = tmp_path / "smem.json"
+    assert ncu_traffic.main(["--stages", "wmma", "mma", "--from-csv", str(csv_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["stages"]) == {"wmma", "mma"} and result["gpu"] == "Test GPU"
+    assert result["command"].startswith("python -m wb_kernels.bench.ncu_traffic --stages wmma mma")
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_ncu_command_profiles_one_launch_per_stage_after_the_warmup():
+    from wb_kernels.bench import ncu_traffic
+
+    command = ncu_traffic.ncu_command("ncu", ["wmma", "mma"], dict(ncu_traffic.DEFAULT_PROBLEM, causal=True), 3)
+    option = {name: command[command.index(name) + 1] for name in ("--launch-skip", "--launch-count", "--kernel-name")}
+    assert option == {"--launch-skip": "6", "--launch-count": "2",
+                      "--kernel-name": "regex:flash_wmma_kernel|flash_mma_kernel"}
+    assert command[command.index("--metrics") + 1].split(",") == list(ncu_traffic.METRICS)
+    child = command[command.index("--child"):]
+    assert child[:4] == ["--child", "--stages", "wmma", "mma"] and child[-1] == "--causal"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "wmma", "wmma"], "names a stage twice"),
+    (["--stages", "no_such_stage"], "'no_such_stage' is not registered"),
+    (["--stages", "naive"], "'naive' is not a CUDA C++ rung"),
+    (["--stages", "wmma", "--D", "96"], "head dims 64, 128, not 96"),
+    (["--stages", "wmma", "--L", "0"], "must be a positive integer"),
+    (["--stages", "wmma", "--dtype", "float32"], "invalid choice"),
+    (["--stages", "wmma", "--ncu", "/no/such/ncu"], "needs a CUDA GPU" if ON_SIMULATOR else "ncu not found"),
+    (["--stages", "wmma", "--from-csv", "/no/such.csv"], "no file"),
+    (["--L", "64"], "--stages"),
+])
+def test_ncu_traffic_refuses_bad_arguments(argv, message, capsys):
+    from wb_kernels.bench import ncu_traffic
+
+    with pytest.raises(SystemExit) as stopped:
+        ncu_traffic.main(argv)
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err

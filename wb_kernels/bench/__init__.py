@@ -13,6 +13,8 @@ One module per role:
 - :mod:`.figures`   figures from a results file (matplotlib; imported on use)
 - :mod:`.pitfalls`  the honest-benchmarking demonstrations and how lesson 06 prints them
 - :mod:`.dashboard` lesson 06's dashboard widget (ipywidgets; imported on use)
+- :mod:`.ncu_traffic` the CUDA C++ stages' shared-memory traffic under Nsight Compute
+                    (``python -m wb_kernels.bench.ncu_traffic``; a script, not imported here)
 
 ``from wb_kernels import bench`` gives the names below, as the single module did; the lessons
 import :mod:`.figures`, :mod:`.dashboard` and :mod:`.pitfalls` by name.

@@ -22,7 +22,8 @@ from typing import Optional
 from ..stages import available_stages
 from .measure import TimingPolicy, _device, contenders, run
 from .results import default_output, load_results, update_readme
-from .sweeps import BASELINE_HELP, BASELINES, GPU_PRESETS, PRESET_HELP, PRESETS, TOKENS, Config, Refused, Sweep
+from .sweeps import (ALL_PRESETS, BASELINE_HELP, BASELINES, GPU_PRESETS, PRESET_HELP, PRESETS, TOKENS, Config,
+                     Refused, Sweep)
 
 __all__ = ["main"]
 
@@ -39,9 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     presets = "\n".join(f"  {name:15s} {text}" for name, text in PRESET_HELP.items())
     parser = argparse.ArgumentParser(
         prog="python -m wb_kernels.bench", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Benchmark the attention stages of wb_kernels against PyTorch (and flash-attn, vLLM when "
-                    "installed). Results go to one JSON file per run, written after every measurement and "
-                    "resumed when the same command runs again.",
+        description="Benchmark the attention stages of wb_kernels against PyTorch (SDPA's backends, FlexAttention; "
+                    "flash-attn and vLLM when installed). Results go to one JSON file per run, written after every "
+                    "measurement and resumed when the same command runs again.",
         epilog=f"presets:\n{presets}\n\nfree flags (--stages, --lengths, ...) define one more sweep; without a "
                "preset they are the whole run. Examples:\n"
                "  python -m wb_kernels.bench --preset smoke\n"
@@ -117,8 +118,9 @@ def _listing() -> str:
                      + (" (GPU only)" if stage.needs_gpu else ""))
     lines.append("baselines:")
     table = contenders()
+    on_cuda = _device() == "cuda"
     for name in BASELINES:
-        why = table[name].unavailable
+        why = table[name].unavailable or ("needs a CUDA GPU" if table[name].needs_gpu and not on_cuda else None)
         lines.append(f"  {name:15s} {BASELINE_HELP[name]}" + (f" -- absent: {why}" if why else ""))
     return "\n".join(lines)
 
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
         on_cuda = _device() == "cuda"
         presets = list(args.preset or [])
         if "all" in presets:
-            presets = [p for p in presets if p != "all"] + ["public", "ladder", "flash-fp32", "tensor-cores", "honesty"]
+            presets = [p for p in presets if p != "all"] + list(ALL_PRESETS)
         custom = _custom_sweep(args, on_cuda)
         if not presets and custom is None:
             presets = ["smoke"]

@@ -118,6 +118,41 @@ def _vllm_prepare(q, k, v, causal):
     return call, (lambda out: out.reshape(B, L, H, D).transpose(1, 2))
 
 
+def _causal_mask_mod(batch, head, q_index, kv_index):
+    """FlexAttention's mask_mod for top-left causal attention: query i sees keys j <= i."""
+    return q_index >= kv_index
+
+
+def _flex_prepare(q, k, v, causal):
+    """FlexAttention as a PyTorch user runs it: compiled (its Triton kernel), the causal block mask built once.
+
+    Both the compilation and the block mask are paid here, before the checked call and the timing. Each
+    configuration compiles its own kernel, specialised to its shapes (``dynamic=False``, as PyTorch's examples
+    compile it); dynamo is reset first, because past its recompile limit it falls back to running flex_attention
+    unfused, with a warning that the benchmark does not show, and that is not the kernel a user gets.
+    ``fullgraph=True``: a graph break is an error, not a slower hybrid timed as FlexAttention.
+    """
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    block_mask = (create_block_mask(_causal_mask_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
+                  if causal else None)
+
+    def call():
+        return compiled(q, k, v, block_mask=block_mask)
+
+    call()  # the compilation happens on this first call
+    return call, None
+
+
+def _flex_problem() -> Optional[str]:
+    """Why FlexAttention cannot run here (its module is missing in torch before 2.5, and torch.compile
+    generates its kernel with triton), or None."""
+    return _import_problem("torch.nn.attention.flex_attention") or _import_problem("triton")
+
+
 def _import_problem(module: str) -> Optional[str]:
     try:
         importlib.import_module(module)
@@ -136,6 +171,8 @@ def _baselines() -> dict:
         "sdpa-cudnn": Contender("sdpa-cudnn", "baseline", _sdpa_prepare("CUDNN_ATTENTION"), dtypes=("float16", "bfloat16")),
         "sdpa-math": Contender("sdpa-math", "baseline", _sdpa_prepare("MATH")),
         "torch-eager": Contender("torch-eager", "baseline", _eager_prepare),
+        # 16-bit only, as the kernels it is compared with: in float32 its Triton matmuls may round through TF32
+        "flex": Contender("flex", "baseline", _flex_prepare, dtypes=("float16", "bfloat16"), needs_gpu=True),
         "flash_attn": Contender("flash_attn", "baseline", _flash_attn_prepare, dtypes=("float16", "bfloat16"),
                                 needs_gpu=True),
         "vllm": Contender("vllm", "baseline", _vllm_prepare, dtypes=("float16", "bfloat16"), needs_gpu=True),
@@ -164,7 +201,8 @@ def _stage_contender(stage) -> Contender:
 def contenders() -> dict:
     """{name: Contender}: the package's stages (ladder order), then the baselines."""
     found = {name: _stage_contender(stage) for name, stage in available_stages().items()}
-    problems = {"flash_attn": _import_problem("flash_attn"), "vllm": _import_problem("vllm.vllm_flash_attn")}
+    problems = {"flex": _flex_problem(), "flash_attn": _import_problem("flash_attn"),
+                "vllm": _import_problem("vllm.vllm_flash_attn")}
     for name, contender in _baselines().items():
         found[name] = replace(contender, unavailable=problems.get(name))
     return found

@@ -22,14 +22,18 @@ from ..backend import BACKEND
 from ..stages import available_stages
 from .sweeps import BASELINES, PUBLIC_CONFIGS, Config, Refused, record_key
 
-__all__ = ["SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "environment", "load_results",
-           "save_results", "add_speedups", "default_output", "committed_results", "readme_table", "update_readme"]
+__all__ = ["SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "README_BASELINES",
+           "environment", "load_results", "save_results", "add_speedups", "default_output", "committed_results",
+           "readme_table", "update_readme"]
 
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parents[2]  # wb_kernels/bench/results.py -> the repository
 RESULTS_DIR = REPO_ROOT / "results" / "bench"  # one JSON per benchmark run; other results/ files are not ours
 README_START = "<!-- perf-table:start -->"
 README_END = "<!-- perf-table:end -->"
+# The baselines the README's table sets beside the stages: PyTorch's default and its FlashAttention-2 backend,
+# FlexAttention (what a PyTorch user compiles instead), and the flash-attn package itself.
+README_BASELINES = ("sdpa", "sdpa-flash", "flex", "flash_attn")
 
 
 # Numbers are stored with 5 significant digits (3 or 4 for samples and ratios): the timings are not
@@ -77,7 +81,8 @@ def environment() -> dict:
         env.update(gpu=torch.cuda.get_device_name(0), compute_capability=f"{props.major}.{props.minor}",
                    sm_count=props.multi_processor_count, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                    cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
-                   driver=_nvidia_smi("driver_version"), flash_attn=_version("flash-attn"), vllm=_version("vllm"))
+                   driver=_nvidia_smi("driver_version"), triton=_version("triton"), flash_attn=_version("flash-attn"),
+                   vllm=_version("vllm"))
     else:
         env.update(gpu=None, cuda=torch.version.cuda, driver=None)
     try:
@@ -149,16 +154,26 @@ def committed_results(kind: str = "gpu") -> Optional[Path]:
 # README table
 # ----------------------------------------------------------------------------------------------
 
+def _timed_stages(records) -> list:
+    """The stages a results file timed, in ladder order: the registered ones first, then any the file holds that
+    this checkout does not register (a file from a branch with a newer rung still shows it)."""
+    registered = [name for name in available_stages() if name != "reference"]
+    seen = [r["contender"] for r in records if r.get("kind") == "stage" and r["contender"] != "reference"]
+    return registered + [name for name in dict.fromkeys(seen) if name not in registered]
+
+
 def readme_table(results: dict, source: str | None = None) -> str:
     """The README's performance table (Markdown) from a GPU results file: the public configurations,
-    fp16, causal and not; median ms and TFLOP/s of each stage and of the main baselines."""
+    fp16, causal and not; median ms and TFLOP/s of each stage and of the main baselines. A column appears
+    when the file timed that contender at one of them, a row when the file timed anything there."""
     env = results["environment"]
-    columns = [name for name in list(available_stages()) + list(BASELINES)
-               if name in ("sdpa", "sdpa-flash", "flash_attn") or (name in available_stages() and name != "reference")]
+    columns = _timed_stages(results["records"]) + [name for name in BASELINES if name in README_BASELINES]
     by_key = {r["key"]: r for r in results["records"]}
     public = [Config(B, H, L, D, "float16", causal) for causal in (False, True) for (B, H, L, D) in PUBLIC_CONFIGS]
     present = [c for c in columns
                if any(by_key.get(record_key(c, config), {}).get("status") == "ok" for config in public)]
+    public = [config for config in public
+              if any(by_key.get(record_key(c, config), {}).get("status") == "ok" for c in present)]
     lines = [f"Measured on {env.get('gpu') or env.get('device')} (CUDA {env.get('cuda')}, torch {env.get('torch')}, "
              f"driver {env.get('driver')}) on {env.get('date', '')[:10]}"
              + (f", from `{source}`" if source else "") + ". Median of CUDA-event timings with the L2 cache "

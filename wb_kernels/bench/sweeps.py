@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Config", "Sweep", "PRESETS", "PRESET_HELP", "GPU_PRESETS", "PUBLIC_CONFIGS", "LADDER_LENGTHS", "TOKENS",
-           "BASELINES", "BASELINE_HELP", "attention_flops", "minimum_bytes", "record_key", "Refused"]
+__all__ = ["Config", "Sweep", "PRESETS", "PRESET_HELP", "GPU_PRESETS", "ALL_PRESETS", "PUBLIC_CONFIGS",
+           "LADDER_LENGTHS", "TOKENS", "BASELINES", "BASELINE_HELP", "attention_flops", "minimum_bytes", "record_key",
+           "Refused"]
 
 # The configurations other public attention-kernel projects report (B, H, L, D), so that numbers
 # here can be set beside theirs: B*L = 16k tokens, 16 heads of 128, plus the small B=1 L=512 D=64.
@@ -73,7 +74,13 @@ def _preset_sweeps() -> dict:
                           for c in _tokens_configs(LADDER_LENGTHS[1:], D, ("float32",), (False,)))
     public_configs = tuple(Config(B, H, L, D, dtype, causal) for dtype in ("float16",)
                            for causal in (False, True) for (B, H, L, D) in PUBLIC_CONFIGS)
-    every_baseline = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "torch-eager",
+    # The mma rung against what it replaces (wmma) and what a PyTorch user would pick instead (SDPA's
+    # backends, FlexAttention), at both head dims the rung takes, plus the small public problem: kernels that
+    # win at 16k tokens can lose at B=1 L=512, where launch cost and a few blocks per GPU dominate.
+    small_public = tuple(Config(1, 16, 512, 64, "float16", causal) for causal in (False, True))
+    mma_configs = tuple(c for D in (64, 128)
+                        for c in _tokens_configs(LADDER_LENGTHS, D, ("float16", "bfloat16"), (False, True)))
+    every_baseline = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "torch-eager", "flex",
                       "flash_attn", "vllm")
     return {
         "smoke": [Sweep("smoke", ("reference", "naive", "tiled", "flash", "sdpa", "sdpa-math", "torch-eager"),
@@ -82,7 +89,9 @@ def _preset_sweeps() -> dict:
         "flash-fp32": [Sweep("flash-fp32", ("flash", "sdpa", "sdpa-efficient", "sdpa-math"), flash_configs)],
         "tensor-cores": [Sweep("tensor-cores", ("wmma", "sdpa", "sdpa-flash", "sdpa-cudnn", "flash_attn"),
                                tensor_configs)],
-        "public": [Sweep("public", ("wmma", "flash", "tiled", "naive") + every_baseline, public_configs)],
+        "public": [Sweep("public", ("mma", "wmma", "flash", "tiled", "naive") + every_baseline, public_configs)],
+        "mma": [Sweep("mma", ("wmma", "mma", "sdpa-flash", "sdpa-cudnn", "sdpa", "flex"),
+                      mma_configs + small_public)],
     }
 
 
@@ -94,10 +103,14 @@ PRESET_HELP = {
     "tensor-cores": "wmma vs SDPA default/FLASH/cuDNN, flash_attn: fp16/bf16, D=128, L=512..16384, "
                     "causal and not",
     "public": "every stage and baseline at the configurations other projects report (fp16)",
+    "mma": "mma vs wmma, SDPA default/FLASH/cuDNN, FlexAttention: fp16/bf16, D=64/128, L=512..16384, B*L=16k, "
+           "H=16, causal and not; and B=1 H=16 L=512 D=64 fp16",
     "honesty": "the honest-benchmarking demonstrations of lesson 06 (GPU only)",
-    "all": "public + ladder + flash-fp32 + tensor-cores + honesty (the committed GPU run)",
+    "all": "public + ladder + flash-fp32 + tensor-cores + mma + honesty (the committed GPU run)",
 }
-GPU_PRESETS = ("ladder", "flash-fp32", "tensor-cores", "public", "honesty", "all")
+GPU_PRESETS = ("ladder", "flash-fp32", "tensor-cores", "public", "mma", "honesty", "all")
+# What --preset all runs. A configuration that several presets share is measured once (measure.plan).
+ALL_PRESETS = ("public", "ladder", "flash-fp32", "tensor-cores", "mma", "honesty")
 
 
 # A record's identity in the results file: a resumed run skips the keys already there.
@@ -115,6 +128,8 @@ BASELINE_HELP = {
     "sdpa-cudnn": "SDPA forced to CUDNN_ATTENTION",
     "sdpa-math": "SDPA forced to MATH (plain PyTorch ops, materializes L x L)",
     "torch-eager": "softmax(q k^T / sqrt(D)) v written as PyTorch ops, softmax in float32",
+    "flex": "FlexAttention (torch.nn.attention.flex_attention) compiled by torch.compile into a Triton kernel, "
+            "causal through a block mask; needs a CUDA GPU and triton",
     "flash_attn": "flash_attn.flash_attn_func, when the flash-attn package is installed",
     "vllm": "vLLM's flash_attn_varlen_func, when vllm is installed",
 }
