@@ -12,8 +12,10 @@ from .. import Stage
 
 __all__ = ["STAGE", "forward", "DEFAULT_VARIANT", "variant_for"]
 
-# The launch variant per head dim, chosen by tune.py on the GPU (NOTES.md has the measurements).
-DEFAULT_VARIANT = {64: mma_build.Variant(64, 4, 1, 128, True), 128: mma_build.Variant(128, 4, 1, 64, True)}
+# The launch variant per head dim, chosen by tune.py on the H100 (results/mma/tune_h100.json, NOTES.md): at both head
+# dims 4 warps of 32 query rows each, Q re-read from shared memory, as FlashAttention-2 does; 128 keys per tile at
+# D = 64, 64 at D = 128.
+DEFAULT_VARIANT = {64: mma_build.Variant(64, 4, 2, 128, False), 128: mma_build.Variant(128, 4, 2, 64, False)}
 
 
 def variant_for(head_dim: int) -> "mma_build.Variant":
