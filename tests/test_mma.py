@@ -4,6 +4,7 @@
 - ``swizzle``: the shared-memory banks an ldmatrix phase hits in each layout, and the swizzle's address arithmetic;
 - ``warp_model``: the kernel's arithmetic register by register, held to the float64 reference with ``wb.check``
   (shapes, lengths that are not tile multiples, Lq != Lk, L = 1, masks, rows without keys, fp16 and bf16);
+- the lesson's figures, slider, exercises and puzzle.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import wb_kernels as wb
+from wb_kernels.stages.mma import exercises, slider, solutions
 from wb_kernels.stages.mma import fragments as fr
 from wb_kernels.stages.mma import swizzle as sw
 from wb_kernels.stages.mma import warp_model as wm
@@ -235,3 +237,63 @@ def test_instructions_per_warp_and_key_tile(head_dim):
     assert once["ldmatrix.x4 (Q, once)"] == head_dim // 16
     registers = wm.registers_per_lane(head_dim)
     assert registers["O accumulators (fp32)"] * 32 == 16 * head_dim
+
+
+# ---------------------------------------------------------------------------------------------
+# the lesson's figures, slider and exercises
+
+@pytest.mark.parametrize("lane", [0, 5, 31])
+def test_a_lane_holds_its_share_of_every_matrix(lane):
+    held = {name: h for name, (h, _) in slider.lane_holdings(lane, 64).items()}
+    sizes = {"Q": 16 * 64, "K": 64 * 64, "S": 16 * 64, "P": 16 * 64, "V": 64 * 64, "O": 16 * 64}
+    assert {name: int(h.sum()) for name, h in held.items()} == {name: n // 32 for name, n in sizes.items()}
+    np.testing.assert_array_equal(held["S"], held["P"])  # P stays where S was computed
+    rows = {lane // 4, lane // 4 + 8}
+    for name in ("Q", "S", "P", "O"):
+        assert set(np.nonzero(held[name])[0]) == rows
+    assert slider.draw_lane(lane).axes
+
+
+def test_the_lanes_together_hold_every_element_once():
+    holdings = [slider.lane_holdings(lane, 128) for lane in range(32)]
+    for name in ("Q", "K", "S", "V", "O"):
+        assert np.all(sum(h[name][0].astype(int) for h in holdings) == 1), name
+
+
+def test_accumulator_reuse_figure_and_traffic():
+    assert slider.draw_accumulator_reuse()._suptitle.get_text().endswith("True")
+    for head_dim in (64, 128):
+        one, two = slider.traffic_per_tile(head_dim), slider.traffic_per_tile(head_dim, row_tiles=2)
+        assert one["shared bytes"] == 2 * 64 * head_dim * 2  # K and V once each, nothing else per tile
+        assert two["FLOPs per shared byte"] == 2 * one["FLOPs per shared byte"]
+    assert slider.balance_points()["H100 (sm_90)"] == 2 * slider.balance_points()["A100 (sm_80)"]
+
+
+def _solved(step, capsys) -> bool:
+    exercises.check_fragment_softmax_puzzle(step)
+    return "solved ✓" in capsys.readouterr().out
+
+
+def _variant(reduce, guard: bool):
+    def step(scores, m_old, l_old):
+        m_new = np.maximum(m_old, reduce(scores.max(axis=-1)))
+        m_safe = np.where(m_new == -np.inf, np.float32(0), m_new) if guard else m_new
+        alpha, p = np.exp2(m_old - m_safe), np.exp2(scores - m_safe[..., None])
+        return m_new, l_old * alpha + p.sum(axis=-1), p, alpha
+    return step
+
+
+def test_puzzle_solution_solves_and_each_missing_piece_fails(capsys):
+    quad = lambda x: wm.quad_allreduce(x, np.maximum)  # noqa: E731
+
+    def whole_warp(x):  # a max shared by all 16 rows: exact in theory, but rows far below it underflow in fp16
+        for lane_mask in (1, 2, 4, 8, 16):
+            x = np.maximum(x, wm.shuffle_xor(x, lane_mask))
+        return x
+
+    assert _solved(solutions.fragment_softmax_step, capsys)
+    assert _solved(_variant(quad, guard=True), capsys)
+    assert not _solved(_variant(lambda x: x, guard=False), capsys)  # the stub as shipped
+    assert not _solved(_variant(quad, guard=False), capsys)         # NaN for rows whose first key comes late
+    assert not _solved(_variant(lambda x: x, guard=True), capsys)   # each lane its own max: P's columns disagree
+    assert not _solved(_variant(whole_warp, guard=True), capsys)

@@ -39,6 +39,7 @@ STAGE_COLORS = {
     "tiled": "#ff7f0e",
     "flash": "#2ca02c",
     "wmma": "#1f77b4",
+    "mma": "#17becf",
     "sdpa": "#9467bd",
 }
 
