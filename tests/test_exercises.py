@@ -28,7 +28,7 @@ LESSONS = [
     ("03_tiled", "wb_kernels.stages.tiled"),
     ("04_flash", "wb_kernels.stages.flash"),
     ("05_wmma", "wb_kernels.stages.wmma"),
-    ("06_bench", "wb_kernels.bench"),  # the dashboard lesson: not a rung, its exercises live with the benchmark
+    ("07_bench", "wb_kernels.bench"),  # the dashboard lesson: not a rung, its exercises live with the benchmark
 ]
 
 
