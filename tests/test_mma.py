@@ -4,7 +4,7 @@
 - ``swizzle``: the shared-memory banks an ldmatrix phase hits in each layout, and the swizzle's address arithmetic;
 - ``warp_model``: the kernel's arithmetic register by register, held to the float64 reference with ``wb.check``
   (shapes, lengths that are not tile multiples, Lq != Lk, L = 1, masks, rows without keys, fp16 and bf16);
-- the lesson's figures, slider, exercises and puzzle.
+- the lesson's figures and slider (its exercises and puzzle: tests/test_exercises.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import wb_kernels as wb
-from wb_kernels.stages.mma import exercises, slider, solutions
+from wb_kernels.stages.mma import slider
 from wb_kernels.stages.mma import fragments as fr
 from wb_kernels.stages.mma import swizzle as sw
 from wb_kernels.stages.mma import warp_model as wm
@@ -267,33 +267,3 @@ def test_accumulator_reuse_figure_and_traffic():
         assert one["shared bytes"] == 2 * 64 * head_dim * 2  # K and V once each, nothing else per tile
         assert two["FLOPs per shared byte"] == 2 * one["FLOPs per shared byte"]
     assert slider.balance_points()["H100 (sm_90)"] == 2 * slider.balance_points()["A100 (sm_80)"]
-
-
-def _solved(step, capsys) -> bool:
-    exercises.check_fragment_softmax_puzzle(step)
-    return "solved ✓" in capsys.readouterr().out
-
-
-def _variant(reduce, guard: bool):
-    def step(scores, m_old, l_old):
-        m_new = np.maximum(m_old, reduce(scores.max(axis=-1)))
-        m_safe = np.where(m_new == -np.inf, np.float32(0), m_new) if guard else m_new
-        alpha, p = np.exp2(m_old - m_safe), np.exp2(scores - m_safe[..., None])
-        return m_new, l_old * alpha + p.sum(axis=-1), p, alpha
-    return step
-
-
-def test_puzzle_solution_solves_and_each_missing_piece_fails(capsys):
-    quad = lambda x: wm.quad_allreduce(x, np.maximum)  # noqa: E731
-
-    def whole_warp(x):  # a max shared by all 16 rows: exact in theory, but rows far below it underflow in fp16
-        for lane_mask in (1, 2, 4, 8, 16):
-            x = np.maximum(x, wm.shuffle_xor(x, lane_mask))
-        return x
-
-    assert _solved(solutions.fragment_softmax_step, capsys)
-    assert _solved(_variant(quad, guard=True), capsys)
-    assert not _solved(_variant(lambda x: x, guard=False), capsys)  # the stub as shipped
-    assert not _solved(_variant(quad, guard=False), capsys)         # NaN for rows whose first key comes late
-    assert not _solved(_variant(lambda x: x, guard=True), capsys)   # each lane its own max: P's columns disagree
-    assert not _solved(_variant(whole_warp, guard=True), capsys)
