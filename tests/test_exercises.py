@@ -28,7 +28,8 @@ LESSONS = [
     ("03_tiled", "wb_kernels.stages.tiled"),
     ("04_flash", "wb_kernels.stages.flash"),
     ("05_wmma", "wb_kernels.stages.wmma"),
-    ("06_bench", "wb_kernels.bench"),  # the dashboard lesson: not a rung, its exercises live with the benchmark
+    ("06_mma", "wb_kernels.stages.mma"),
+    ("07_bench", "wb_kernels.bench"),  # the dashboard lesson: not a rung, its exercises live with the benchmark
 ]
 
 
@@ -135,3 +136,40 @@ def test_wmma_tile_puzzle_solution_and_the_stub(capsys):
     assert _solved(exercises.check_tile_puzzle, solutions.tile_kernel, capsys)
     stub = tile.kernel_text().split("{")[0] + "{\n}"
     assert not _solved(exercises.check_tile_puzzle, stub, capsys)
+
+
+def _softmax_step(reduce_row_max, guard: bool):
+    """A version of the mma lesson's fragment softmax step, with or without each of the two pieces it asks for."""
+    import numpy as np
+
+    def step(scores, m_old, l_old):
+        m_new = np.maximum(m_old, reduce_row_max(scores.max(axis=-1)))
+        m_safe = np.where(m_new == -np.inf, np.float32(0), m_new) if guard else m_new
+        alpha, p = np.exp2(m_old - m_safe), np.exp2(scores - m_safe[..., None])
+        return m_new, l_old * alpha + p.sum(axis=-1), p, alpha
+    return step
+
+
+def test_mma_fragment_softmax_puzzle_solution_and_each_missing_piece(capsys):
+    import numpy as np
+
+    from wb_kernels.stages.mma import exercises, solutions, warp_model
+
+    def quad(x):
+        return warp_model.quad_allreduce(x, np.maximum)
+
+    def whole_warp(x):  # one max for all 16 rows: exact in theory, but rows far below it underflow in fp16
+        for lane_mask in (1, 2, 4, 8, 16):
+            x = np.maximum(x, warp_model.shuffle_xor(x, lane_mask))
+        return x
+
+    def own_lane(x):
+        return x
+
+    check = exercises.check_fragment_softmax_puzzle
+    assert _solved(check, solutions.fragment_softmax_step, capsys)
+    assert _solved(check, _softmax_step(quad, guard=True), capsys)
+    assert not _solved(check, _softmax_step(own_lane, guard=False), capsys)  # the stub as shipped
+    assert not _solved(check, _softmax_step(quad, guard=False), capsys)  # NaN in rows whose first key comes late
+    assert not _solved(check, _softmax_step(own_lane, guard=True), capsys)  # lanes disagree on m: P's columns too
+    assert not _solved(check, _softmax_step(whole_warp, guard=True), capsys)

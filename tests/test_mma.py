@@ -1,11 +1,25 @@
-"""Rung mma (in progress): the NumPy model of mma.sync's register layouts, against plain matrix products."""
+"""Rung mma (lesson 06), on the CPU: the NumPy models the lesson derives the kernel from.
+
+- ``fragments``: mma.sync's register layouts and ldmatrix, against plain matrix products;
+- ``swizzle``: the shared-memory banks an ldmatrix phase hits in each layout, and the swizzle's address arithmetic;
+- ``warp_model``: the kernel's arithmetic register by register, held to the float64 reference with ``wb.check``
+  (shapes, lengths that are not tile multiples, Lq != Lk, L = 1, masks, rows without keys, fp16 and bf16);
+- the lesson's figures and slider (its exercises and puzzle: tests/test_exercises.py).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import wb_kernels as wb
+from wb_kernels.stages.mma import slider
 from wb_kernels.stages.mma import fragments as fr
+from wb_kernels.stages.mma import swizzle as sw
+from wb_kernels.stages.mma import warp_model as wm
+from wb_kernels.stages.wmma.fragment_model import fragment_model, ulp
+
+torch = pytest.importorskip("torch")
 
 rng = np.random.default_rng(0)
 
@@ -46,3 +60,210 @@ def test_the_accumulator_of_s_is_the_a_operand_of_p_v():
     v = rng.standard_normal((16, 8))
     pv = fr.mma_m16n8k16(fr.distribute(p, fr.a_coords), fr.distribute(v, fr.b_coords), np.zeros((32, 4)))
     np.testing.assert_allclose(fr.gather(pv, fr.c_coords, (16, 8)), p @ v, rtol=1e-12)
+
+
+def test_fragments_take_a_batch_of_warps_and_tiles():
+    """The warp model moves whole batches of fragments at once: a batch must equal one instruction at a time."""
+    a, b, c = rng.standard_normal((3, 1, 16, 16)), rng.standard_normal((5, 16, 8)), rng.standard_normal((3, 5, 16, 8))
+    d = fr.mma_m16n8k16(fr.distribute(a, fr.a_coords), fr.distribute(b, fr.b_coords), fr.distribute(c, fr.c_coords))
+    assert d.shape == (3, 5, 32, 4)
+    np.testing.assert_allclose(fr.gather(d, fr.c_coords, (16, 8)), a @ b + c, rtol=1e-12)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_gives_each_lane_pieces_of_other_lanes_rows(trans):
+    """Each lane points at one 16-byte row; lane l receives row l // 4 (or, transposed, column l // 4) of each
+    8 x 8 matrix: the PTX ISA's ldmatrix fragment layout."""
+    shared = rng.standard_normal(32 * 8)
+    offsets = rng.permutation(32) * 8  # any row addresses, lane by lane
+    received = fr.ldmatrix(shared, offsets, trans=trans)
+    for lane in range(32):
+        for i in range(4):
+            matrix = np.stack([shared[offsets[8 * i + r]:offsets[8 * i + r] + 8] for r in range(8)])
+            if trans:
+                matrix = matrix.T
+            np.testing.assert_array_equal(received[lane, 2 * i:2 * i + 2], matrix[lane // 4, 2 * (lane % 4):][:2])
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared-memory layouts
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_plain_rows_conflict_8_ways_and_padding_and_swizzle_do_not(head_dim):
+    summary = {row["layout"]: row for row in sw.layout_summary(head_dim)}
+    assert {name: row["wavefronts"] for name, row in summary.items()} == {"plain": 8, "padded": 1, "swizzled": 1}
+    # the swizzle costs nothing; the padding costs one chunk per row and the 128-byte alignment of rows
+    assert summary["swizzled"]["tile_bytes"] == summary["plain"]["tile_bytes"] == 64 * head_dim * 2
+    assert summary["padded"]["tile_bytes"] == 64 * (head_dim + 8) * 2
+    assert [summary[name]["rows_128_byte_aligned"] for name in sw.LAYOUTS] == [True, False, True]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_swizzle_permutes_chunks_within_each_row(head_dim):
+    chunks = head_dim // 8
+    for row in range(64):
+        offsets = [sw.swizzled_offset(row, chunk, head_dim) for chunk in range(chunks)]
+        assert sorted(offsets) == [row * head_dim + 8 * c for c in range(chunks)]
+    tile = rng.standard_normal((64, head_dim))
+    shared = sw.store_tile(tile)
+    assert sorted(shared) == sorted(tile.ravel())  # dense: nothing added, nothing lost
+    np.testing.assert_array_equal(shared[sw.swizzled_offset(13, 5, head_dim) + np.arange(8)], tile[13, 40:48])
+
+
+def test_bank_groups_of_one_phase():
+    """The figure's numbers: a chunk column of 8 rows in one bank group (plain) or in all 8 (padded, swizzled)."""
+    for layout, expected in (("plain", 1), ("padded", 8), ("swizzled", 8)):
+        groups = sw.bank_groups(layout, 128)
+        assert all(len(set(groups[:, c])) == expected for c in range(16)), layout
+    assert sw.draw_banks(64).axes and sw.draw_banks(128).axes
+
+
+def test_swizzle_refuses_rows_too_short_to_swizzle():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        sw.store_tile(np.zeros((8, 32)))
+    with pytest.raises(ValueError, match="layout"):
+        sw.row_stride_bytes("diagonal", 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# the warp model: the kernel's arithmetic, register by register
+
+def as_torch(array, dtype):
+    return torch.from_numpy(np.ascontiguousarray(array)).to(getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_ldmatrix_addresses_deliver_the_operands(head_dim):
+    """Q's A fragments, K's B fragments (S = Q Kᵀ) and V's B fragments (.trans, O = P V) from the swizzled tiles."""
+    q, k, v = rng.standard_normal((16, head_dim)), rng.standard_normal((64, head_dim)), rng.standard_normal((64, head_dim))
+    for k_step in range(head_dim // 16):
+        cols = slice(16 * k_step, 16 * k_step + 16)
+        np.testing.assert_array_equal(fr.ldmatrix(sw.store_tile(q), wm.q_addresses(k_step, head_dim)),
+                                      fr.distribute(q[:, cols], fr.a_coords))
+        for pair in range(4):
+            got = fr.ldmatrix(sw.store_tile(k), wm.k_addresses(pair, k_step, head_dim))
+            for half in range(2):
+                keys = slice(16 * pair + 8 * half, 16 * pair + 8 * half + 8)
+                np.testing.assert_array_equal(got[:, 4 * half:4 * half + 4], fr.distribute(k[keys, cols].T, fr.b_coords))
+    for key_step in range(4):
+        for dim_pair in range(head_dim // 16):
+            got = fr.ldmatrix(sw.store_tile(v), wm.v_addresses(key_step, dim_pair, head_dim), trans=True)
+            for half in range(2):
+                dims = slice(16 * dim_pair + 8 * half, 16 * dim_pair + 8 * half + 8)
+                np.testing.assert_array_equal(got[:, 4 * half:4 * half + 4],
+                                              fr.distribute(v[16 * key_step:16 * key_step + 16, dims], fr.b_coords))
+
+
+def test_rows_of_accumulators_in_key_order():
+    frags = rng.standard_normal((3, 8, 32, 4))
+    rows = wm.rows_of_accumulators(frags)
+    np.testing.assert_array_equal(wm.accumulators_of_rows(rows), frags)
+    s = np.concatenate([fr.gather(frags[1, n], fr.c_coords, (16, 8)) for n in range(8)], axis=1)
+    np.testing.assert_array_equal(rows[1], s[wm.ROW_OF_LANE[:, :, None], wm.KEY_OF_LANE[:, None, :]])
+
+
+def test_quad_shuffles_reduce_each_row():
+    values = rng.standard_normal((2, 32, 2))
+    with wm.counting() as counts:
+        total = wm.quad_allreduce(values, np.add)
+    expected = values.reshape(2, 8, 4, 2).sum(axis=2)
+    np.testing.assert_allclose(total, np.repeat(expected, 4, axis=1), rtol=1e-12)
+    assert counts["shfl.sync.bfly"] == 2 * 2 * 2  # two rows per lane, two shuffles each, two warps
+    np.testing.assert_array_equal(wm.shuffle_xor(np.arange(32)[:, None], 3)[:, 0], np.arange(32) ^ 3)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("B, H, Lq, Lk, D, causal, padded", [
+    (1, 1, 1, 1, 64, False, False), (2, 1, 100, 77, 64, True, True), (1, 2, 130, 200, 128, False, True),
+    (1, 1, 65, 64, 128, True, False), (2, 2, 64, 129, 64, False, False), (1, 1, 200, 70, 64, True, True),
+])
+def test_warp_model_meets_the_tolerance_rule(dtype, B, H, Lq, Lk, D, causal, padded):
+    q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, dtype=dtype, framework="torch", seed=Lq * 7 + Lk)
+    mask = wb.random_padding_mask(B, Lk, seed=Lk) if padded else None
+    out, lse = wm.forward(q, k, v, dtype=dtype, causal=causal, key_padding_mask=mask)
+    wb.check(f"warp model {dtype}", as_torch(out, dtype), q, k, v, lse=torch.from_numpy(lse), causal=causal,
+             key_padding_mask=mask)
+
+
+def test_rows_without_keys_give_zero_and_minus_inf_and_late_first_keys_are_exact():
+    q, k, v = wb.random_qkv(2, 1, 100, 64, dtype="float16", framework="torch", seed=4)
+    keep = torch.ones(2, 100, dtype=torch.bool)
+    keep[0, :5] = False    # causal: rows 0-4 of batch 0 see no key at all
+    keep[1, :70] = False   # batch 1 sees its first key in the second tile: m = -inf through the first
+    out, lse = wm.forward(q, k, v, causal=True, key_padding_mask=keep)
+    assert np.all(out[0, 0, :5] == 0) and np.all(lse[0, 0, :5] == -np.inf)
+    assert np.all(out[1, 0, :70] == 0) and np.isfinite(lse[1, 0, 70:]).all()
+    wb.check("empty rows", as_torch(out, "float16"), q, k, v, lse=torch.from_numpy(lse), causal=True,
+             key_padding_mask=keep)
+
+
+def test_a_nan_at_a_masked_key_does_not_leak():
+    """Masked scores are replaced (selected), not offset by -inf: NaN + -inf would be NaN."""
+    q, k, v = wb.random_qkv(1, 1, 40, 64, Lk=90, dtype="float16", framework="torch", seed=8)
+    keep = torch.ones(1, 90, dtype=torch.bool)
+    keep[0, 80:] = False
+    k_poisoned = k.clone()
+    k_poisoned[0, 0, 85] = float("nan")
+    clean = wm.forward(q, k, v, key_padding_mask=keep)
+    poisoned = wm.forward(q, k_poisoned, v, key_padding_mask=keep)
+    np.testing.assert_array_equal(poisoned[0], clean[0])
+    np.testing.assert_array_equal(poisoned[1], clean[1])
+
+
+def test_warp_model_agrees_with_lesson_05s_model_to_rounding():
+    """Same rounding points as the WMMA kernel's model: outputs within one ulp of each other, most identical."""
+    q, k, v = wb.random_qkv(1, 2, 150, 128, Lk=170, dtype="bfloat16", framework="torch", seed=2)
+    ours, ours_lse = wm.forward(q, k, v, dtype="bfloat16", causal=True)
+    theirs, theirs_lse = fragment_model(q, k, v, dtype="bfloat16", causal=True)
+    assert np.all(np.abs(ours - theirs) <= ulp(np.maximum(np.abs(theirs), 1e-3), "bfloat16"))
+    assert np.mean(ours == theirs) > 0.9
+    np.testing.assert_allclose(ours_lse, theirs_lse, rtol=1e-5)
+
+
+def test_the_model_refuses_head_dims_the_swizzle_cannot_take():
+    q, k, v = wb.random_qkv(1, 1, 8, 32, seed=0)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        wm.forward(q, k, v)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_instructions_per_warp_and_key_tile(head_dim):
+    counts = wm.instruction_counts(head_dim)
+    per_tile, once = counts["per key tile"], counts["once"]
+    assert per_tile["mma.sync (S = Q K^T)"] == (64 // 8) * (head_dim // 16)
+    assert per_tile["mma.sync (O += P V)"] == (head_dim // 8) * (64 // 16)
+    assert per_tile["ldmatrix.x4 (K)"] == per_tile["ldmatrix.x4.trans (V)"] == 64 * head_dim // 256
+    assert per_tile["shfl.sync.bfly"] == 4 and once["shfl.sync.bfly"] == 4  # row max per tile; row sum once
+    assert once["ldmatrix.x4 (Q, once)"] == head_dim // 16
+    registers = wm.registers_per_lane(head_dim)
+    assert registers["O accumulators (fp32)"] * 32 == 16 * head_dim
+
+
+# ---------------------------------------------------------------------------------------------
+# the lesson's figures, slider and exercises
+
+@pytest.mark.parametrize("lane", [0, 5, 31])
+def test_a_lane_holds_its_share_of_every_matrix(lane):
+    held = {name: h for name, (h, _) in slider.lane_holdings(lane, 64).items()}
+    sizes = {"Q": 16 * 64, "K": 64 * 64, "S": 16 * 64, "P": 16 * 64, "V": 64 * 64, "O": 16 * 64}
+    assert {name: int(h.sum()) for name, h in held.items()} == {name: n // 32 for name, n in sizes.items()}
+    np.testing.assert_array_equal(held["S"], held["P"])  # P stays where S was computed
+    rows = {lane // 4, lane // 4 + 8}
+    for name in ("Q", "S", "P", "O"):
+        assert set(np.nonzero(held[name])[0]) == rows
+    assert slider.draw_lane(lane).axes
+
+
+def test_the_lanes_together_hold_every_element_once():
+    holdings = [slider.lane_holdings(lane, 128) for lane in range(32)]
+    for name in ("Q", "K", "S", "V", "O"):
+        assert np.all(sum(h[name][0].astype(int) for h in holdings) == 1), name
+
+
+def test_accumulator_reuse_figure_and_traffic():
+    assert slider.draw_accumulator_reuse()._suptitle.get_text().endswith("True")
+    for head_dim in (64, 128):
+        one, two = slider.traffic_per_tile(head_dim), slider.traffic_per_tile(head_dim, row_tiles=2)
+        assert one["shared bytes"] == 2 * 64 * head_dim * 2  # K and V once each, nothing else per tile
+        assert two["FLOPs per shared byte"] == 2 * one["FLOPs per shared byte"]
+    assert slider.balance_points()["H100 (sm_90)"] == 2 * slider.balance_points()["A100 (sm_80)"]

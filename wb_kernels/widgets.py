@@ -1,4 +1,4 @@
-"""The ipywidgets wiring every lesson's slider shares (lessons 01-06).
+"""The ipywidgets wiring every lesson's slider shares (lessons 01-07).
 
 The logic behind a slider is a plain function (inputs -> data or a figure) in its rung's
 ``stages/<rung>/slider.py``, which pytest calls without a browser; a lesson wires it to a slider with

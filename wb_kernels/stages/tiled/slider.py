@@ -9,6 +9,7 @@ import math
 
 from ...backend import BACKEND
 from ...plots import STAGE_COLORS, new_figure
+from ...shared_memory import BANKS, conflict_degree
 
 __all__ = ["TILE_CHOICES", "warp_banks", "draw_bank_conflicts", "reuse_rows", "tile_picture", "tile_figure", "tile_speed", "speed_figure"]
 
@@ -106,9 +107,6 @@ def speed_figure(times: dict, *, L: int, D: int):
     return fig
 
 
-BANKS = 32  # shared memory is split into 32 banks of 4-byte words; word w lives in bank w % 32
-
-
 def warp_banks(tile: int, padded: bool, dd: int = 0) -> list:
     """(thread, word, bank) for the 32 threads of the first warp of a tile x tile block when each reads
     ``k_tile[tx, dd]`` (the scores kernel's inner loop): rows of k_tile are `tile` words long, or tile + 1 with
@@ -120,15 +118,6 @@ def warp_banks(tile: int, padded: bool, dd: int = 0) -> list:
         word = tx * stride + dd
         rows.append((thread, word, word % BANKS))
     return rows
-
-
-def conflict_degree(rows) -> int:
-    """How many different words of one bank the warp asks for at once: the loads that bank serves one by one
-    (threads reading the same word share it: a broadcast)."""
-    words = {}
-    for _, word, bank in rows:
-        words.setdefault(bank, set()).add(word)
-    return max(len(w) for w in words.values())
 
 
 def draw_bank_conflicts(tile: int = 16):

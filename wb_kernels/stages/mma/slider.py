@@ -1,0 +1,146 @@
+"""Slider and figure logic for lesson 06 (FlashAttention-2 by hand with ``mma.sync``).
+
+Plain functions (inputs -> numbers or a matplotlib Figure) that pytest calls without a browser:
+
+- :func:`lane_holdings` / :func:`draw_lane`: which elements of Q, K, S, P, V and O one lane holds in its registers
+  during a key tile, and which rows it points ``ldmatrix`` at (the lesson's slider: pick a lane);
+- :func:`draw_accumulator_reuse`: the C fragments of two 16 x 8 tiles of S, lane by lane, next to the A fragment
+  of the 16 x 16 tile of P: the same lanes hold the same elements, so P never leaves registers;
+- :func:`traffic_per_tile` / :func:`balance_points`: shared-memory bytes and tensor-core FLOPs per warp and key tile
+  (from the instructions the model issues), against what an SM's tensor cores need per shared-memory byte;
+- the bank figure of the three shared-memory layouts is :func:`wb_kernels.stages.mma.swizzle.draw_banks`.
+
+Everything is derived from the models (``fragments``, ``swizzle``, ``warp_model``): the pictures show what those
+compute, with element indices in place of numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import fragments as fr
+from . import warp_model as wm
+from .swizzle import store_tile
+from ...plots import STAGE_COLORS, new_figure
+from ...shared_memory import BANKS, WORD_BYTES
+
+__all__ = ["LANE_CHOICES", "lane_holdings", "draw_lane", "draw_accumulator_reuse", "traffic_per_tile",
+           "balance_points", "TENSOR_FLOPS_PER_CLOCK"]
+
+LANE_CHOICES = tuple(range(fr.LANES))
+LDMATRIX_X4_BYTES = 4 * 8 * 16   # four 8 x 8 matrices of 16-bit values
+MMA_FLOPS = 2 * 16 * 8 * 16      # one m16n8k16: 16 x 8 outputs, 16 multiply-adds each
+# Dense fp16/bf16 tensor-core FLOPs per clock and SM: 1024 multiply-adds on an A100 SM (NVIDIA A100 whitepaper),
+# twice that on an H100 SM (NVIDIA H100 whitepaper, "clock-for-clock" against A100).
+TENSOR_FLOPS_PER_CLOCK = {"A100 (sm_80)": 2 * 1024, "H100 (sm_90)": 2 * 2048}
+SHARED_BYTES_PER_CLOCK = BANKS * WORD_BYTES  # one pass over the 32 banks per clock and SM
+
+
+def lane_holdings(lane: int, head_dim: int = 64) -> dict:
+    """{matrix: (held, pointed)} for one lane over one key tile: `held` marks the elements the lane has in its
+    registers (Q for the whole loop, K and V as ldmatrix delivers them, S and P and O as accumulator or operand
+    fragments), `pointed` the elements of the 16-byte rows whose address the lane gives to ldmatrix (Q, K, V only).
+    Matrices: Q (16, D), K (64, D), S (16, 64), P (16, 64), V (64, D), O (16, D)."""
+    block_n, k_steps, key_steps = wm.BLOCK_N, np.arange(head_dim // 16), np.arange(wm.BLOCK_N // 16)
+    shapes = {"Q": (16, head_dim), "K": (block_n, head_dim), "V": (block_n, head_dim)}
+    ids = {name: np.arange(np.prod(shape), dtype=np.float64).reshape(shape) for name, shape in shapes.items()}
+    loads = {  # the addresses every lane gives, as the model's ldmatrix calls use them
+        "Q": (wm.q_addresses(k_steps, head_dim), False),
+        "K": (wm.k_addresses(key_steps[:, None], k_steps, head_dim), False),
+        "V": (wm.v_addresses(key_steps[:, None], k_steps, head_dim), True),
+    }
+    out = {}
+    for name, (addresses, trans) in loads.items():
+        shared_ids = store_tile(ids[name])  # the swizzled tile, element ids in place of values
+        held = np.zeros(shapes[name], dtype=bool)
+        held.flat[fr.ldmatrix(shared_ids, addresses, trans=trans)[..., lane, :].astype(int).ravel()] = True
+        pointed = np.zeros(shapes[name], dtype=bool)
+        # shared offset -> element id: the row an address points at, 8 consecutive elements
+        for start in np.asarray(addresses)[..., lane].ravel():
+            pointed.flat[shared_ids[start:start + 8].astype(int)] = True
+        out[name] = (held, pointed)
+    s_ids = np.arange(16 * block_n).reshape(16, block_n)
+    s_frags = np.stack([fr.distribute(s_ids[:, 8 * n:8 * n + 8], fr.c_coords) for n in range(block_n // 8)])
+    s_held = np.isin(s_ids, s_frags[:, lane])
+    p_frags = [fr.accumulator_as_a_operand(s_frags[2 * kk], s_frags[2 * kk + 1]) for kk in key_steps]
+    p_held = np.isin(s_ids, np.stack(p_frags)[:, lane])
+    o_ids = np.arange(16 * head_dim).reshape(16, head_dim)
+    o_held = np.isin(o_ids, [fr.distribute(o_ids[:, 8 * n:8 * n + 8], fr.c_coords)[lane] for n in range(head_dim // 8)])
+    out.update({"S": (s_held, None), "P": (p_held, None), "O": (o_held, None)})
+    return {name: out[name] for name in ("Q", "K", "S", "P", "V", "O")}
+
+
+def draw_lane(lane: int, head_dim: int = 64):
+    """Six panels, Q K S / P V O, for one key tile: filled, what `lane` holds in registers; framed, the 16-byte rows
+    it points ldmatrix at (it gives one row address per matrix, and receives pieces of other lanes' rows)."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Rectangle
+
+    holdings = lane_holdings(lane, head_dim)
+    cmap = ListedColormap(["#f2f2f2", STAGE_COLORS["mma"]])
+    fig, axes = new_figure(ncols=3, nrows=2, width=11, height=5.6)
+    captions = {"Q": "Q (A operand, whole loop)", "K": "K (B operand of S)", "S": "S = Q Kᵀ (C fragments, fp32)",
+                "P": "P (A operand of P V, 16-bit)", "V": "V (B operand, .trans)", "O": "O (C fragments, fp32)"}
+    for ax, (name, (held, pointed)) in zip(axes.ravel(), holdings.items()):
+        ax.imshow(held, cmap=cmap, vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+        if pointed is not None:
+            for row, col in zip(*np.nonzero(pointed[:, ::8])):  # one frame per 16-byte row segment
+                ax.add_patch(Rectangle((8 * col - 0.5, row - 0.5), 8, 1, fill=False, edgecolor="black", lw=0.8))
+        ax.set_title(f"{captions[name]}: {int(held.sum())} held", fontsize=9)
+        ax.set_xlabel("key" if name in ("S", "P") else "head dim", fontsize=8)
+        ax.set_ylabel("key" if name in ("K", "V") else "query row", fontsize=8)
+        ax.set_yticks(range(0, held.shape[0], 4 if held.shape[0] == 16 else 16))
+        ax.grid(False)
+    fig.suptitle(f"lane {lane} (group {lane // 4}, rows {lane // 4} and {lane // 4 + 8}): filled = in its registers; "
+                 "framed = the rows it points ldmatrix at", fontsize=10)
+    return fig
+
+
+def draw_accumulator_reuse():
+    """Left: S's two neighbouring 16 x 8 accumulator tiles, each cell coloured and labelled by the lane and register
+    holding it. Right: the A fragment of the 16 x 16 tile of P, the same way. The lanes are the same; only the
+    registers' names change (c0..c3 of the left tile are a0..a3, of the right tile a4..a7)."""
+    s_tiles = np.arange(16 * 16).reshape(16, 16)
+    c_left = fr.distribute(s_tiles[:, :8], fr.c_coords)
+    c_right = fr.distribute(s_tiles[:, 8:], fr.c_coords)
+    lane_of_c, lane_of_a = np.zeros((16, 16), dtype=int), np.zeros((16, 16), dtype=int)
+    register_of_c, register_of_a = np.empty((16, 16), dtype=object), np.empty((16, 16), dtype=object)
+    a_frag = fr.accumulator_as_a_operand(c_left, c_right)
+    for lane in range(fr.LANES):
+        for i, (left, right) in enumerate(zip(c_left[lane], c_right[lane])):
+            lane_of_c.flat[[left, right]] = lane
+            register_of_c.flat[[left, right]] = f"c{i}"
+        for i, element in enumerate(a_frag[lane]):
+            lane_of_a.flat[element] = lane
+            register_of_a.flat[element] = f"a{i}"
+    fig, axes = new_figure(ncols=2, width=11, height=5.4)
+    for ax, lanes, registers, title in ((axes[0], lane_of_c, register_of_c, "S: C fragments of two 16 x 8 mma results"),
+                                        (axes[1], lane_of_a, register_of_a, "P: A fragment of one 16 x 16 operand")):
+        ax.imshow(lanes, cmap="hsv", vmin=0, vmax=fr.LANES, aspect="equal", interpolation="nearest", alpha=0.55)
+        for (r, c), lane in np.ndenumerate(lanes):
+            ax.text(c, r, f"{lane}\n{registers[r, c]}", ha="center", va="center", fontsize=5, linespacing=0.9)
+        ax.axvline(7.5, color="black", lw=1.5)
+        ax.set(title=title, xlabel="key (column)", ylabel="query row", xticks=range(0, 16, 2), yticks=range(0, 16, 2))
+        ax.grid(False)
+    same = bool(np.array_equal(lane_of_c, lane_of_a))
+    fig.suptitle(f"lane and register holding each element; the same lane in both pictures: {same}", fontsize=10)
+    return fig
+
+
+def traffic_per_tile(head_dim: int, row_tiles: int = wm.ROW_TILES) -> dict:
+    """Per warp and key tile of 64 keys: shared-memory bytes its ldmatrix loads move, and the tensor-core FLOPs of
+    its mma instructions, from the instructions the model issues. A warp with `row_tiles` tiles of 16 rows reads
+    each K and V fragment once and uses it `row_tiles` times."""
+    counts = wm.instruction_counts(head_dim)["per key tile"]
+    loads = sum(n for name, n in counts.items() if name.startswith("ldmatrix"))
+    products = sum(n for name, n in counts.items() if name.startswith("mma"))
+    shared_bytes = loads * LDMATRIX_X4_BYTES
+    flops = row_tiles * products * MMA_FLOPS
+    return {"ldmatrix.x4 per tile": loads, "mma.sync per tile": row_tiles * products, "shared bytes": shared_bytes,
+            "tensor-core FLOPs": flops, "FLOPs per shared byte": flops / shared_bytes}
+
+
+def balance_points() -> dict:
+    """{GPU: tensor-core FLOPs an SM does in the time its shared memory moves one byte}: a kernel with fewer FLOPs
+    per shared byte than this waits on shared memory, not on the tensor cores."""
+    return {gpu: flops / SHARED_BYTES_PER_CLOCK for gpu, flops in TENSOR_FLOPS_PER_CLOCK.items()}
