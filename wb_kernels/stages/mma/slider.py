@@ -25,7 +25,7 @@ from ...plots import STAGE_COLORS, new_figure
 from ...shared_memory import BANKS, WORD_BYTES
 
 __all__ = ["LANE_CHOICES", "lane_holdings", "draw_lane", "draw_accumulator_reuse", "traffic_per_tile",
-           "balance_points", "TENSOR_FLOPS_PER_CLOCK"]
+           "balance_points", "TENSOR_FLOPS_PER_CLOCK", "COMPARED", "committed_comparison", "ratio_range", "committed_tuning", "smem_traffic"]
 
 LANE_CHOICES = tuple(range(fr.LANES))
 LDMATRIX_X4_BYTES = 4 * 8 * 16   # four 8 x 8 matrices of 16-bit values
@@ -144,3 +144,47 @@ def balance_points() -> dict:
     """{GPU: tensor-core FLOPs an SM does in the time its shared memory moves one byte}: a kernel with fewer FLOPs
     per shared byte than this waits on shared memory, not on the tensor cores."""
     return {gpu: flops / SHARED_BYTES_PER_CLOCK for gpu, flops in TENSOR_FLOPS_PER_CLOCK.items()}
+
+
+# What the lesson compares this kernel with, as the benchmark names them: lesson 05's kernel, SDPA's FLASH backend
+# (FlashAttention-2), SDPA's default choice (cuDNN on an H100) and FlexAttention (torch.compile).
+COMPARED = ("mma", "wmma", "sdpa-flash", "sdpa", "flex")
+
+
+def committed_comparison(results: dict, head_dim: int = 128, tokens: int = 16384, heads: int = 16) -> list:
+    """One row per (dtype, causal, L) of a benchmark results file (one run, one GPU) at B*L = `tokens`, H = `heads`:
+    the TFLOP/s of every contender in :data:`COMPARED` that the run timed (None where it did not)."""
+    timed = {}
+    for r in results["records"]:
+        if r.get("status") == "ok" and r["D"] == head_dim and r["B"] * r["Lq"] == tokens and r["H"] == heads:
+            timed[r["contender"], r["dtype"], r["causal"], r["Lq"]] = r["tflops"]
+    keys = sorted({key[1:] for key in timed if key[0] == "mma"})
+    return [{"dtype": dtype, "causal": causal, "L": L, **{name: timed.get((name, dtype, causal, L)) for name in COMPARED}}
+            for dtype, causal, L in keys]
+
+
+def ratio_range(rows: list, numerator: str, denominator: str, min_length: int = 2048) -> tuple:
+    """(lowest, highest) of numerator / denominator over the rows with L >= `min_length` that have both."""
+    ratios = [r[numerator] / r[denominator] for r in rows
+              if r["L"] >= min_length and r.get(numerator) and r.get(denominator)]
+    return min(ratios), max(ratios)
+
+
+def committed_tuning(tuning: dict, min_length: int = 2048) -> dict:
+    """{head dim: [(variant name, geometric-mean TFLOP/s over L >= `min_length`, both dtypes and masks)], fastest
+    first} from a tune.py results file."""
+    from collections import defaultdict
+
+    logs = defaultdict(lambda: defaultdict(list))
+    for row in tuning["rows"]:
+        if row["L"] >= min_length:
+            for name, tflops in row["tflops"].items():
+                if name.startswith("mma_"):
+                    logs[row["D"]][name].append(np.log(tflops))
+    return {D: sorted(((name, float(np.exp(np.mean(values)))) for name, values in by_name.items()),
+                      key=lambda item: -item[1]) for D, by_name in sorted(logs.items())}
+
+
+def smem_traffic(traffic: dict) -> dict:
+    """{stage: (shared-memory bytes per FLOP, bank conflicts as a share of wavefronts)} from the committed ncu run."""
+    return {stage: (m["shared_bytes_per_flop"], m["bank_conflicts_per_wavefront"]) for stage, m in traffic["stages"].items()}
