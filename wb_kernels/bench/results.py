@@ -137,10 +137,11 @@ def default_output(kind: str) -> Path:
 
 
 def committed_results(kind: str = "gpu") -> Optional[Path]:
-    """The newest benchmark results file of that kind ("gpu" or "simulator") under results/, or None.
-    Other JSON files there (tuning logs, ...) are recognised by their lack of "records" and ignored."""
+    """The newest benchmark results file of that kind ("gpu" or "simulator") under results/bench/, or None: the
+    full runs the README, the dashboard and the ladder's lessons read. A rung's own runs (e.g. the ``mma`` preset in
+    results/mma/) are read by its lesson by name. Other JSON files (tuning logs, ...) lack "records" and are ignored."""
     found = []
-    for path in sorted((REPO_ROOT / "results").rglob("*.json")):
+    for path in sorted((REPO_ROOT / "results" / "bench").glob("*.json")):
         try:
             data = load_results(path)
         except (OSError, ValueError):
