@@ -194,19 +194,30 @@ def readme_table(results: dict, source: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _readme_block(results: dict) -> tuple:
+    """The README's markers for a results file: the ladder's table, or the table of a rung's own preset run (a file
+    of the ``mma`` preset alone fills ``<!-- perf-table-mma:start -->`` ... ``:end -->``)."""
+    presets = results.get("presets") or []
+    if len(presets) == 1 and presets[0] == "mma":
+        return "<!-- perf-table-mma:start -->", "<!-- perf-table-mma:end -->"
+    return README_START, README_END
+
+
 def update_readme(results_path, readme=REPO_ROOT / "README.md") -> Path:
     readme = Path(readme)
     text = readme.read_text() if readme.exists() else ""
-    if README_START not in text or README_END not in text:
-        raise Refused(f"{readme} has no {README_START} ... {README_END} block to fill; add the two markers "
+    results = load_results(results_path)
+    start, end = _readme_block(results)
+    if start not in text or end not in text:
+        raise Refused(f"{readme} has no {start} ... {end} block to fill; add the two markers "
                       "where the table belongs")
     relative = Path(results_path).resolve()
     try:
         relative = relative.relative_to(REPO_ROOT)
     except ValueError:
         pass
-    table = readme_table(load_results(results_path), source=str(relative))
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    readme.write_text(f"{head}{README_START}\n{table}\n{README_END}{tail}")
+    table = readme_table(results, source=str(relative))
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
     return readme
