@@ -97,3 +97,36 @@ def tool_or_skip(find, purpose: str = "compile the CUDA kernel"):
         if os.environ.get("CI"):
             pytest.fail(f"CI must {purpose}, but: {missing}")
         pytest.skip(f"not in CI and {missing}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU checks every CUDA C++ stage (wmma, mma) passes, shared by their test files
+
+CUDA_GPU_SHAPES = [  # (B, H, Lq, Lk): L = 1, ragged tiles, Lq != Lk both ways, several blocks and key tiles
+    (1, 1, 1, 1), (2, 3, 1, 300), (1, 2, 65, 65), (2, 2, 128, 128), (1, 2, 200, 77), (2, 1, 77, 200),
+    (1, 2, 513, 1000), (1, 1, 300, 129),
+]
+
+
+def check_cuda_stage(stage: str, dtype: str, D: int, causal: bool, padded: bool, shape: tuple) -> None:
+    """`stage` through wb.attention on CUDA tensors of `shape`, against the reference with wb.check's rule."""
+    import torch
+
+    B, H, Lq, Lk = shape
+    q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, dtype=dtype, framework="torch", device="cuda", seed=Lq + 3 * Lk)
+    mask = wb.random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
+    out, lse = wb.attention(q, k, v, stage=stage, causal=causal, key_padding_mask=mask, return_lse=True)
+    assert out.dtype == q.dtype and out.device == q.device and lse.dtype == torch.float32
+    wb.check(f"{stage} {dtype} D={D} {shape}", out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask)
+
+
+def check_rows_without_keys(stage: str) -> None:
+    """Causal rows 0-4 see only keys 0-4, all padded out: zeros and an LSE of -inf there, finite elsewhere."""
+    import torch
+
+    q, k, v = wb.random_qkv(1, 2, 70, 64, dtype="float16", framework="torch", device="cuda", seed=3)
+    mask = torch.ones(1, 70, dtype=torch.bool, device="cuda")
+    mask[0, :5] = False
+    out, lse = wb.attention(q, k, v, stage=stage, causal=True, key_padding_mask=mask, return_lse=True)
+    assert torch.all(out[:, :, :5] == 0) and torch.all(lse[:, :, :5] == float("-inf"))
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 5:]).all()

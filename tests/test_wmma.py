@@ -23,7 +23,7 @@ from wb_kernels.stages.wmma import build as wmma_build
 from wb_kernels.stages.wmma.fragment_model import fragment_model, round_to, ulp
 from wb_kernels.stages.wmma.launcher import DEFAULT_VARIANT
 from wb_kernels.sync import module_regions
-from stage_cases import tool_or_skip
+from stage_cases import CUDA_GPU_SHAPES, check_cuda_stage, check_rows_without_keys, tool_or_skip
 
 torch = pytest.importorskip("torch")
 
@@ -160,25 +160,14 @@ def test_stage_is_registered():
 # GPU: the kernel
 
 
-GPU_SHAPES = [  # (B, H, Lq, Lk): L = 1, ragged tiles, Lq != Lk both ways, several blocks
-    (1, 1, 1, 1), (2, 3, 1, 300), (1, 2, 65, 65), (2, 2, 128, 128), (1, 2, 200, 77), (2, 1, 77, 200),
-    (1, 2, 513, 1000),
-]
-
-
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", CUDA_GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_kernel_meets_the_tolerance_rule(dtype, D, causal, padded, shape):
-    B, H, Lq, Lk = shape
-    q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, dtype=dtype, framework="torch", device="cuda", seed=Lq + 3 * Lk)
-    mask = wb.random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
-    out, lse = wb.attention(q, k, v, stage="wmma", causal=causal, key_padding_mask=mask, return_lse=True)
-    assert out.dtype == q.dtype and out.device == q.device and lse.dtype == torch.float32
-    wb.check(f"wmma {dtype} D={D} {shape}", out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask)
+    check_cuda_stage("wmma", dtype, D, causal, padded, shape)
 
 
 @needs_gpu
@@ -196,12 +185,7 @@ def test_every_launch_variant(variant, D):
 
 @needs_gpu
 def test_kernel_rows_without_keys_give_zero_and_minus_inf():
-    q, k, v = wb.random_qkv(1, 2, 70, 64, dtype="float16", framework="torch", device="cuda", seed=3)
-    mask = torch.ones(1, 70, dtype=torch.bool, device="cuda")
-    mask[0, :5] = False
-    out, lse = wb.attention(q, k, v, stage="wmma", causal=True, key_padding_mask=mask, return_lse=True)
-    assert torch.all(out[:, :, :5] == 0) and torch.all(lse[:, :, :5] == float("-inf"))
-    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 5:]).all()
+    check_rows_without_keys("wmma")
 
 
 @needs_gpu
