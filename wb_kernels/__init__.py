@@ -12,13 +12,14 @@ by anything else in the package; see :mod:`wb_kernels.backend`.
 from .backend import BACKEND, banner, device_name  # noqa: I001  (must come first: sets NUMBA_ENABLE_CUDASIM)
 from .api import attention, validate
 from .check import CheckFailed, CheckResult, check
+from .decoding import decode
 from .inputs import random_padding_mask, random_qkv
 from .reference import attention_mask, reference, safe_softmax
 from .stages import available_stages, get_stage
 from .timing import peak_memory, time_call
 
 __all__ = [
-    "BACKEND", "banner", "device_name", "attention", "validate", "check", "CheckFailed", "CheckResult",
+    "BACKEND", "banner", "device_name", "attention", "decode", "validate", "check", "CheckFailed", "CheckResult",
     "random_qkv", "random_padding_mask", "reference", "attention_mask", "safe_softmax", "available_stages", "get_stage", "peak_memory",
     "time_call",
 ]

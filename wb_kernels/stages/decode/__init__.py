@@ -1,4 +1,40 @@
 """Stage 07: decoding with a KV cache — split-KV (flash-decoding), GQA/MQA and a paged cache (lesson 07_decode).
 
-Under construction: the folder's files are listed here as they land.
+Files:
+
+- ``splitkv.py``: the NumPy model — one split's partial output and LSE, the exact merge, the choice of the number
+  of splits;
+- ``kernel.py``: the split-KV and merge kernels in numba.cuda (GQA: a block serves a KV head's query heads; paged:
+  keys gathered through the block table); they run on the simulator and on a GPU;
+- ``launcher.py``: launching them, the paged-cache helpers, and this stage's ``wb.attention`` entry;
+- the decode entry point itself is ``wb.decode`` (``wb_kernels/decoding.py``).
 """
+
+import math
+
+from .. import Stage
+from .launcher import forward
+from .splitkv import split_bounds
+
+
+def _simulator_seconds(B, H, Lq, Lk, D):
+    # measured on a 2-core machine with the simulator's config (16 threads, 16-key tiles): about 20 ms per tile of
+    # a block at D = 16, growing with D
+    tiles = B * H * math.ceil(Lq / 4) * math.ceil(Lk / 16)
+    return 0.1 + tiles * 0.02 * math.sqrt(D / 16)
+
+
+STAGE = Stage(
+    name="decode",
+    lesson="07_decode",
+    summary="split-KV (flash-decoding) in numba.cuda: GQA/MQA, paged KV cache; wb.decode for one token per sequence",
+    forward=forward,
+    dtypes=("float32", "float16"),
+    head_dims=(16, 32, 64, 128),
+    workspace_bytes=lambda B, H, Lq, Lk, D: 4 * B * H * Lq * (D + 1) * 65,  # O + LSE, and up to 64 splits of them
+    simulator_seconds=_simulator_seconds,
+    order=7,
+    linear_memory=True,
+)
+
+__all__ = ["STAGE", "split_bounds"]

@@ -1,0 +1,232 @@
+"""Stage 07 (lesson 07): split-KV decoding — the NumPy model, the numba kernels, wb.decode and its errors.
+
+On the simulator the kernels run with small blocks and short caches; GPU tests (skipped here) run decode shapes.
+Every kernel result is compared with the float64 reference by wb.check's rule: the decode problem is an attention
+problem whose keys are each sequence's cache, the heads of a KV group repeated, and the keys beyond each sequence's
+length masked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wb_kernels as wb
+from wb_kernels.stages.decode import splitkv
+from wb_kernels.stages.decode.launcher import contiguous_as_paged, gather_pages, split_kv_forward
+
+ON_GPU = wb.BACKEND.is_gpu
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (runs on the numba simulator here)")
+
+
+# ---------------------------------------------------------------- the NumPy model
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 40])
+def test_split_kv_model_matches_reference(num_splits):
+    rng = np.random.default_rng(num_splits)
+    q, k, v = rng.standard_normal((5, 16)), rng.standard_normal((37, 16)), rng.standard_normal((37, 16))
+    out, lse = splitkv.split_kv_attention(q, k, v, num_splits)  # 40 splits of 37 keys: most are empty
+    ref_out, ref_lse = wb.reference(q[None, None], k[None, None], v[None, None])
+    np.testing.assert_allclose(out, ref_out[0, 0], atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse[0, 0], atol=1e-12)
+
+
+def test_merge_of_empty_splits_gives_zero_and_minus_inf():
+    outs = np.zeros((3, 2, 4))
+    lses = np.full((3, 2), -np.inf)
+    outs[1, 0], lses[1, 0] = 1.5, 0.25  # row 0 has one split with keys, row 1 none
+    out, lse = splitkv.merge_partials(outs, lses)
+    np.testing.assert_array_equal(out, [[1.5] * 4, [0.0] * 4])
+    assert lse[0] == 0.25 and lse[1] == -np.inf
+
+
+def test_split_bounds_cover_every_key_once():
+    for length in (0, 1, 5, 64, 100):
+        for splits in (1, 3, 8, 128):
+            bounds = splitkv.split_bounds(length, splits)
+            assert len(bounds) == splits
+            keys = [t for start, stop in bounds for t in range(start, stop)]
+            assert keys == list(range(length))
+
+
+def test_choose_num_splits_fills_the_gpu_but_not_with_tiny_splits():
+    # B1 Hk8 on 132 SMs: 8 blocks without splitting; 33 splits fill 2 blocks per SM when the keys allow
+    assert splitkv.choose_num_splits(1, 8, 32768, 132) == 33
+    assert splitkv.choose_num_splits(1, 8, 1024, 132) == 1024 // splitkv.MIN_KEYS_PER_SPLIT
+    assert splitkv.choose_num_splits(64, 32, 8192, 132) == 1  # 2048 blocks already fill the GPU
+    assert splitkv.choose_num_splits(1, 1, 10, 132) == 1
+    with pytest.raises(ValueError, match="batch"):
+        splitkv.choose_num_splits(0, 8, 100, 132)
+
+
+# ---------------------------------------------------------------- the kernels, through wb.decode
+
+
+def make_cache(B, H, Hk, D, lens, *, page_size=None, seed=0, dtype=np.float32):
+    """q (B, H, D), a paged cache with a shuffled block table, and the same cache contiguous (B, Hk, L, D)."""
+    rng = np.random.default_rng(seed)
+    capacity = max(max(lens), 1)
+    page_size = page_size or capacity
+    pages_per_seq = -(-capacity // page_size)
+    num_pages = B * pages_per_seq + 3  # spare pages nobody uses: a kernel that ignores the table reads garbage
+    k_pages = rng.standard_normal((num_pages, Hk, page_size, D)).astype(dtype)
+    v_pages = rng.standard_normal((num_pages, Hk, page_size, D)).astype(dtype)
+    table = rng.permutation(num_pages)[:B * pages_per_seq].reshape(B, pages_per_seq).astype(np.int32)
+    q = rng.standard_normal((B, H, D)).astype(dtype)
+    full = pages_per_seq * page_size
+    k_cont = np.stack([gather_pages(k_pages, table, full, b) for b in range(B)])
+    v_cont = np.stack([gather_pages(v_pages, table, full, b) for b in range(B)])
+    return q, (k_pages, v_pages, table), (k_cont, v_cont), np.asarray(lens, dtype=np.int32)
+
+
+def check_decode(out, q, k_cont, v_cont, lens, lse=None):
+    """wb.check of a decode output: the same problem as an attention one, heads repeated, lengths as a mask."""
+    B, H, D = q.shape
+    group = H // k_cont.shape[1]
+    k_rep, v_rep = (np.repeat(x, group, axis=1) for x in (k_cont, v_cont))
+    keep = np.arange(k_cont.shape[2])[None, :] < np.asarray(lens)[:, None]
+    return wb.check("decode", out[:, :, None], q[:, :, None], k_rep, v_rep, key_padding_mask=keep,
+                    lse=None if lse is None else lse[:, :, None], verbose=False, raise_on_failure=False)
+
+
+# (B, H, Hk, D, lengths, page_size, num_splits): MHA, GQA 2 and 4, MQA; odd lengths; an empty sequence, a single
+# key; splits of one key; more splits than keys (empty splits); pages smaller than a tile and not dividing lengths
+DECODE_CASES = [
+    (1, 2, 2, 16, [1], 4, 1),
+    (2, 4, 2, 16, [13, 29], 8, 3),
+    (3, 4, 1, 32, [0, 1, 23], 5, 2),
+    (2, 8, 2, 16, [7, 7], 16, 7),  # splits of one key
+    (1, 4, 4, 64, [17], 16, 40),  # 40 splits of 17 keys: 23 are empty
+    (2, 2, 1, 128, [9, 33], 32, 2),
+]
+
+
+def _decode_id(case):
+    B, H, Hk, D, lens, page, splits = case
+    return f"B{B}-H{H}-Hk{Hk}-D{D}-len{'_'.join(map(str, lens))}-page{page}-splits{splits}"
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_decode_id)
+def test_decode_matches_reference_paged_and_contiguous(case):
+    B, H, Hk, D, lens, page_size, num_splits = case
+    q, (kp, vp, table), (kc, vc), lens = make_cache(B, H, Hk, D, lens, page_size=page_size, seed=sum(lens) + D)
+    out, lse = wb.decode(q, kp, vp, lens, block_table=table, num_splits=num_splits, return_lse=True)
+    assert out.shape == (B, H, D) and lse.shape == (B, H)
+    assert check_decode(out, q, kc, vc, lens, lse).passed
+    # the contiguous layout is the paged one with one page per sequence: same splits, same sums, same bits
+    out_contiguous = wb.decode(q, kc, vc, lens, num_splits=num_splits)
+    np.testing.assert_array_equal(out_contiguous, out)
+    # and the float64 reference entry agrees
+    ref_out, ref_lse = wb.decode(q, kp, vp, lens, block_table=table, stage="reference", return_lse=True)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
+
+
+def test_empty_sequence_gives_zeros_and_minus_inf():
+    q, (kp, vp, table), _, lens = make_cache(2, 2, 1, 16, [0, 5], page_size=4)
+    out, lse = wb.decode(q, kp, vp, lens, block_table=table, num_splits=2, return_lse=True)
+    assert not np.isnan(out).any()
+    np.testing.assert_array_equal(out[0], 0.0)
+    assert np.all(lse[0] == -np.inf) and np.all(np.isfinite(lse[1]))
+
+
+def test_a_broken_block_table_is_noticed():
+    """The test can fail. (Attention does not depend on the order of the keys, so the broken table points one entry
+    at a spare page instead of permuting the pages.)"""
+    q, (kp, vp, table), (kc, vc), lens = make_cache(1, 2, 2, 16, [16], page_size=4, seed=3)
+    broken = table.copy()
+    broken[0, 1] = next(p for p in range(kp.shape[0]) if p not in table)
+    out = wb.decode(q, kp, vp, lens, block_table=broken, num_splits=1)
+    assert not check_decode(out, q, kc, vc, lens).passed
+
+
+def test_float16_cache():
+    q, (kp, vp, table), (kc, vc), lens = make_cache(2, 4, 2, 32, [11, 20], page_size=8, dtype=np.float16)
+    out = wb.decode(q, kp, vp, lens, block_table=table, num_splits=2)
+    assert check_decode(out, q, kc, vc, lens).passed
+
+
+def test_default_number_of_splits_and_max_seqlen():
+    q, (kp, vp, table), (kc, vc), lens = make_cache(1, 2, 1, 16, [40], page_size=8)
+    out = wb.decode(q, kc, vc, lens, max_seqlen=40)
+    assert check_decode(out, q, kc, vc, lens).passed
+    with pytest.raises(ValueError, match="max_seqlen=39 is below the longest sequence"):
+        wb.decode(q, kc, vc, lens, max_seqlen=39)
+
+
+def test_torch_cpu_tensors():
+    torch = pytest.importorskip("torch")
+    q, (kp, vp, table), (kc, vc), lens = make_cache(2, 4, 2, 16, [3, 18], page_size=8)
+    out = wb.decode(*(torch.from_numpy(x) for x in (q, kp, vp, lens)), block_table=torch.from_numpy(table),
+                    num_splits=2)
+    assert isinstance(out, torch.Tensor)
+    assert check_decode(out.numpy(), q, kc, vc, lens).passed
+
+
+# ---------------------------------------------------------------- the stage through wb.attention
+
+
+@pytest.mark.parametrize("causal, padded, Lq, Lk", [(False, False, 1, 37), (True, True, 6, 21), (True, False, 9, 5)])
+def test_stage_through_attention(causal, padded, Lq, Lk):
+    q, k, v = wb.random_qkv(2, 3, Lq, 16, Lk=Lk, seed=Lq)
+    mask = wb.random_padding_mask(2, Lk, seed=Lk) if padded else None
+    out, lse = wb.attention(q, k, v, stage="decode", causal=causal, key_padding_mask=mask, return_lse=True)
+    assert wb.check("decode", out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask, verbose=False).passed
+
+
+def test_bottom_right_mask_in_the_kernel():
+    """causal_mode 2: row i of Lq new tokens sees keys j <= i + len - Lq (a chunk appended to a cache)."""
+    rng = np.random.default_rng(5)
+    B, H, Lq, Lk, D = 1, 2, 4, 10, 16
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, D)))
+    out, _ = split_kv_forward(q, k, v, contiguous_as_paged(B, Lk), np.array([Lk], np.int32), causal="bottom_right",
+                              num_splits=3, max_len=Lk)
+    for i in range(Lq):
+        keys = i + Lk - Lq + 1
+        ref, _ = wb.reference(q[:, :, i:i + 1], k[:, :, :keys], v[:, :, :keys])
+        np.testing.assert_allclose(out[:, :, i], ref[:, :, 0], atol=1e-5)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _problem():
+    q, (kp, vp, table), (kc, vc), lens = make_cache(2, 4, 2, 16, [3, 8], page_size=4)
+    return q, kp, vp, table, kc, vc, lens
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (lambda p: dict(q=p["q"][:, :3]), ValueError, "Hk must divide H"),
+    (lambda p: dict(q=p["q"][:, :, None]), ValueError, "expected rank 3"),
+    (lambda p: dict(v_cache=p["v_cache"][:, :, :2]), ValueError, "must have one shape"),
+    (lambda p: dict(cache_seqlens=p["cache_seqlens"].astype(np.int64)), TypeError, "int32"),
+    (lambda p: dict(cache_seqlens=np.array([3, 9], np.int32)), ValueError, r"in \[0, 8\]"),
+    (lambda p: dict(block_table=p["block_table"].copy() + 100), ValueError, "pages must be in"),
+    (lambda p: dict(block_table=None), ValueError, "pass block_table= for a paged cache"),
+    (lambda p: dict(q=p["q"].astype(np.float16)), TypeError, "different dtypes"),
+    (lambda p: dict(stage="mma"), ValueError, "decode stages: reference, decode"),
+])
+def test_bad_input_is_refused(change, error, words):
+    q, kp, vp, table, kc, vc, lens = _problem()
+    args = dict(q=q, k_cache=kp, v_cache=vp, cache_seqlens=lens, block_table=table, stage="decode")
+    args.update(change(args))
+    with pytest.raises(error, match=words):
+        wb.decode(**args)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@gpu_only
+@pytest.mark.parametrize("Hk", [32, 8, 1])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_decode_shapes(Hk, dtype):
+    import torch
+
+    q, (kp, vp, table), (kc, vc), lens = make_cache(4, 32, Hk, 128, [1, 257, 1000, 4099], page_size=16,
+                                                   dtype=getattr(np, dtype))
+    cuda = [torch.from_numpy(x).cuda() for x in (q, kp, vp, lens, table)]
+    out = wb.decode(*cuda[:4], block_table=cuda[4], max_seqlen=4099)
+    assert check_decode(out.cpu().numpy(), q, kc, vc, lens).passed
+

@@ -1,0 +1,265 @@
+"""Split-KV decoding in numba.cuda, with GQA and a paged cache (lesson 07's teaching kernel; runs on the simulator).
+
+Two kernels, as in flash-decoding (``splitkv.py`` has the NumPy model):
+
+1. ``decode_partial``: one thread block per (split, sequence, KV head, chunk of query rows). The block's query rows
+   are the ``G = H / Hk`` query heads that share its KV head (times the Lq new tokens, 1 when decoding): they read
+   the block's keys and values once, from shared memory. Keys come through the block table of a paged cache:
+   key t of sequence b lives in page ``block_table[b, t // page_size]`` at slot ``t % page_size``. A contiguous
+   cache (B, Hk, L, D) is the special case of one page of L keys per sequence and the table [[0], [1], ...], so
+   both layouts run the same code. The block writes its split's output, normalised over the split, and the split's
+   log-sum-exp.
+2. ``decode_merge``: one block per query row merges the splits exactly (weights exp(lse_s - lse)).
+
+Masks: keys at or beyond the sequence's length never take part; ``causal_mode`` 1 is top-left (row i sees keys
+j <= i), 2 is bottom-right (j <= i + len_b - Lq, what a new token appended to a cache needs); a key padding mask
+(B, Lk) is optional. Like lesson 04, masked scores get the finite NEG_BIG instead of -inf, and the host turns an
+empty row's LSE into -inf.
+
+No warp shuffles: the same code runs under numba's CUDA simulator (FACTS: the simulator has none) and on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from numba import cuda, float32  # after ..backend (imported by the package first): the simulator switch
+
+from ...backend import BACKEND
+from ...resources import register_kernel
+
+__all__ = ["DecodeConfig", "make_partial_kernel", "merge_kernel", "get_partial_kernel", "config_for",
+           "SIMULATOR_CONFIG", "GPU_CONFIG", "NEG_BIG", "NEG_HALF", "CAUSAL_NONE", "CAUSAL_TOP_LEFT",
+           "CAUSAL_BOTTOM_RIGHT", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE"]
+
+NEG_BIG = -1.0e30  # a finite "minus infinity" for masked scores
+NEG_HALF = -0.5e30  # anything below this is a masked score (or an empty row's LSE)
+CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Shape of one block of ``decode_partial``; compile-time constants."""
+
+    threads: int = 128  # threads per block
+    block_n: int = 32  # keys per K/V tile in shared memory
+    rows: int = 8  # query rows per block (query heads of one KV group x new tokens)
+
+    def owned(self, D: int) -> int:
+        """Outputs (row, column) each thread accumulates: rows * D spread over the threads."""
+        return max(1, math.ceil(self.rows * D / self.threads))
+
+
+# The simulator runs one Python thread per CUDA thread and pays milliseconds per syncthreads: few threads, small
+# tiles. On a GPU: 128 threads; K and V tiles of 32 keys x D=128 in float32 fill 32 KiB of shared memory.
+SIMULATOR_CONFIG = DecodeConfig(threads=16, block_n=16, rows=4)
+GPU_CONFIG = DecodeConfig(threads=128, block_n=32, rows=8)
+
+
+def config_for() -> DecodeConfig:
+    return SIMULATOR_CONFIG if BACKEND.is_simulator else GPU_CONFIG
+
+
+# region: decode_partial
+def make_partial_kernel(D: int, config: DecodeConfig):
+    """The split-KV kernel for head dim D: one block per (split, sequence x KV head, chunk of query rows)."""
+    THREADS, BN, ROWS = config.threads, config.block_n, config.rows
+    OWNED = config.owned(D)
+    NEG = float32(NEG_BIG)
+    MASKED = float32(NEG_HALF)
+
+    @cuda.jit
+    def decode_partial(q,  # (B, H, Lq, D) queries, float32 or float16
+                       k_pages,  # (num_pages, Hk, page_size, D) keys (a contiguous cache: one page per sequence)
+                       v_pages,  # (num_pages, Hk, page_size, D) values
+                       block_table,  # (B, pages per sequence) int32: the pages of sequence b, in order
+                       seq_lens,  # (B,) int32: keys in sequence b
+                       key_keep,  # (B, Lk) uint8, 1 = key takes part; read only when use_mask
+                       use_mask,  # 0/1
+                       causal_mode,  # 0 none, 1 top-left, 2 bottom-right
+                       scale,  # softmax scale, any finite number
+                       keys_per_split,  # keys per split (the last split of a sequence may get fewer, or none)
+                       part_out,  # (S, B, H, Lq, D) float32: each split's output, normalised over the split
+                       part_lse):  # (S, B, H, Lq) float32: each split's LSE (NEG_BIG if it saw no key)
+        q_tile = cuda.shared.array((ROWS, D), float32)
+        k_tile = cuda.shared.array((BN, D), float32)
+        v_tile = cuda.shared.array((BN, D), float32)
+        scores = cuda.shared.array((ROWS, BN), float32)
+
+        split = cuda.blockIdx.x
+        B, H, Lq = q.shape[0], q.shape[1], q.shape[2]
+        Hk, page_size = k_pages.shape[1], k_pages.shape[2]
+        group = H // Hk  # query heads per KV head
+        b = cuda.blockIdx.y // Hk
+        kv_head = cuda.blockIdx.y % Hk
+        row0 = cuda.blockIdx.z * ROWS  # this block's rows among the group's group * Lq rows
+        t = cuda.threadIdx.x
+        length = seq_lens[b]
+        start = split * keys_per_split
+        stop = min(start + keys_per_split, length)
+        offset = 0  # causal: row i sees keys j <= i + offset
+        if causal_mode == 2:
+            offset = length - Lq
+
+        # The block's query rows: row r is query head kv_head * group + (row0 + r) // Lq, token (row0 + r) % Lq.
+        for e in range(t, ROWS * D, THREADS):
+            r = e // D
+            d = e % D
+            value = float32(0.0)
+            if row0 + r < group * Lq:
+                value = float32(q[b, kv_head * group + (row0 + r) // Lq, (row0 + r) % Lq, d])
+            q_tile[r, d] = value
+
+        # Each thread accumulates OWNED (row, column) outputs: e = t, t + THREADS, ... of the ROWS x D block.
+        m_run = cuda.local.array(OWNED, float32)
+        l_run = cuda.local.array(OWNED, float32)
+        acc = cuda.local.array(OWNED, float32)
+        for u in range(OWNED):
+            m_run[u] = NEG
+            l_run[u] = 0.0
+            acc[u] = 0.0
+
+        for tile0 in range(start, stop, BN):
+            # K and V tiles, gathered through the block table (coalesced: consecutive threads, consecutive d)
+            for e in range(t, BN * D, THREADS):
+                j = e // D
+                d = e % D
+                key = tile0 + j
+                kval = float32(0.0)
+                vval = float32(0.0)
+                if key < stop:
+                    page = block_table[b, key // page_size]
+                    slot = key % page_size
+                    kval = float32(k_pages[page, kv_head, slot, d])
+                    vval = float32(v_pages[page, kv_head, slot, d])
+                k_tile[j, d] = kval
+                v_tile[j, d] = vval
+            cuda.syncthreads()
+
+            # scores of the block's rows against the tile's keys; masked ones get NEG_BIG
+            for e in range(t, ROWS * BN, THREADS):
+                r = e // BN
+                j = e % BN
+                key = tile0 + j
+                i = (row0 + r) % Lq
+                keep = key < stop and row0 + r < group * Lq
+                if causal_mode != 0 and key > i + offset:
+                    keep = False
+                if use_mask != 0 and keep:
+                    keep = key_keep[b, key] != 0
+                s = NEG
+                if keep:
+                    dot = float32(0.0)
+                    for d in range(D):
+                        dot += q_tile[r, d] * k_tile[j, d]
+                    s = dot * scale
+                scores[r, j] = s
+            cuda.syncthreads()
+
+            # online softmax: each owned output rescales by its row's new maximum and adds P V for the tile
+            for u in range(OWNED):
+                e = t + u * THREADS
+                if e < ROWS * D:
+                    r = e // D
+                    d = e % D
+                    tile_max = NEG
+                    for j in range(BN):
+                        tile_max = max(tile_max, scores[r, j])
+                    new_max = max(m_run[u], tile_max)
+                    alpha = float32(0.0)
+                    if m_run[u] > MASKED:
+                        alpha = math.exp(m_run[u] - new_max)
+                    total = l_run[u] * alpha
+                    out = acc[u] * alpha
+                    for j in range(BN):
+                        s = scores[r, j]
+                        if s > MASKED:
+                            p = math.exp(s - new_max)
+                            total += p
+                            out += p * v_tile[j, d]
+                    m_run[u] = new_max
+                    l_run[u] = total
+                    acc[u] = out
+            cuda.syncthreads()  # before the next tile overwrites K, V and the scores
+
+        for u in range(OWNED):
+            e = t + u * THREADS
+            if e < ROWS * D:
+                r = e // D
+                d = e % D
+                if row0 + r < group * Lq:
+                    h = kv_head * group + (row0 + r) // Lq
+                    i = (row0 + r) % Lq
+                    seen = l_run[u] > 0.0
+                    part_out[split, b, h, i, d] = acc[u] / l_run[u] if seen else float32(0.0)
+                    if d == 0:
+                        part_lse[split, b, h, i] = m_run[u] + math.log(l_run[u]) if seen else NEG
+
+    return decode_partial
+# endregion
+
+
+# region: decode_merge
+@cuda.jit
+def merge_kernel(part_out,  # (S, B, H, Lq, D) float32
+                 part_lse,  # (S, B, H, Lq) float32, NEG_BIG for an empty split
+                 out,  # (B, H, Lq, D) float32
+                 lse):  # (B, H, Lq) float32, NEG_BIG for a row that saw no key
+    """One block per query row, one thread per column: out = sum_s exp(lse_s - lse) * out_s."""
+    S, B, H, Lq = part_lse.shape[0], part_lse.shape[1], part_lse.shape[2], part_lse.shape[3]
+    row = cuda.blockIdx.x
+    b = row // (H * Lq)
+    h = (row // Lq) % H
+    i = row % Lq
+    top = float32(NEG_BIG)
+    for s in range(S):
+        top = max(top, part_lse[s, b, h, i])
+    total = float32(0.0)
+    for s in range(S):
+        if part_lse[s, b, h, i] > NEG_HALF:
+            total += math.exp(part_lse[s, b, h, i] - top)
+    for d in range(cuda.threadIdx.x, part_out.shape[4], cuda.blockDim.x):
+        value = float32(0.0)
+        for s in range(S):
+            if part_lse[s, b, h, i] > NEG_HALF:
+                value += math.exp(part_lse[s, b, h, i] - top) * part_out[s, b, h, i, d]
+        out[b, h, i, d] = value / total if total > 0.0 else float32(0.0)
+    if cuda.threadIdx.x == 0:
+        lse[b, h, i] = top + math.log(total) if total > 0.0 else float32(NEG_BIG)
+# endregion
+
+
+def _signature(element: str) -> str:
+    arr4 = f"{element}[:, :, :, ::1]"
+    return (f"void({arr4}, {arr4}, {arr4}, int32[:, ::1], int32[::1], uint8[:, ::1], int64, int64, float32, "
+            "int64, float32[:, :, :, :, ::1], float32[:, :, :, ::1])")
+
+
+PARTIAL_SIGNATURE = _signature("float16")
+MERGE_SIGNATURE = "void(float32[:, :, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, ::1])"
+_KERNELS: dict = {}
+
+
+def get_partial_kernel(D: int, config: DecodeConfig):
+    """The package's split-KV kernel for (D, config), built once per process and registered for CI's compile."""
+    key = (D, config)
+    if key not in _KERNELS:
+        _KERNELS[key] = make_partial_kernel(D, config)
+        register_kernel(f"decode.decode_partial[D={D},{config.threads}t,{config.block_n}n,{config.rows}r]",
+                        _KERNELS[key], PARTIAL_SIGNATURE,
+                        (__name__, "_rebuild", (D, config.threads, config.block_n, config.rows)))
+    return _KERNELS[key]
+
+
+def _rebuild(D, *fields):
+    return get_partial_kernel(D, DecodeConfig(*fields))
+
+
+register_kernel("decode.decode_merge", merge_kernel, MERGE_SIGNATURE)
+
+
+
+# the shapes the stage launches on a GPU, known to CI (tests/test_ptx_compile.py compiles every registered kernel)
+for _D in (64, 128):
+    get_partial_kernel(_D, GPU_CONFIG)

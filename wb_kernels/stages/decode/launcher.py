@@ -1,0 +1,124 @@
+"""Launching the split-KV kernels, the paged-cache helpers and the stage's registration (lesson 07).
+
+Two ways in:
+
+- ``wb.decode(q, k_cache, v_cache, cache_seqlens, block_table=...)`` (:mod:`wb_kernels.decoding`): one new query per
+  sequence against a cache, contiguous (B, Hk, L, D) or paged (num_pages, Hk, page_size, D) with a block table, as
+  serving engines keep it;
+- ``wb.attention(q, k, v, stage="decode")``: any (B, H, Lq, D) problem, so that the benchmark and the property tests
+  treat the rung like every other. k and v are then a contiguous cache with every sequence full.
+
+Both end in :func:`split_kv_forward`, which picks the number of splits (``splitkv.choose_num_splits``), launches the
+partial kernel and the merge, and returns float32 ``(out, lse)`` where the kernels ran.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...backend import BACKEND
+from ...device import empty, is_torch, kernel_view, to_work
+from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, NEG_HALF, config_for, get_partial_kernel,
+                     merge_kernel)
+from .splitkv import choose_num_splits, split_bounds
+
+__all__ = ["split_kv_forward", "forward", "decode_forward", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES"]
+
+CAUSAL_MODES = {False: CAUSAL_NONE, True: CAUSAL_TOP_LEFT, "top_left": CAUSAL_TOP_LEFT,
+                "bottom_right": CAUSAL_BOTTOM_RIGHT}
+_SIMULATOR_SMS = 4  # the simulator has no SMs; a small number keeps its grids (and its run time) small
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the GPU the kernels run on (a small stand-in on the simulator)."""
+    if BACKEND.is_simulator:
+        return _SIMULATOR_SMS
+    import torch
+
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def contiguous_as_paged(batch: int, length: int):
+    """The block table that makes a contiguous cache (B, Hk, L, D) a paged one: one page of L keys per sequence."""
+    return np.arange(batch, dtype=np.int32)[:, None]
+
+
+def gather_pages(pages, block_table, seq_len: int, b: int):
+    """Sequence b's first `seq_len` keys from a paged pool (num_pages, Hk, page_size, D): (Hk, seq_len, D)."""
+    page_size = pages.shape[2]
+    used = [int(p) for p in block_table[b, :-(-seq_len // page_size)]]
+    if is_torch(pages):
+        import torch
+
+        joined = torch.cat([pages[p] for p in used], dim=1) if used else pages[0, :, :0]
+    else:
+        joined = np.concatenate([pages[p] for p in used], axis=1) if used else pages[0, :, :0]
+    return joined[:, :seq_len]
+
+
+def _work(x):
+    """A contiguous buffer where the kernels run, float16 kept (it halves what the cache costs to read)."""
+    name = str(x.dtype).replace("torch.", "")
+    return to_work(x, dtype=np.float16 if name == "float16" else np.float32)
+
+
+def split_kv_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal=False, key_padding_mask=None,
+                     scale=None, num_splits=None, max_len=None, config=None):
+    """Split-KV attention of q (B, H, Lq, D) over a paged cache; returns float32 ``(out, lse)``.
+
+    `block_table` (B, pages per sequence) and `seq_lens` (B,) are int32 (NumPy or torch); `causal` is False/True/
+    "top_left"/"bottom_right"; `max_len` bounds the longest sequence (default: the block table's capacity), and
+    with the GPU's SM count it sets the number of splits unless `num_splits` is given.
+    """
+    B, H, Lq, D = q.shape
+    Hk, page_size = k_pages.shape[1], k_pages.shape[2]
+    config = config or config_for()
+    kernel = get_partial_kernel(D, config)
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    max_len = block_table.shape[1] * page_size if max_len is None else int(max_len)
+    if num_splits is None:
+        num_splits = choose_num_splits(B, Hk, max_len, num_sms())
+    keys_per_split = max(1, split_bounds(max_len, num_splits)[0][1])  # the first split's size is every split's
+    qw, kw, vw = _work(q), _work(k_pages), _work(v_pages)
+    table = to_work(block_table, dtype=np.int32)
+    lens = to_work(seq_lens, dtype=np.int32)
+    keep = to_work(key_padding_mask, dtype=np.uint8) if key_padding_mask is not None else empty((1, 1), np.uint8)
+    part_out = empty((num_splits, B, H, Lq, D))
+    part_lse = empty((num_splits, B, H, Lq))
+    row_chunks = -(-(H // Hk) * Lq // config.rows)
+    kernel[(num_splits, B * Hk, row_chunks), config.threads](
+        kernel_view(qw), kernel_view(kw), kernel_view(vw), kernel_view(table), kernel_view(lens), kernel_view(keep),
+        int(key_padding_mask is not None), CAUSAL_MODES[causal],
+        np.float32(scale), keys_per_split, kernel_view(part_out), kernel_view(part_lse))
+    out = empty((B, H, Lq, D))
+    lse = empty((B, H, Lq))
+    merge_kernel[B * H * Lq, min(D, 128)](kernel_view(part_out), kernel_view(part_lse), kernel_view(out),
+                                          kernel_view(lse))
+    if is_torch(lse):  # rows that saw no key: LSE -inf by the package's convention
+        lse.masked_fill_(lse < NEG_HALF, float("-inf"))
+    else:
+        lse[lse < NEG_HALF] = -np.inf
+    return out, lse
+
+
+def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, num_splits=None):
+    """The stage's ``wb.attention`` entry: k, v (B, Hk, Lk, D) as a contiguous cache, every sequence full."""
+    B, Lk = q.shape[0], k.shape[2]
+    table = contiguous_as_paged(B, Lk)
+    lens = np.full(B, Lk, dtype=np.int32)
+    return split_kv_forward(q, k, v, table, lens, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                            num_splits=num_splits, max_len=Lk)
+
+
+def decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, num_splits=None,
+                   max_seqlen=None):
+    """``wb.decode``'s kernel path (inputs validated there): q (B, H, D) -> float32 ``(out (B, H, D), lse (B, H))``.
+
+    The one new token sees all of its sequence's keys, so no causal mask is needed beyond each sequence's length.
+    """
+    B = q.shape[0]
+    table = block_table if block_table is not None else contiguous_as_paged(B, k_cache.shape[2])
+    capacity = table.shape[1] * k_cache.shape[2]
+    out, lse = split_kv_forward(q[:, :, None], k_cache, v_cache, table, cache_seqlens, scale=scale,
+                                num_splits=num_splits, max_len=min(capacity, max_seqlen or capacity))
+    return out[:, :, 0], lse[:, :, 0]
