@@ -197,6 +197,60 @@ def test_half_precision_stays_finite_for_hundreds_of_steps(dtype):
         assert torch.isfinite(logits).all()
 
 
+# ---- timing and the roofline --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_time_decode_reports_consistent_numbers(paged):
+    model = dec.Decoder(dec.TINY)
+    result = dec.time_decode(model, batch=2, prompt_len=8, new_tokens=5, attend=dec.sdpa_attend, paged=paged, warmup=2)
+    assert result["device"] == "cpu" and result["paged"] == paged
+    assert result["tokens_per_s"] == pytest.approx(2 * 1e3 / result["ms_per_step"])
+    assert 0 < result["attention_ms_per_step"] < result["ms_per_step"]
+    assert 0 < result["attention_share"] < 1
+
+
+def test_roofline_of_a_hand_countable_model():
+    config = dec.DecoderConfig(vocab_size=10, dim=4, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=2, ffn_dim=8)
+    # embedding 10*4 = 40; q 4*4 + k 4*2 + v 4*2 + o 4*4 = 48; gate, up, down 3*4*8 = 96; norms 4 + 4 + 4
+    assert config.params() == 40 + 48 + 96 + 12 == 196
+    r = dec.decode_step_roofline(config, batch=2, context_len=3, dtype_bytes=2, bandwidth_bytes_per_s=440.0)
+    assert r["weight_bytes"] == 196 * 2
+    assert r["kv_cache_bytes"] == 2 * 1 * 2 * 3 * 1 * 2 * 2  # K and V, layers, sequences, keys, KV heads, D, bytes
+    assert r["bytes_per_step"] == 440 and r["kv_share"] == pytest.approx(48 / 440)
+    # matrix multiplies: 2 FLOPs x (48 + 96 + 40 LM head) x 2 tokens; q.K and p.V: 4 x H x D x keys x layers x B
+    assert r["flops_per_step"] == 2 * 184 * 2 + 4 * 2 * 2 * 3 * 1 * 2 == 832
+    assert r["arithmetic_intensity"] == pytest.approx(832 / 440)
+    assert r["step_time_s"] == pytest.approx(1.0) and r["tokens_per_s"] == pytest.approx(2.0)
+    compute_bound = dec.decode_step_roofline(config, batch=2, context_len=3, dtype_bytes=2, bandwidth_bytes_per_s=440.0,
+                                             peak_flops_per_s=416.0)
+    assert compute_bound["step_time_s"] == pytest.approx(2.0)
+    untied = dec.decode_step_roofline(dataclasses.replace(config, tie_embeddings=False), batch=2, context_len=3,
+                                      dtype_bytes=2, bandwidth_bytes_per_s=440.0)
+    assert untied["weight_bytes"] == 196 * 2  # the LM head is read; the embedding table only for B rows
+    assert untied["flops_per_step"] == 832
+
+
+def test_decode_is_weight_bound_at_batch_1_and_cache_bound_at_large_batch():
+    def kv_share(batch):
+        return dec.decode_step_roofline(dec.LLAMA_1B, batch=batch, context_len=8192, dtype_bytes=2,
+                                        bandwidth_bytes_per_s=3.35e12)["kv_share"]
+
+    assert kv_share(1) < 0.15 < 0.8 < kv_share(64)
+
+
+def test_draw_decode_roofline(tmp_path, monkeypatch):
+    from wb_kernels.plots import save
+
+    model = dec.Decoder(dec.TINY)
+    measured = dec.time_decode(model, batch=2, prompt_len=4, new_tokens=2, attend=dec.sdpa_attend, warmup=0)
+    fig = dec.draw_decode_roofline(dec.LLAMA_1B, dtype_bytes=2, bandwidth_bytes_per_s=3.35e12,
+                                   context_lens=(512, 8192), measured=[measured])
+    speed_ax, share_ax = fig.axes
+    assert len(speed_ax.lines) == 3 and len(share_ax.lines) == 2
+    monkeypatch.setenv("WB_FIGURES_DIR", str(tmp_path))
+    assert save(fig, "decode_roofline").stat().st_size > 0
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------
 
 def test_bad_input_gets_clear_errors():
@@ -227,3 +281,5 @@ def test_bad_input_gets_clear_errors():
     token = model.decode_step(token, cache, dec.sdpa_attend).argmax(-1)
     with pytest.raises(ValueError, match="the cache is full"):
         model.decode_step(token, cache, dec.sdpa_attend)
+    with pytest.raises(ValueError, match="batch"):
+        dec.time_decode(model, batch=0, prompt_len=4, new_tokens=2, attend=dec.sdpa_attend)

@@ -31,13 +31,14 @@ test, so that their caches start equal; only the decode steps use ``attend``.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["DecoderConfig", "TINY", "LLAMA_1B", "LLAMA_1B_D128", "Decoder", "KVCache", "gather_pages",
-           "sdpa_attend", "float64_attend"]
+           "sdpa_attend", "float64_attend", "time_decode", "decode_step_roofline", "draw_decode_roofline"]
 
 
 @dataclass(frozen=True)
@@ -438,3 +439,149 @@ class Decoder:
             next_token = self.decode_step(next_token, cache, attend).argmax(-1)
             generated.append(next_token)
         return torch.cat([prompt_ids, torch.stack(generated, dim=1).to(prompt_ids.dtype)], dim=1)
+
+
+class _TimedAttend:
+    """Wraps an attend function and adds up the time its calls take: CUDA events on a GPU (read once, after
+    the run, so no call waits for the GPU), a host clock on the CPU."""
+
+    def __init__(self, attend, on_cuda: bool):
+        self.attend, self.on_cuda = attend, on_cuda
+        self.events, self.host_seconds = [], 0.0
+
+    def __call__(self, *args):
+        if self.on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self.attend(*args)
+            end.record()
+            self.events.append((start, end))
+            return out
+        t0 = time.perf_counter()
+        out = self.attend(*args)
+        self.host_seconds += time.perf_counter() - t0
+        return out
+
+    def total_ms(self) -> float:
+        """The summed time of all calls; on a GPU, call after synchronizing."""
+        if self.on_cuda:
+            return sum(start.elapsed_time(end) for start, end in self.events)
+        return self.host_seconds * 1e3
+
+
+def time_decode(model: Decoder, *, batch: int, prompt_len: int, new_tokens: int, attend, paged: bool = False,
+                warmup: int = 3, page_size: int = 16, seed: int = 0) -> dict:
+    """Time `new_tokens` greedy decode steps of `batch` random prompts of `prompt_len` tokens each.
+
+    Returns a dict: ``tokens_per_s`` (batch x steps / seconds), ``ms_per_step``, ``attention_ms_per_step`` and
+    ``attention_share`` (the part of a step spent inside `attend`), with the run's settings. `warmup` steps run
+    first, untimed, and the cache is then rewound to the prompt, so the timed steps see contexts of
+    prompt_len + 1 to prompt_len + new_tokens keys.
+
+    On a GPU the time is measured on the GPU with CUDA events: one pair around the whole run and one around
+    each attention call, all read after a single synchronization at the end, so no step waits for the host.
+    (Events around the attention calls add a little launch work of their own.) On the CPU, a host clock.
+    """
+    if min(batch, prompt_len, new_tokens) < 1 or warmup < 0:
+        raise ValueError(f"batch={batch}, prompt_len={prompt_len}, new_tokens={new_tokens} must be >= 1 "
+                         f"and warmup={warmup} >= 0")
+    on_cuda = model.device.type == "cuda"
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator)
+    cache = model.new_cache(batch, prompt_len + max(warmup, new_tokens), paged=paged, page_size=page_size)
+    first_token = model.prefill(prompt, cache).argmax(-1)
+    token = first_token
+    for _ in range(warmup):
+        token = model.decode_step(token, cache, attend).argmax(-1)
+    cache.truncate(prompt_len)
+    timed_attend = _TimedAttend(attend, on_cuda)
+    token = first_token
+    if on_cuda:
+        torch.cuda.synchronize(model.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(new_tokens):
+            token = model.decode_step(token, cache, timed_attend).argmax(-1)
+        end.record()
+        end.synchronize()
+        total_ms = start.elapsed_time(end)
+    else:
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            token = model.decode_step(token, cache, timed_attend).argmax(-1)
+        total_ms = (time.perf_counter() - t0) * 1e3
+    attention_ms = timed_attend.total_ms()
+    return {
+        "tokens_per_s": batch * new_tokens / (total_ms / 1e3),
+        "ms_per_step": total_ms / new_tokens,
+        "attention_ms_per_step": attention_ms / new_tokens,
+        "attention_share": attention_ms / total_ms,
+        "batch": batch, "prompt_len": prompt_len, "steps": new_tokens, "paged": paged,
+        "device": "cuda" if on_cuda else "cpu",
+    }
+
+
+def decode_step_roofline(config: DecoderConfig, *, batch: int, context_len: int, dtype_bytes: int,
+                         bandwidth_bytes_per_s: float, peak_flops_per_s: float | None = None) -> dict:
+    """What one decode step must move and compute, and how fast memory bandwidth lets it go.
+
+    Bytes read: every weight once per step, whatever the batch (an untied embedding table only for B rows,
+    which is left out), plus the whole KV cache: ``context_len`` keys and values per layer per sequence.
+    FLOPs: 2 per weight per token for the matrix multiplies (LM head included), and 4 H D per key per layer
+    per sequence for q.K and p.V; norms, RoPE and softmax are left out. The step time is bytes / bandwidth,
+    or the compute time when `peak_flops_per_s` is given and that is longer.
+    """
+    if min(batch, context_len, dtype_bytes) < 1 or not bandwidth_bytes_per_s > 0:
+        raise ValueError(f"batch={batch}, context_len={context_len}, dtype_bytes={dtype_bytes} must be >= 1 and "
+                         f"bandwidth_bytes_per_s={bandwidth_bytes_per_s} > 0")
+    c = config
+    untied_embedding = 0 if c.tie_embeddings else c.vocab_size * c.dim
+    weight_bytes = (c.params() - untied_embedding) * dtype_bytes
+    kv_cache_bytes = batch * context_len * c.kv_bytes_per_token(dtype_bytes)
+    norm_params = (2 * c.n_layers + 1) * c.dim
+    matmul_params = c.params() - norm_params - (c.vocab_size * c.dim if not c.tie_embeddings else 0)
+    attention_flops = 4 * c.n_heads * c.head_dim * context_len * c.n_layers * batch
+    flops = 2 * matmul_params * batch + attention_flops
+    bytes_per_step = weight_bytes + kv_cache_bytes
+    step_time_s = bytes_per_step / bandwidth_bytes_per_s
+    if peak_flops_per_s is not None:
+        step_time_s = max(step_time_s, flops / peak_flops_per_s)
+    return {
+        "weight_bytes": weight_bytes,
+        "kv_cache_bytes": kv_cache_bytes,
+        "bytes_per_step": bytes_per_step,
+        "kv_share": kv_cache_bytes / bytes_per_step,
+        "flops_per_step": flops,
+        "arithmetic_intensity": flops / bytes_per_step,  # FLOPs per byte
+        "step_time_s": step_time_s,
+        "tokens_per_s": batch / step_time_s,
+    }
+
+
+def draw_decode_roofline(config: DecoderConfig, *, dtype_bytes: int, bandwidth_bytes_per_s: float,
+                         batches=(1, 2, 4, 8, 16, 32, 64, 128, 256), context_lens=(512, 2048, 8192, 32768),
+                         measured=()):
+    """Two panels against the batch size, one line per context length: the tokens per second that memory
+    bandwidth allows, and the share of the bytes read that is KV cache rather than weights.
+
+    `measured`: results of :func:`time_decode` to mark on the left panel (their context: prompt_len + steps/2).
+    """
+    from ...plots import new_figure
+
+    fig, (speed_ax, share_ax) = new_figure(ncols=2)
+    for context_len in context_lens:
+        points = [decode_step_roofline(config, batch=b, context_len=context_len, dtype_bytes=dtype_bytes,
+                                       bandwidth_bytes_per_s=bandwidth_bytes_per_s) for b in batches]
+        line, = speed_ax.plot(batches, [p["tokens_per_s"] for p in points], "o-", markersize=3,
+                              label=f"context {context_len}")
+        share_ax.plot(batches, [100 * p["kv_share"] for p in points], "o-", markersize=3, color=line.get_color())
+    for result in measured:
+        speed_ax.plot(result["batch"], result["tokens_per_s"], "kx")
+        speed_ax.annotate(f"{result['prompt_len'] + result['steps'] // 2}", (result["batch"], result["tokens_per_s"]),
+                          textcoords="offset points", xytext=(4, -10), fontsize=8)
+    speed_ax.set(xscale="log", yscale="log", xlabel="batch (sequences)", ylabel="tokens / s",
+                 title=f"bandwidth bound at {bandwidth_bytes_per_s / 1e12:.3g} TB/s")
+    share_ax.set(xscale="log", xlabel="batch (sequences)", ylabel="% of bytes read", ylim=(0, 100),
+                 title="KV cache share of each step's bytes")
+    speed_ax.legend()
+    return fig
