@@ -62,6 +62,12 @@ def validate_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, sta
     if len({is_torch(x) for x in (q, k_cache, v_cache)}) != 1 or \
             len({str(x.device) if is_torch(x) else "cpu" for x in (q, k_cache, v_cache)}) != 1:
         raise ValueError("q, k_cache, v_cache: expected all NumPy arrays or all torch tensors on one device")
+    if _dtype(q) == "bfloat16" and stage == "decode":
+        from .stages.decode.launcher import uses_cuda_kernel
+
+        if not uses_cuda_kernel(q):
+            raise TypeError("bfloat16 needs the CUDA kernel (a GPU, CUDA tensors, D 64 or 128); the numba kernel "
+                            "takes float32 and float16")
     require_array("cache_seqlens", cache_seqlens, ("int32",))
     if tuple(cache_seqlens.shape) != (B,):
         raise ValueError(f"cache_seqlens: expected shape (B,)=({B},), got {tuple(cache_seqlens.shape)}")
