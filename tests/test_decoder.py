@@ -27,8 +27,8 @@ def random_prompt(batch, length, vocab=dec.TINY.vocab_size, seed=1):
 
 def recording(attend):
     """`attend`, keeping a copy of every output it returns (in call order) in its `.outputs`."""
-    def recorded(*args):
-        out = attend(*args)
+    def recorded(*args, **kwargs):
+        out = attend(*args, **kwargs)
         recorded.outputs.append(out.clone())
         return out
 
@@ -36,7 +36,7 @@ def recording(attend):
     return recorded
 
 
-def newest_key_only(q, k_cache, v_cache, cache_seqlens, block_table=None):
+def newest_key_only(q, k_cache, v_cache, cache_seqlens, block_table=None, **host_hints):
     """A wrong decode attention: attends the new token's own key, nothing before it."""
     start = cache_seqlens - 1
     if block_table is not None:
@@ -269,7 +269,7 @@ def test_bad_input_gets_clear_errors():
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(prompt, -1, dec.sdpa_attend)
     with pytest.raises(ValueError, match=r"attend returned \(2, 4, 8\)"):
-        model.generate(prompt, 3, lambda q, *rest: q[..., :8])
+        model.generate(prompt, 3, lambda q, *rest, **hints: q[..., :8])
     with pytest.raises(ValueError, match="page_size"):
         model.new_cache(2, 16, paged=True, page_size=0)
     with pytest.raises(ValueError, match="capacity=600"):
@@ -283,3 +283,12 @@ def test_bad_input_gets_clear_errors():
         model.decode_step(token, cache, dec.sdpa_attend)
     with pytest.raises(ValueError, match="batch"):
         dec.time_decode(model, batch=0, prompt_len=4, new_tokens=2, attend=dec.sdpa_attend)
+
+
+def test_the_series_kernel_generates_the_same_tokens_as_sdpa():
+    """wb.decode (the numba split-KV kernel here, on the simulator) in the decoder: the same greedy tokens."""
+    model = dec.Decoder(dec.TINY, dtype=torch.float32, seed=4)
+    prompt = torch.randint(0, dec.TINY.vocab_size, (2, 5), generator=torch.Generator().manual_seed(4))
+    expected = model.generate(prompt, 4, dec.sdpa_attend)
+    assert torch.equal(model.generate(prompt, 4, dec.wb_attend), expected)
+    assert torch.equal(model.generate(prompt, 4, dec.wb_attend, paged=True, page_size=4), expected)

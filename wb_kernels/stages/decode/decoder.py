@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["DecoderConfig", "TINY", "LLAMA_1B", "LLAMA_1B_D128", "Decoder", "KVCache", "gather_pages",
-           "sdpa_attend", "float64_attend", "time_decode", "decode_step_roofline", "draw_decode_roofline"]
+           "sdpa_attend", "wb_attend", "float64_attend", "time_decode", "decode_step_roofline", "draw_decode_roofline"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,9 @@ class KVCache:
     # The longest sequence as the host knows it: lets a step refuse to overflow without reading
     # cache_seqlens back from the GPU (a host sync).
     host_max_len: int = 0
+    # Whether every sequence has host_max_len keys (prompts of one length, then one token per step): then an
+    # attention can read exactly those keys without a mask, which is what lets SDPA use its fast kernels.
+    host_uniform: bool = True
 
     @property
     def paged(self) -> bool:
@@ -170,14 +173,16 @@ def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, num_keys: int) -
     return gathered.transpose(1, 2).reshape(batch, kv_heads, -1, head_dim)[:, :, :num_keys]
 
 
-def _keys_to_read(k_cache, cache_seqlens, block_table):
+def _keys_to_read(k_cache, cache_seqlens, block_table, max_seqlen=None, equal_lengths=False):
     """How many key positions an attention must look at, and whether every sequence has that many.
 
-    On the CPU the lengths are read for free and only the keys in use are touched. On a GPU reading them
-    would stall the host once per layer, so the whole capacity is read and the padding masked, as any
-    statically allocated cache read through a mask is.
+    The decoder passes what the host knows (`max_seqlen`, `equal_lengths`), as serving engines pass the longest
+    length of a batch to their kernels. Without it: on the CPU the lengths are read for free; on a GPU reading them
+    would stall the host once per layer, so the whole capacity is read and the padding masked.
     """
     capacity = k_cache.shape[2] * block_table.shape[1] if block_table is not None else k_cache.shape[2]
+    if max_seqlen is not None:
+        return min(int(max_seqlen), capacity), bool(equal_lengths)
     if cache_seqlens.device.type != "cpu":
         return capacity, False
     lengths = cache_seqlens.tolist()
@@ -185,13 +190,13 @@ def _keys_to_read(k_cache, cache_seqlens, block_table):
 
 
 # region: sdpa_attend
-def sdpa_attend(q, k_cache, v_cache, cache_seqlens, block_table=None):
+def sdpa_attend(q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqlen=None, equal_lengths=False):
     """Decode attention with PyTorch's SDPA: the baseline every decode kernel is timed against.
 
     A paged cache is first gathered through the block table into a contiguous copy; keys at or beyond a
     sequence's length are masked (or, when all lengths are equal and known on the host, sliced off).
     """
-    num_keys, all_equal = _keys_to_read(k_cache, cache_seqlens, block_table)
+    num_keys, all_equal = _keys_to_read(k_cache, cache_seqlens, block_table, max_seqlen, equal_lengths)
     if block_table is not None:
         k, v = gather_pages(k_cache, block_table, num_keys), gather_pages(v_cache, block_table, num_keys)
     else:
@@ -206,7 +211,20 @@ def sdpa_attend(q, k_cache, v_cache, cache_seqlens, block_table=None):
 # endregion
 
 
-def float64_attend(q, k_cache, v_cache, cache_seqlens, block_table=None):
+def wb_attend(q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqlen=None, equal_lengths=False,
+              stage: str = "decode"):
+    """Decode attention by this series' kernel: ``wb.decode`` (lesson 07), its output in q's dtype.
+
+    `max_seqlen` (known on the host) lets the kernel split the keys there are rather than the cache's capacity;
+    `equal_lengths` needs nothing special here: the kernel reads each sequence's own length on the GPU.
+    """
+    import wb_kernels as wb
+
+    out = wb.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table, stage=stage, max_seqlen=max_seqlen)
+    return out.to(q.dtype)
+
+
+def float64_attend(q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqlen=None, equal_lengths=False):
     """Decode attention in float64, written out in plain torch: the reference for the tests.
 
     Reads every key slot of the cache and masks those at or beyond each sequence's length; a sequence
@@ -381,6 +399,7 @@ class Decoder:
             x = x + self._mlp(layer, x)
         cache.cache_seqlens.copy_(lengths)
         cache.host_max_len = length
+        cache.host_uniform = prompt_lens is None
         last = x[torch.arange(batch, device=self.device), lengths.long() - 1]  # (B, dim): each prompt's last token
         return self._logits(last)
 
@@ -404,7 +423,8 @@ class Decoder:
             q, k, v = self._project_qkv(layer, x, positions)
             cache.write(index, k, v, positions)
             attended = attend(q[:, :, 0, :], cache.keys[index], cache.values[index], cache.cache_seqlens,
-                              cache.block_table)  # (B, H, D)
+                              cache.block_table, max_seqlen=cache.host_max_len,
+                              equal_lengths=cache.host_uniform)  # (B, H, D)
             if attended.shape != (batch, c.n_heads, c.head_dim) or attended.dtype != self.dtype:
                 raise ValueError(f"attend returned {tuple(attended.shape)} {attended.dtype}; expected "
                                  f"{(batch, c.n_heads, c.head_dim)} {self.dtype}")
@@ -449,16 +469,16 @@ class _TimedAttend:
         self.attend, self.on_cuda = attend, on_cuda
         self.events, self.host_seconds = [], 0.0
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         if self.on_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = self.attend(*args)
+            out = self.attend(*args, **kwargs)
             end.record()
             self.events.append((start, end))
             return out
         t0 = time.perf_counter()
-        out = self.attend(*args)
+        out = self.attend(*args, **kwargs)
         self.host_seconds += time.perf_counter() - t0
         return out
 
