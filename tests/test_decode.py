@@ -311,3 +311,30 @@ def torch_float32():
     import torch
 
     return torch.float32
+
+
+@pytest.mark.parametrize("kernel", ["numba", pytest.param("cuda", marks=gpu_only)])
+def test_non_finite_inputs_give_what_sdpa_gives(kernel):
+    """A NaN key poisons the rows that attend it; an Inf query its own row; an empty sequence stays 0. The numba
+    path gets this from the host (wb.attention's rule); the CUDA kernel computes it on the GPU."""
+    D = 16 if kernel == "numba" else 64
+    q, (kp, vp, table), (kc, vc), lens = make_cache(3, 4, 2, D, [9, 9, 0], page_size=4, seed=11)
+    kp, q = kp.copy(), q.copy()
+    page, slot = table[0, 1], 2  # sequence 0's key 6, KV head 1 -> query heads 2 and 3
+    kp[page, 1, slot, 5] = np.nan
+    q[1, 0, 3] = np.inf  # sequence 1, query head 0
+    q[2, 1, 0] = np.nan  # sequence 2 has no keys: stays 0
+    if kernel == "cuda":
+        q_, kp_, vp_ = _to_cuda(q, kp, vp, dtype="float16")
+        lens_, table_ = _to_cuda(lens, table)
+        out, lse = wb.decode(q_, kp_, vp_, lens_, block_table=table_, num_splits=2, return_lse=True)
+        out, lse = out.float().cpu().numpy(), lse.cpu().numpy()
+    else:
+        out, lse = wb.decode(q, kp, vp, lens, block_table=table, num_splits=2, return_lse=True)
+    nan_rows = np.isnan(out).all(-1)
+    expected = np.zeros((3, 4), bool)
+    expected[0, 2:] = True
+    expected[1, 0] = True
+    np.testing.assert_array_equal(nan_rows, expected)
+    np.testing.assert_array_equal(np.isnan(lse), expected)
+    assert not np.isnan(out[~expected]).any() and np.all(out[2] == 0)

@@ -11,6 +11,10 @@
 //   keys it saw; the states are merged once per block at the end (shuffles, then shared memory across warps);
 // - the splits of one sequence are merged by a second small kernel, exactly, through their log-sum-exps.
 // Scores are kept in log2 units (scale * log2(e) folded into q), so exp2f is one MUFU.EX2 instruction.
+// NaN and Inf give what PyTorch's SDPA gives, computed here, on the GPU, without a pass on the host: a score that is
+// NaN or +Inf turns its row's running sum into NaN (exp2(NaN) = NaN, exp2(Inf - Inf) = NaN), a query holding a NaN
+// or an Inf poisons its row outright, and a poisoned split poisons the merged row (output and LSE NaN). A NaN or an
+// Inf in V reaches the output columns it is in through P V. A sequence with no keys still gives 0 and LSE -inf.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -20,6 +24,10 @@ namespace wb {
 
 constexpr float kNegBig = -1.0e30f;  // a finite minus infinity: masked scores, empty states
 constexpr float kNegHalf = -0.5e30f;  // below this: masked / empty
+
+// NaN and Inf tests on the bits, which no compiler flag can assume away
+__device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
+__device__ __forceinline__ bool is_finite(float x) { return (__float_as_uint(x) & 0x7fffffffu) < 0x7f800000u; }
 
 struct DecodeParams {
     const void* q;  // (B, H, D)
@@ -83,13 +91,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
     const int stop = min(start + p.keys_per_split, length);
 
     float q[ROWS][8];  // this lane's 8 columns of each query row, times scale * log2(e)
+    bool q_bad[ROWS];  // the row's query holds a NaN or an Inf (any column: the warp's lanes cover all D)
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         uint4 raw = make_uint4(0, 0, 0, 0);
         if (r < rows) raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + ((size_t)b * p.H + head0 + r) * D + col);
         to_float8<T>(raw, q[r]);
+        bool bad = false;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) q[r][i] *= p.scale_log2;
+        for (int i = 0; i < 8; ++i) {
+            bad |= !is_finite(q[r][i]);
+            q[r][i] *= p.scale_log2;
+        }
+        q_bad[r] = __any_sync(0xffffffffu, bad);
     }
     float m[ROWS], l[ROWS], acc[ROWS][8];  // this lane's online-softmax state per row, over the keys it saw
 #pragma unroll
@@ -187,9 +201,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
             value += s_acc[w][r][d] * weight;
         }
         const size_t row = ((size_t)split * p.B + b) * p.H + head0 + r;
+        // q_bad is the same in every warp; the split poisons its row only if it holds keys (a row that sees no
+        // key stays 0, whatever its query)
+        const bool poisoned = is_nan(total) || (q_bad[r] && stop > start);
         const bool seen = total > 0.f;
-        p.part_out[row * D + d] = seen ? value / total : 0.f;
-        if (d == 0) p.part_lse[row] = seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
+        p.part_out[row * D + d] = poisoned ? __int_as_float(0x7fc00000) : seen ? value / total : 0.f;
+        if (d == 0)
+            p.part_lse[row] = poisoned ? __int_as_float(0x7fc00000)
+                                       : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
     }
 }
 // endregion
@@ -201,7 +220,16 @@ __global__ void decode_merge_kernel(const float* part_out, const float* part_lse
                                     int num_splits) {
     const int row = blockIdx.x;
     float top = kNegBig;
-    for (int s = 0; s < num_splits; ++s) top = fmaxf(top, part_lse[(size_t)s * rows + row]);
+    bool poisoned = false;  // a split made this row NaN (see the file's header)
+    for (int s = 0; s < num_splits; ++s) {
+        top = fmaxf(top, part_lse[(size_t)s * rows + row]);
+        poisoned |= is_nan(part_lse[(size_t)s * rows + row]);
+    }
+    if (poisoned) {
+        out[(size_t)row * D + threadIdx.x] = from_float<T>(__int_as_float(0x7fc00000));
+        if (threadIdx.x == 0) lse[row] = __int_as_float(0x7fc00000);
+        return;
+    }
     float total = 0.f, value = 0.f;
     for (int s = 0; s < num_splits; ++s) {
         const float lse_s = part_lse[(size_t)s * rows + row];
