@@ -321,11 +321,37 @@ def _is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or "out of memory" in text or "out_of_memory" in text
 
 
+def timed(call, policy: TimingPolicy):
+    """The Timing of ``call()`` under `policy`: one call estimates its duration, then warm-up calls and enough
+    repeats for about ``policy.seconds`` of samples (between min_repeats and max_repeats; 2 and no warm-up for
+    calls slower than ``policy.slow_call_ms``), the L2 cache flushed before each when ``policy.flush_l2``."""
+    from ..timing import time_call
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        estimate = time_call(call, warmup=0, repeats=1, flush_l2=policy.flush_l2).median_ms
+        if estimate >= policy.slow_call_ms:
+            repeats, warmup = 2, 0
+        else:
+            wanted = math.ceil(policy.seconds * 1e3 / max(estimate, 1e-3))
+            repeats = max(policy.min_repeats, min(policy.max_repeats, wanted))
+            warmup = policy.warmup if estimate < 100 else 0
+        return time_call(call, warmup=warmup, repeats=repeats, flush_l2=policy.flush_l2)
+
+
+def timing_fields(timing, policy: TimingPolicy) -> dict:
+    """What a record stores of a Timing: median and spread (ms), every sample, where it ran."""
+    return dict(device=timing.device, repeats=len(timing.samples_ms), median_ms=_sig(timing.median_ms),
+                iqr_ms=_sig(timing.iqr_ms), min_ms=_sig(timing.min_ms), max_ms=_sig(timing.max_ms),
+                samples_ms=[_sig(s, 4) for s in timing.samples_ms],
+                l2_flushed=policy.flush_l2 and timing.device == "cuda")
+
+
 def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPolicy) -> dict:
     """Check, then time, one contender on one configuration. Never raises for the contender's
     own failures: they become ``status`` "skipped" (cannot run this size here) or "failed"."""
     from ..check import check
-    from ..timing import peak_memory, time_call
+    from ..timing import peak_memory
 
     q, k, v = inputs
     record = {"key": record_key(contender.name, config), "contender": contender.name, "kind": contender.kind,
@@ -370,29 +396,15 @@ def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPol
         record["check_failed"] = True
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            estimate = time_call(call, warmup=0, repeats=1, flush_l2=policy.flush_l2).median_ms
-            if estimate >= policy.slow_call_ms:
-                repeats, warmup = 2, 0
-            else:
-                wanted = math.ceil(policy.seconds * 1e3 / max(estimate, 1e-3))
-                repeats = max(policy.min_repeats, min(policy.max_repeats, wanted))
-                warmup = policy.warmup if estimate < 100 else 0
-            timing = time_call(call, warmup=warmup, repeats=repeats, flush_l2=policy.flush_l2)
+        timing = timed(call, policy)
     except Exception as error:  # noqa: BLE001
         record.update(status="skipped" if _is_out_of_memory(error) else "failed", reason=_short(error))
         _free_device_memory()
         return record
 
     seconds = timing.median_ms / 1e3
-    record.update(
-        status="ok", device=timing.device, repeats=len(timing.samples_ms), median_ms=_sig(timing.median_ms),
-        iqr_ms=_sig(timing.iqr_ms), min_ms=_sig(timing.min_ms), max_ms=_sig(timing.max_ms),
-        samples_ms=[_sig(s, 4) for s in timing.samples_ms],
-        tflops=_sig(flops / seconds / 1e12), tokens_per_s=_sig(config.B * config.L / seconds),
-        l2_flushed=policy.flush_l2 and timing.device == "cuda",
-    )
+    record.update(status="ok", **timing_fields(timing, policy))
+    record.update(tflops=_sig(flops / seconds / 1e12), tokens_per_s=_sig(config.B * config.L / seconds))
     if not verdict.passed:
         record["check_failed"] = True
         record["note"] = (f"{contender.kind} outside the check tolerance; timed anyway"

@@ -23,7 +23,7 @@ from ..stages import available_stages
 from .sweeps import BASELINES, PUBLIC_CONFIGS, Config, Refused, record_key
 
 __all__ = ["SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "README_BASELINES",
-           "environment", "load_results", "save_results", "add_speedups", "default_output", "committed_results",
+           "environment", "git_commit", "load_results", "save_results", "add_speedups", "default_output", "committed_results",
            "readme_table", "update_readme"]
 
 SCHEMA_VERSION = 1
@@ -85,13 +85,32 @@ def environment() -> dict:
                    vllm=_version("vllm"))
     else:
         env.update(gpu=None, cuda=torch.version.cuda, driver=None)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        env["git_commit"] = commit or None
-    except Exception:  # noqa: BLE001
-        env["git_commit"] = None
+    env["git_commit"] = git_commit()
     return env
+
+
+# What a run writes (results, figures, executed lessons, logs) is not a change to the code that ran.
+_RUN_OUTPUTS = ("results", "figures", "notebooks", "logs", "gpu-out")
+
+
+def git_commit(root=REPO_ROOT) -> Optional[str]:
+    """The short commit of the tree at `root` that is running, with ``+dirty`` when files that git tracks (or
+    new ones it does not ignore) differ from it outside the folders a run writes to; None when `root` is not the
+    top of a git checkout (a copy without .git, or one inside some other repository)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=20)
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != Path(root).resolve():
+            return None
+        commit = git("rev-parse", "--short", "HEAD").stdout.strip()
+        status = git("status", "--porcelain", "--", ".", *(f":(exclude){name}" for name in _RUN_OUTPUTS))
+    except Exception:  # noqa: BLE001 - no git here: the field stays empty
+        return None
+    if not commit:
+        return None
+    return commit + ("+dirty" if status.returncode != 0 or status.stdout.strip() else "")
 
 
 def load_results(path) -> dict:
