@@ -168,6 +168,30 @@ def test_what_needs_a_gpu_says_so(capsys, tmp_path):
     assert all(row["status"] == "skipped" and decode.NEEDS_GPU in row["reason"] for row in rows)
 
 
+def test_overhead_rows_check_then_time_each_call():
+    """The per-call overhead's GPU code path, run on CPU tensors at sizes the simulator takes: each call checked,
+    timed beside SDPA's on the same problem; a GPU-only stage fails with its reason instead of a number."""
+    rows = decode.measure_overhead(device="cpu", attention=(1, 2, 16, 16, "float32"),
+                                   workload=DecodeWorkload(1, 2, 1, 16, 16, "float32"), calls=2, batches=2, warmup=0)
+    rows = {(row["name"], row["problem"].split(",")[0]): row for row in rows["rows"]}
+    attention, decoding = "B1 H2 L16 D16 float32", "B1 H2 Hk1 Lk16 D16 float32"
+    assert list(rows) == [("sdpa", attention), ("wb.attention(stage='mma')", attention),
+                          ("wb.attention(stage='wmma')", attention), ("sdpa", decoding), ("wb.decode", decoding),
+                          ("decode_forward", decoding)]
+    for key in (("sdpa", attention), ("sdpa", decoding)):
+        assert rows[key]["status"] == "ok" and rows[key]["check"]["passed"] and "ratio_to_sdpa" not in rows[key]
+    for name in ("wb.decode", "decode_forward"):
+        row = rows[(name, decoding)]
+        assert row["status"] == "ok" and row["check"]["passed"] and len(row["samples_us"]) == 2
+        assert row["sdpa_per_call_us"] == rows[("sdpa", decoding)]["per_call_us"] and row["bar"] == decode.OVERHEAD_BAR
+        assert row["ratio_to_sdpa"] == pytest.approx(row["per_call_us"] / row["sdpa_per_call_us"], rel=5e-3)
+        assert row["meets_bar"] == (row["per_call_us"] <= 2 * row["sdpa_per_call_us"])
+    for stage in ("mma", "wmma"):
+        row = rows[(f"wb.attention(stage={stage!r})", attention)]
+        if stage in wb.available_stages() and ON_SIMULATOR:
+            assert row["status"] == "failed" and "runs only on a CUDA GPU" in row["reason"]
+
+
 def test_refusals_name_their_reason():
     table = decode.decode_contenders()
     bf16 = DecodeWorkload(1, 32, 8, 1024, 128, "bfloat16")

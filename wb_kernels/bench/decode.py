@@ -68,9 +68,10 @@ DECODE_NOTES = {
                "shuffled block table, given to wb.decode and decode_forward only; SDPA, FlexAttention and the copy "
                "read the contiguous cache (their rows are under layout contiguous and serve both)",
     "sequences": "every sequence holds Lk keys (cache_seqlens = Lk); wb.decode and decode_forward get max_seqlen=Lk",
-    "check": "each output is checked before it is timed, by wb.check's rule against the float64 reference, on a "
-             "slice: sequences 0 and B-1, every head while that is at most 2^24 elements of K, else heads 0, 1, H/2, "
-             "H-1, and sequence 0 alone beyond 2^26 elements (each record's check says which)",
+    "check": "each output (the copy has none) is checked before it is timed, by wb.check's rule against the "
+             "float64 reference, on a slice: sequences 0 and B-1, every head while that is at most 2^24 elements of "
+             "K, else heads 0, 1, H/2, H-1, and sequence 0 alone beyond 2^26 elements (each record's check says "
+             "which)",
     "vs_best_sdpa": "the fastest SDPA backend on the same workload (whose output passed the check): its median / "
                     "this one's (>1: faster)",
     "flex": "torch.compile(flex_attention, dynamic=False, fullgraph=True) with enable_gqa=True, compiled once per "
@@ -540,10 +541,10 @@ def per_call_seconds(call, *, calls: int = 200, batches: int = 5, warmup: int = 
 
 
 def _overhead_row(name: str, problem: str, call, check, sdpa_us: Optional[float] = None,
-                  policy: Optional[TimingPolicy] = None) -> dict:
-    """One row: the call checked (`check` turns its result into a CheckResult), then its per-call wall time; beside
-    SDPA's when `sdpa_us` is given. Ours (a `policy` given) is timed after a failed check only with
-    time_failed_checks, as in the bandwidth rows; SDPA is timed and flagged."""
+                  policy: Optional[TimingPolicy] = None, **timing) -> dict:
+    """One row: the call checked (`check` turns its result into a CheckResult), then its per-call wall time
+    (:func:`per_call_seconds` with `timing`); beside SDPA's when `sdpa_us` is given. Ours (a `policy` given) is timed
+    after a failed check only with time_failed_checks, as in the bandwidth rows; SDPA is timed and flagged."""
     row = {"name": name, "problem": problem}
     try:
         verdict = check(call())
@@ -553,7 +554,7 @@ def _overhead_row(name: str, problem: str, call, check, sdpa_us: Optional[float]
                 row.update(status="failed", reason=f"check: {verdict.line()}")
                 return row
             row["check_failed"] = True
-        samples = per_call_seconds(call)
+        samples = per_call_seconds(call, **timing)
     except Exception as error:  # noqa: BLE001 - recorded, the run goes on
         row.update(status="failed", reason=_short(error))
         return row
@@ -565,21 +566,21 @@ def _overhead_row(name: str, problem: str, call, check, sdpa_us: Optional[float]
     return row
 
 
-def _overhead_plan() -> list:
-    B, H, L, D, dtype = OVERHEAD_ATTENTION
-    w = OVERHEAD_DECODE
+def _overhead_plan(attention=OVERHEAD_ATTENTION, workload=OVERHEAD_DECODE) -> list:
+    B, H, L, D, dtype = attention
+    w = workload
     attention = f"B{B} H{H} L{L} D{D} {dtype}"
     decode = f"B{w.B} H{w.H} Hk{w.Hk} Lk{w.Lk} D{w.D} {w.dtype}, contiguous"
     return ([("sdpa", attention)] + [(f"wb.attention(stage={s!r})", attention) for s in OVERHEAD_STAGES]
             + [("sdpa", decode), ("wb.decode", decode), ("decode_forward", decode)])
 
 
-def measure_overhead(seed: int = 0, policy: Optional[TimingPolicy] = None) -> dict:
+def measure_overhead(seed: int = 0, policy: Optional[TimingPolicy] = None, *, device: Optional[str] = None,
+                     attention=OVERHEAD_ATTENTION, workload: DecodeWorkload = OVERHEAD_DECODE, **timing) -> dict:
     """Per-call wall time of the fast attention stages through ``wb.attention`` and of ``wb.decode`` (and its kernel
-    path alone), each beside SDPA's on the same problem. Off a GPU, the rows say why they were not measured."""
-    if _device() != "cuda":
-        return {"rows": [{"name": name, "problem": problem, "status": "skipped", "reason": f"wall-clock overhead of "
-                          f"GPU launches: {NEEDS_GPU}"} for name, problem in _overhead_plan()]}
+    path alone), each beside SDPA's on the same problem (`attention`: B, H, L, D, dtype; `workload`). On the GPU by
+    default, and off one the rows say why they were not measured; `device` runs them there anyway (the tests, on the
+    CPU, with problems small enough for the simulator; `timing` goes to :func:`per_call_seconds`)."""
     import torch.nn.functional as F
 
     import wb_kernels as wb
@@ -589,10 +590,15 @@ def measure_overhead(seed: int = 0, policy: Optional[TimingPolicy] = None) -> di
     from ..stages import available_stages
     from .measure import _reference_first_head
 
-    plan = iter(_overhead_plan())
+    plan = iter(_overhead_plan(attention, workload))
+    if device is None:
+        if _device() != "cuda":
+            return {"rows": [{"name": name, "problem": problem, "status": "skipped", "reason": "wall-clock overhead "
+                              f"of GPU launches: {NEEDS_GPU}"} for name, problem in plan]}
+        device = "cuda"
     rows = []
-    B, H, L, D, dtype = OVERHEAD_ATTENTION
-    q, k, v = random_qkv(B, H, L, D, dtype=dtype, framework="torch", device="cuda", seed=seed)
+    B, H, L, D, dtype = attention
+    q, k, v = random_qkv(B, H, L, D, dtype=dtype, framework="torch", device=device, seed=seed)
     ref = _reference_first_head(q, k, v, False)
 
     def check_attention(name):
@@ -600,7 +606,8 @@ def measure_overhead(seed: int = 0, policy: Optional[TimingPolicy] = None) -> di
                                  raise_on_failure=False)
 
     name, problem = next(plan)
-    rows.append(_overhead_row(name, problem, lambda: F.scaled_dot_product_attention(q, k, v), check_attention(name)))
+    rows.append(_overhead_row(name, problem, lambda: F.scaled_dot_product_attention(q, k, v), check_attention(name),
+                              **timing))
     sdpa_us = rows[-1].get("per_call_us")
     for stage in OVERHEAD_STAGES:
         name, problem = next(plan)
@@ -609,15 +616,14 @@ def measure_overhead(seed: int = 0, policy: Optional[TimingPolicy] = None) -> di
                          "reason": f"stage {stage!r} is not registered in this checkout"})
             continue
         rows.append(_overhead_row(name, problem, lambda stage=stage: wb.attention(q, k, v, stage=stage),
-                                  check_attention(name), sdpa_us, policy or TimingPolicy()))
+                                  check_attention(name), sdpa_us, policy or TimingPolicy(), **timing))
 
-    workload = OVERHEAD_DECODE
-    inputs = make_inputs(workload, seed, "cuda")
+    inputs = make_inputs(workload, seed, device)
     piece = _make_check_slice(inputs, workload)
     table = decode_contenders()
     name, problem = next(plan)
     call, as_bhd = table["sdpa"].prepare(inputs, "contiguous", workload)
-    rows.append(_overhead_row(name, problem, call, lambda out: _check(name, as_bhd(out), piece)))
+    rows.append(_overhead_row(name, problem, call, lambda out: _check(name, as_bhd(out), piece), **timing))
     sdpa_us = rows[-1].get("per_call_us")
     for contender in ("wb.decode", "decode_forward"):
         name, problem = next(plan)
@@ -627,7 +633,7 @@ def measure_overhead(seed: int = 0, policy: Optional[TimingPolicy] = None) -> di
             continue
         call, _ = table[contender].prepare(inputs, "contiguous", workload)
         rows.append(_overhead_row(name, problem, call, lambda out, name=name: _check(name, out, piece), sdpa_us,
-                                  policy or TimingPolicy()))
+                                  policy or TimingPolicy(), **timing))
     inputs = piece = None
     _release()
     return {"rows": rows}
