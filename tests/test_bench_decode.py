@@ -219,6 +219,30 @@ def test_a_backend_that_refuses_is_a_row_with_its_reason():
     assert "Query.sizes(-3): 32, Key sizes(-3): 8" in record["reason"]
 
 
+def test_a_failure_on_the_way_is_a_row_not_a_crash(tmp_path, monkeypatch):
+    """What may go wrong only on a GPU (the paged pools out of memory, an output of the wrong shape) ends as rows
+    that say why; the run goes on to the next contender."""
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 32.00 GiB")
+
+    def wrong_shape(inputs, layout, workload):
+        return (lambda: inputs.q[..., :1]), None  # (B, H, 1): not an output (B, H, D)
+
+    monkeypatch.setattr(decode, "add_pages", no_memory)
+    wrong = decode.DecodeContender("wrong-shape", "baseline", "x", wrong_shape)
+    table = {name: c for name, c in decode.decode_contenders().items() if name in ("decode_forward", "copy")}
+    w = DecodeWorkload(1, 2, 1, 16, 16, "float32")
+    results = decode.run_decode([w], tmp_path / "x.json", table={**table, "wrong-shape": wrong}, overhead=False,
+                                policy=TimingPolicy(seconds=0.001, min_repeats=1, max_repeats=1, warmup=0),
+                                progress=False, log=lambda *a: None)
+    rows = {(r["contender"], r["layout"]): r for r in results["records"]}
+    assert rows[("decode_forward", "contiguous")]["status"] == "ok" and rows[("copy", "contiguous")]["status"] == "ok"
+    paged = rows[("decode_forward", "paged")]
+    assert paged["status"] == "skipped" and paged["reason"].startswith("could not build the paged cache: RuntimeError")
+    shape = rows[("wrong-shape", "contiguous")]
+    assert shape["status"] == "failed" and shape["reason"].startswith("check: CheckFailed: wrong-shape: output shape")
+
+
 # ---------------------------------------------------------------- a run at tiny sizes (the simulator's)
 
 

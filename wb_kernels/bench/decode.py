@@ -151,6 +151,18 @@ def add_pages(inputs: DecodeInputs, workload: DecodeWorkload, seed: int, page_si
     _release()
 
 
+def _build_pages(inputs: DecodeInputs, workload: DecodeWorkload, seed: int) -> Optional[str]:
+    """:func:`add_pages`, or why it could not (out of memory, most likely); then the contiguous cache is kept and
+    nothing half-built is left for the paged contenders."""
+    try:
+        add_pages(inputs, workload, seed)
+    except Exception as error:  # noqa: BLE001 - recorded in the paged rows
+        inputs.k_pages = inputs.v_pages = inputs.block_table = None
+        _release()
+        return f"could not build the paged cache: {_short(error)}"
+    return None
+
+
 def check_slice_indices(B: int, H: int, Lk: int, D: int) -> tuple:
     """(sequences, heads) whose outputs the check compares with the float64 reference: the first and the last
     sequence (a batch-stride mistake shows in the last), every head while the slice's K is at most 2^24 elements,
@@ -310,7 +322,8 @@ def decode_contenders() -> dict:
                                       f"D), enable_gqa=True), {'forced to ' + backend if backend else 'PyTorch picks'}",
                                       _sdpa_prepare(backend))
     table["flex"] = DecodeContender("flex", "baseline", "flex_attention(q (B, H, 1, D), k, v, enable_gqa=True), "
-                                    "compiled for the shape", _flex_prepare, needs_gpu=True, unavailable=_flex_problem())
+                                    "compiled for the shape", _flex_prepare, needs_gpu=True,
+                                    unavailable=_flex_problem())
     table["copy"] = DecodeContender("copy", "ceiling", "dst.copy_(k); dst.copy_(v): the ceiling, counted as read + "
                                     "write", copy_prepare)
     return table
@@ -472,11 +485,14 @@ def measure_one(contender: DecodeContender, workload: DecodeWorkload, layout: st
         return record
     record.update(peak_bytes=int(memory.peak_bytes), peak_device=memory.device)
     if contender.kind != "ceiling":
-        out = as_bhd(result) if as_bhd is not None else result
-        verdict = _check(contender.name, out, piece)
+        try:  # an output of the wrong shape or kind fails the check with an exception: the record says which
+            verdict = _check(contender.name, as_bhd(result) if as_bhd is not None else result, piece)
+        except Exception as error:  # noqa: BLE001 - recorded, the run goes on
+            record.update(status="failed", reason=f"check: {_short(error)}")
+            _release()
+            return record
         record["check"] = {"max_err": _sig(verdict.max_err, 3), "tol": _sig(verdict.tol, 3),
                            "passed": verdict.passed, "line": verdict.line(), "slice": piece.describe()}
-        del out
         if not verdict.passed:
             if contender.kind == "stage" and not policy.time_failed_checks:
                 record.update(status="failed", reason=f"check: {verdict.line()}")
@@ -751,7 +767,10 @@ def _run_workload(workload, group, results, out_path, policy, seed, device, on_c
             stopped = True
             break
         if layout == "paged" and inputs.k_pages is None:
-            add_pages(inputs, workload, seed)
+            why = _build_pages(inputs, workload, seed)
+            if why is not None:
+                record(contender, layout, status="skipped", reason=why)
+                continue
         store(measure_one(contender, workload, layout, inputs, piece, policy))
     inputs = piece = None
     _release()

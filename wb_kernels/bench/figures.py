@@ -18,8 +18,8 @@ from ..plots import STAGE_COLORS, new_figure, save
 
 __all__ = ["views", "default_view", "series", "draw_latency", "draw_throughput", "draw_memory", "draw_speedup",
            "draw_roofline", "latency_figure", "throughput_figure", "memory_figure", "speedup_figure",
-           "roofline_figure", "dashboard_figure", "save_all", "FIGURE_NAMES", "decode_families", "draw_decode_bandwidth",
-           "decode_figure", "save_decode_figures", "DECODE_FIGURE_NAME"]
+           "roofline_figure", "dashboard_figure", "save_all", "FIGURE_NAMES", "decode_families",
+           "draw_decode_bandwidth", "decode_figure", "save_decode_figures", "DECODE_FIGURE_NAME"]
 
 FIGURE_NAMES = ("bench_latency", "bench_throughput", "bench_memory", "bench_speedup", "bench_roofline",
                 "bench_dashboard")
@@ -301,7 +301,8 @@ def draw_decode_bandwidth(ax, results, family):
             style.update(linestyle="--", marker="s")
         if kind == "ceiling":
             style.update(linestyle="-", linewidth=2.5, alpha=0.5)
-        label = name + (", paged" if layout == "paged" else "") + (" (ceiling: read + write)" if kind == "ceiling" else "")
+        label = (name + (", paged" if layout == "paged" else "")
+                 + (" (ceiling: read + write)" if kind == "ceiling" else ""))
         ax.plot([r["Lk"] for r in rs], [r["gbps"] for r in rs], label=label, **style)
         flagged = [r for r in rs if r.get("check_failed")]
         if flagged:  # timed although outside the check tolerance: crossed out

@@ -25,7 +25,8 @@ from ..stages import available_stages
 from .sweeps import BASELINES, PUBLIC_CONFIGS, Config, Refused, record_key
 
 __all__ = ["SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "README_BASELINES",
-           "environment", "git_commit", "load_results", "save_results", "add_speedups", "default_output", "committed_results",
+           "environment", "git_commit", "load_results", "save_results", "add_speedups", "default_output",
+           "committed_results",
            "readme_table", "decode_readme_table", "update_readme", "committed_decode_results",
            "README_DECODE_START", "README_DECODE_END", "README_DECODE_VIEW"]
 
@@ -260,9 +261,9 @@ def decode_readme_table(results: dict, source: str | None = None) -> str:
            if (H, Hk, D, dtype) == (view["H"], view["Hk"], view["D"], view["dtype"])}
     lines = [_measured_on(results["environment"], source) + f", commit {results['environment'].get('git_commit')}. "
              f"Decode: one new query per sequence, H = {view['H']} query heads on Hk = {view['Hk']} KV heads, "
-             f"D = {view['D']}, {view['dtype']}, every sequence Lk keys. GB/s: K and V read once (2·B·Hk·Lk·D·2 bytes) "
-             "over the median of CUDA-event timings with the L2 cache flushed; in parentheses the fraction of the "
-             "copy ceiling, a device-to-device copy of the same bytes in the same run counting what it reads and "
+             f"D = {view['D']}, {view['dtype']}, every sequence Lk keys. GB/s: K and V read once "
+             "(2·B·Hk·Lk·D·2 bytes) over the median of CUDA-event timings with the L2 cache flushed; in "
+             "parentheses the fraction of the copy ceiling, a device-to-device copy of the same bytes in the same run counting what it reads and "
              "writes. wb.decode: the user's call, validation included; decode_forward: its launcher and kernels "
              "alone; paged: pages of 16 keys with a shuffled block table (SDPA and FlexAttention read the same "
              "numbers contiguous). ×SDPA: the fastest SDPA backend's time over wb.decode's (>1: wb.decode is "
