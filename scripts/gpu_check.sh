@@ -9,6 +9,9 @@
 #   NOTEBOOKS="notebooks/04_*.ipynb" scripts/gpu_check.sh notebooks     only some lessons
 #   TESTS="tests/test_flash.py" scripts/gpu_check.sh tests             only some tests
 #   TUNE_RUNGS="mma" TUNE_ARGS="--quick" scripts/gpu_check.sh tune     only some rungs' tuning, fewer lengths
+#   BENCH_PRESET=decode scripts/gpu_check.sh bench     the decode preset instead of "all": wb.decode against SDPA,
+#                                        FlexAttention and a copy, into results/decode/bench_<gpu>.json (about
+#                                        5 min on an H100; BENCH_PRESET=decode-bar: its bar shapes, about 2.5 min)
 #   TESTS_WORKERS=8 (default): pytest-xdist processes sharing the GPU for the unit tests; 0 = one process
 #   PROPERTIES_WORKERS=5 (default): the same for the property tests (one stage each); 0 = one process
 #
@@ -99,6 +102,7 @@ if has accuracy; then
   run_step accuracy 150 python3 scripts/error_vs_pytorch.py
 fi
 if has bench; then
+  # BENCH_PRESET=decode (or decode-bar) writes results/decode/bench_<gpu>.json instead of results/bench/
   run_step bench "${BENCH_LIMIT:-600}" python3 -m wb_kernels.bench --preset "${BENCH_PRESET:-all}" --time-failed-checks \
     --time-budget $(( ${BENCH_LIMIT:-600} - 60 ))  # a run cut short is resumed by the same command
 fi

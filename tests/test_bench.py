@@ -72,7 +72,7 @@ def test_mma_preset_covers_the_rungs_workloads():
     assert set(sweep.configs) == expected and len(sweep.configs) == len(expected)
     assert "mma" in bench.PRESETS["public"][0].contenders and "flex" in bench.PRESETS["public"][0].contenders
     assert "mma" in sweeps.GPU_PRESETS and "mma" in sweeps.ALL_PRESETS
-    assert set(sweeps.ALL_PRESETS) == set(sweeps.PRESET_HELP) - {"smoke", "all"}
+    assert set(sweeps.ALL_PRESETS) == set(sweeps.PRESET_HELP) - {"smoke", "all"} - set(sweeps.DECODE_PRESETS)
 
 
 def test_a_stage_not_registered_yet_is_dropped_quietly():
@@ -174,6 +174,33 @@ def test_resume_skips_what_is_done(tiny_results, tmp_path, capsys):
     # --fresh starts over
     assert bench.main(TINY + ["--out", str(out), "--fresh"]) == 0
     assert len(bench.load_results(out)["records"]) == len(before["records"])
+
+
+def test_git_commit_is_the_running_trees_head_and_says_when_it_is_dirty(tmp_path):
+    """The commit a results file records: the checkout's HEAD, +dirty for changed or new files outside what a run
+    writes (results/, figures/, ...), None for a folder that is not the top of a checkout."""
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    assert results_file.git_commit(tmp_path) is None
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    assert results_file.git_commit(tmp_path) == head
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "run.json").write_text("{}")  # the run's own output
+    assert results_file.git_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert results_file.git_commit(tmp_path) == head + "+dirty"
+    git("checkout", "-q", "code.py")
+    (tmp_path / "new_module.py").write_text("")
+    assert results_file.git_commit(tmp_path) == head + "+dirty"
+    (tmp_path / "sub").mkdir()
+    assert results_file.git_commit(tmp_path / "sub") is None  # not the checkout's top
 
 
 def test_results_file_is_written_atomically_and_is_strict_json(tiny_results):

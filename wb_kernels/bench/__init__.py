@@ -9,6 +9,9 @@ One module per role:
 - :mod:`.measure`   how: the contenders (stages, baselines), one checked and timed measurement,
                     the roofline's ceilings, and the resumable sweep (:func:`run`)
 - :mod:`.results`   the results file, its environment, the newest committed one, the README table
+- :mod:`.decode`    the decode presets (``--preset decode``): one new token per sequence against a KV
+                    cache, wb.decode and its kernels against SDPA, FlexAttention and a copy, in a file
+                    of their own; the per-call overhead
 - :mod:`.cli`       ``python -m wb_kernels.bench`` (:func:`main`)
 - :mod:`.figures`   figures from a results file (matplotlib; imported on use)
 - :mod:`.pitfalls`  the honest-benchmarking demonstrations and how lesson 07 prints them

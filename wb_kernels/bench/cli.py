@@ -6,10 +6,12 @@
     python -m wb_kernels.bench --preset all --time-budget 330   # on a GPU: results/bench/<gpu>_<date>.json
     python -m wb_kernels.bench --figures results/bench/FILE.json        # figures/bench_*.png from a results file
     python -m wb_kernels.bench --update-readme results/bench/FILE.json  # README's performance table
+    python -m wb_kernels.bench --preset decode --json results/decode/bench_h100.json --time-budget 480  # decode
 
 Flags become :class:`~wb_kernels.bench.sweeps.Sweep` objects and a
-:class:`~wb_kernels.bench.measure.TimingPolicy` for :func:`~wb_kernels.bench.measure.run`; a request that
-cannot run here is a one-line error and exit code 2.
+:class:`~wb_kernels.bench.measure.TimingPolicy` for :func:`~wb_kernels.bench.measure.run`; the decode presets go to
+:func:`~wb_kernels.bench.decode.run_decode` instead, into a file of their own. A request that cannot run here is a
+one-line error and exit code 2.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from pathlib import Path
 from typing import Optional
 
 from ..stages import available_stages
+from .decode import default_decode_output, run_decode
 from .measure import TimingPolicy, _device, contenders, run
 from .results import default_output, load_results, update_readme
-from .sweeps import (ALL_PRESETS, BASELINE_HELP, BASELINES, GPU_PRESETS, PRESET_HELP, PRESETS, TOKENS, Config,
-                     Refused, Sweep)
+from .sweeps import (ALL_PRESETS, BASELINE_HELP, BASELINES, DECODE_PRESETS, GPU_PRESETS, PRESET_HELP, PRESETS,
+                     TOKENS, Config, Refused, Sweep)
 
 __all__ = ["main"]
 
@@ -48,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                "  python -m wb_kernels.bench --preset smoke\n"
                "  python -m wb_kernels.bench --preset all --time-budget 330\n"
                "  python -m wb_kernels.bench --stages flash --baselines sdpa --lengths 1024,4096 --head-dims 64\n"
-               "  python -m wb_kernels.bench --figures results/bench/FILE.json")
+               "  python -m wb_kernels.bench --figures results/bench/FILE.json\n"
+               "  python -m wb_kernels.bench --preset decode --json results/decode/bench_h100.json --time-budget 480")
     parser.add_argument("--preset", action="append", choices=list(PRESET_HELP), help="a named sweep (repeatable)")
     parser.add_argument("--stages", type=_names, help="stages to run, comma-separated (default with free flags: all)")
     parser.add_argument("--baselines", type=_names, help=f"baselines, comma-separated, from: {', '.join(BASELINES)}")
@@ -59,12 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=None, help=f"B = tokens // L (default {TOKENS} on a GPU)")
     parser.add_argument("--heads", type=int, default=16, help="heads when B comes from --tokens (default 16)")
     parser.add_argument("--causal", choices=("no", "yes", "both"), default="no")
-    parser.add_argument("--out", type=Path, help="results file (default: results/bench/<gpu>_<date>.json, or "
-                                                 "results/bench/simulator_smoke.json on the simulator)")
+    parser.add_argument("--out", "--json", type=Path,
+                        help="results file (default: results/bench/<gpu>_<date>.json, or "
+                             "results/bench/simulator_smoke.json on the simulator; for the decode presets "
+                             "results/decode/bench_<gpu>.json, or results/decode/simulator_smoke.json)")
     parser.add_argument("--fresh", action="store_true", help="start a new file instead of resuming")
     parser.add_argument("--seconds", type=float, default=None,
                         help="stop repeating a measurement after about this many seconds of samples "
-                             "(default 0.3 on a GPU, 0.05 on the simulator)")
+                             "(default 0.3 on a GPU, 0.1 for the decode presets, 0.05 on the simulator)")
     parser.add_argument("--min-repeats", type=int, default=3)
     parser.add_argument("--max-repeats", type=int, default=100)
     parser.add_argument("--no-flush", action="store_true", help="do not flush the L2 cache between repeats")
@@ -147,27 +153,37 @@ def main(argv=None) -> int:
         custom = _custom_sweep(args, on_cuda)
         if not presets and custom is None:
             presets = ["smoke"]
+        decode = [p for p in dict.fromkeys(presets) if p in DECODE_PRESETS]
+        if decode and (len(decode) != len(presets) or custom is not None):
+            raise Refused(f"preset {', '.join(decode)} measures decode problems into a file of its own: run it "
+                          "without other presets or free flags (--stages, --lengths, ...)")
         if not on_cuda:
             gpu_only = [p for p in presets if p in GPU_PRESETS]
             if gpu_only:
-                raise Refused(f"preset {', '.join(gpu_only)} needs a CUDA GPU (sizes up to L=16384); this machine "
-                              "runs the CUDA simulator. Use --preset smoke, or small free flags such as "
-                              "--lengths 32 --head-dims 16.")
-        sweeps = [sweep for p in dict.fromkeys(presets) for sweep in PRESETS.get(p, [])]
-        if custom is not None:
-            sweeps.append(custom)
+                raise Refused(f"preset {', '.join(gpu_only)} needs a CUDA GPU (sizes up to "
+                              f"{'Lk=131072' if decode else 'L=16384'}); this machine runs the CUDA simulator. Use "
+                              + ("--preset decode-smoke." if decode else "--preset smoke, or small free flags such "
+                                                                         "as --lengths 32 --head-dims 16."))
         explicit = tuple(args.stages or ()) + tuple(args.baselines or ())
-        seconds = args.seconds if args.seconds is not None else (0.3 if on_cuda else 0.05)
+        seconds = args.seconds if args.seconds is not None else (0.05 if not on_cuda else 0.1 if decode else 0.3)
         policy = TimingPolicy(seconds=seconds, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
                               flush_l2=not args.no_flush, time_failed_checks=args.time_failed_checks)
-        out = default_output("cuda" if on_cuda else "cpu")
+        out = default_decode_output(on_cuda) if decode else default_output("cuda" if on_cuda else "cpu")
         if args.out is not None:  # a folder (existing, or written with a trailing slash) gets the default name
             folder = args.out.is_dir() or str(args.out).endswith(("/", "\\"))
             out = args.out / out.name if folder else args.out
         print(f"writing {out}")
-        run(sweeps, out, policy=policy, resume=not args.fresh, seed=args.seed, progress=not args.no_progress,
-            time_budget=args.time_budget, honesty="honesty" in presets, explicit=explicit,
-            command="python -m wb_kernels.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+        command = "python -m wb_kernels.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+        if decode:
+            workloads = [w for p in decode for w in DECODE_PRESETS[p]]
+            run_decode(workloads, out, presets=decode, policy=policy, resume=not args.fresh, seed=args.seed,
+                       progress=not args.no_progress, time_budget=args.time_budget, command=command)
+        else:
+            sweeps = [sweep for p in dict.fromkeys(presets) for sweep in PRESETS.get(p, [])]
+            if custom is not None:
+                sweeps.append(custom)
+            run(sweeps, out, policy=policy, resume=not args.fresh, seed=args.seed, progress=not args.no_progress,
+                time_budget=args.time_budget, honesty="honesty" in presets, explicit=explicit, command=command)
         wants_figures = (on_cuda and not args.no_figures) or args.figures is True
         if wants_figures and any(r["status"] == "ok" for r in load_results(out)["records"]):
             from .figures import save_all

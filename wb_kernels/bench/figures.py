@@ -5,6 +5,9 @@ dtype, head dim and masking to show, ``{"dtype": "float16", "D": 128, "causal": 
 x axis is the sequence length; each contender is one line, in the colors of
 :data:`wb_kernels.plots.STAGE_COLORS`. Nothing here measures anything: a figure only shows what
 the file holds, so a laptop draws the GPU's figures.
+
+A decode results file (``--preset decode``) has one figure of its own, :func:`decode_figure`: GB/s against the
+cache's length Lk, one line per contender, for the bar's shapes.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from ..plots import STAGE_COLORS, new_figure, save
 
 __all__ = ["views", "default_view", "series", "draw_latency", "draw_throughput", "draw_memory", "draw_speedup",
            "draw_roofline", "latency_figure", "throughput_figure", "memory_figure", "speedup_figure",
-           "roofline_figure", "dashboard_figure", "save_all", "FIGURE_NAMES"]
+           "roofline_figure", "dashboard_figure", "save_all", "FIGURE_NAMES", "decode_families",
+           "draw_decode_bandwidth", "decode_figure", "save_decode_figures", "DECODE_FIGURE_NAME"]
 
 FIGURE_NAMES = ("bench_latency", "bench_throughput", "bench_memory", "bench_speedup", "bench_roofline",
                 "bench_dashboard")
@@ -234,21 +238,102 @@ def dashboard_figure(results, view=None, highlight_L=None):
 
 def save_all(results, view=None, prefix: str = "bench", directory=None) -> list:
     """Write <prefix>_{latency,throughput,memory,speedup,roofline,dashboard}.png into figures/ (or
-    `directory`); return the paths."""
-    from ..plots import style
-
+    `directory`); return the paths. A decode results file gets its own figure (:func:`save_decode_figures`)."""
+    if results.get("kind") == "decode":
+        return save_decode_figures(results, directory)
     view = view or default_view(results)
     figures = {"latency": latency_figure, "throughput": throughput_figure, "memory": memory_figure,
                "speedup": speedup_figure, "roofline": roofline_figure, "dashboard": dashboard_figure}
-    paths = []
-    for name, make in figures.items():
-        fig = make(results, view)
-        if directory is None:
-            paths.append(Path(save(fig, f"{prefix}_{name}")))
-        else:
-            path = Path(directory) / f"{prefix}_{name}.png"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with style():
-                fig.savefig(path, metadata={"Software": None})
-            paths.append(path)
-    return paths
+    return [_save(make(results, view), f"{prefix}_{name}", directory) for name, make in figures.items()]
+
+
+def _save(fig, name: str, directory=None) -> Path:
+    """figures/<name>.png (:func:`wb_kernels.plots.save`), or <directory>/<name>.png."""
+    from ..plots import style
+
+    if directory is None:
+        return Path(save(fig, name))
+    path = Path(directory) / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with style():
+        fig.savefig(path, metadata={"Software": None})
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode (a file of the decode presets)
+# ----------------------------------------------------------------------------------------------
+
+DECODE_FIGURE_NAME = "bench_decode_bandwidth"
+_DECODE_COLORS = {"wb.decode": "#c51b7d", "decode_forward": "#e6550d", "copy": "#444444"}
+
+
+def decode_families(results) -> list:
+    """The (dtype, D, H, Hk, B) groups the decode figure draws, one panel each: the bar shapes' groups the file
+    timed, else the two groups with the most timed lengths."""
+    from .sweeps import DECODE_BAR
+
+    lengths = {}
+    for r in _ok(results):
+        lengths.setdefault((r["dtype"], r["D"], r["H"], r["Hk"], r["B"]), set()).add(r["Lk"])
+    bar = [(dtype, D, H, Hk, B) for B, H, Hk, _, D, dtype in DECODE_BAR if (dtype, D, H, Hk, B) in lengths]
+    return bar or sorted(lengths, key=lambda group: -len(lengths[group]))[:2]
+
+
+def draw_decode_bandwidth(ax, results, family):
+    """GB/s of K and V read once against Lk for one (dtype, D, H, Hk, B): a line per contender and layout, the copy
+    of the same bytes (the ceiling, counted as read + write) in gray."""
+    dtype, D, H, Hk, B = family
+    lines = {}
+    for r in _ok(results):
+        if (r["dtype"], r["D"], r["H"], r["Hk"], r["B"]) == family:
+            lines.setdefault((r["contender"], r["layout"]), []).append(r)
+    order = {"stage": 0, "baseline": 1, "ceiling": 2}
+    first = {}  # the run's order: this package's contenders, contiguous then paged, then PyTorch's, then the copy
+    for n, r in enumerate(results["records"]):
+        first.setdefault((r["contender"], r.get("layout")), n)
+    for (name, layout), rs in sorted(lines.items(), key=lambda item: (order[item[1][0]["kind"]], first[item[0]])):
+        rs.sort(key=lambda r: r["Lk"])
+        kind = rs[0]["kind"]
+        style = {"color": _DECODE_COLORS.get(name) or _color(name), "marker": "o", "markersize": 3,
+                 "linestyle": "-" if kind == "stage" else _BASELINE_STYLE.get(name, "--")}
+        if layout == "paged":
+            style.update(linestyle="--", marker="s")
+        if kind == "ceiling":
+            style.update(linestyle="-", linewidth=2.5, alpha=0.5)
+        label = (name + (", paged" if layout == "paged" else "")
+                 + (" (ceiling: read + write)" if kind == "ceiling" else ""))
+        ax.plot([r["Lk"] for r in rs], [r["gbps"] for r in rs], label=label, **style)
+        flagged = [r for r in rs if r.get("check_failed")]
+        if flagged:  # timed although outside the check tolerance: crossed out
+            ax.plot([r["Lk"] for r in flagged], [r["gbps"] for r in flagged], marker="x", markersize=8,
+                    linestyle="none", color=style["color"])
+    lengths = sorted({r["Lk"] for rs in lines.values() for r in rs})
+    ax.set_xscale("log", base=2)
+    if lengths:
+        ax.set_xticks(lengths, [str(L) if L < 1024 else f"{L // 1024}k" for L in lengths])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("cached keys per sequence Lk")
+    ax.set_ylabel("GB/s of K and V read once")
+    ax.set_title(f"decode B={B} H={H} Hk={Hk} D={D} {dtype}")
+
+
+def decode_figure(results):
+    """GB/s against Lk for the bar's shapes (:func:`decode_families`), one panel each, on one figure."""
+    families = decode_families(results)
+    if not families:
+        raise ValueError("the results file holds no timed decode measurement to draw")
+    fig, axes = new_figure(ncols=len(families), width=6.5 * len(families), height=4.5)
+    axes = list(axes) if len(families) > 1 else [axes]
+    for ax, family in zip(axes, families):
+        draw_decode_bandwidth(ax, results, family)
+    axes[-1].legend(loc="best", fontsize=8)
+    env = results.get("environment", {})
+    fig.suptitle(f"{env.get('gpu') or env.get('device')}, {env.get('date', '')[:10]}, torch {env.get('torch')}",
+                 fontsize=9)
+    return fig
+
+
+def save_decode_figures(results, directory=None) -> list:
+    """Write figures/bench_decode_bandwidth.png (or into `directory`); return the paths."""
+    return [_save(decode_figure(results), DECODE_FIGURE_NAME, directory)]

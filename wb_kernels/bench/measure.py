@@ -58,21 +58,27 @@ class Contender:
     workspace_bytes: Optional[Callable] = None
 
 
+def sdpa_call(q, k, v, backend_name: Optional[str], **options) -> Callable:
+    """``scaled_dot_product_attention(q, k, v, **options)`` as a zero-argument call, with PyTorch's choice of backend
+    (`backend_name` None) or forced to one (an ``SDPBackend`` name, e.g. "FLASH_ATTENTION")."""
+    import torch.nn.functional as F
+
+    if backend_name is None:
+        return lambda: F.scaled_dot_product_attention(q, k, v, **options)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def call():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, **options)
+
+    return call
+
+
 def _sdpa_prepare(backend_name: Optional[str]):
     def prepare(q, k, v, causal):
-        import torch.nn.functional as F
-
-        if backend_name is None:
-            return (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), None
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        backend = getattr(SDPBackend, backend_name)
-
-        def call():
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-        return call, None
+        return sdpa_call(q, k, v, backend_name, is_causal=causal), None
 
     return prepare
 
@@ -321,11 +327,46 @@ def _is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or "out of memory" in text or "out_of_memory" in text
 
 
+def timed(call, policy: TimingPolicy):
+    """The Timing of ``call()`` under `policy`: one call estimates its duration, then warm-up calls and enough
+    repeats for about ``policy.seconds`` of samples (between min_repeats and max_repeats; 2 and no warm-up for
+    calls slower than ``policy.slow_call_ms``), the L2 cache flushed before each when ``policy.flush_l2``."""
+    from ..timing import time_call
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        estimate = time_call(call, warmup=0, repeats=1, flush_l2=policy.flush_l2).median_ms
+        if estimate >= policy.slow_call_ms:
+            repeats, warmup = 2, 0
+        else:
+            wanted = math.ceil(policy.seconds * 1e3 / max(estimate, 1e-3))
+            repeats = max(policy.min_repeats, min(policy.max_repeats, wanted))
+            warmup = policy.warmup if estimate < 100 else 0
+        return time_call(call, warmup=warmup, repeats=repeats, flush_l2=policy.flush_l2)
+
+
+def time_into(record: dict, call, policy: TimingPolicy):
+    """Time ``call()`` (:func:`timed`) into `record`: status "ok", median and spread (ms), every sample, where it ran;
+    returns the Timing. If timing fails, the record says why (status "skipped" when out of memory, else "failed")
+    and None is returned."""
+    try:
+        timing = timed(call, policy)
+    except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
+        record.update(status="skipped" if _is_out_of_memory(error) else "failed", reason=_short(error))
+        _free_device_memory()
+        return None
+    record.update(status="ok", device=timing.device, repeats=len(timing.samples_ms), median_ms=_sig(timing.median_ms),
+                  iqr_ms=_sig(timing.iqr_ms), min_ms=_sig(timing.min_ms), max_ms=_sig(timing.max_ms),
+                  samples_ms=[_sig(s, 4) for s in timing.samples_ms],
+                  l2_flushed=policy.flush_l2 and timing.device == "cuda")
+    return timing
+
+
 def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPolicy) -> dict:
     """Check, then time, one contender on one configuration. Never raises for the contender's
     own failures: they become ``status`` "skipped" (cannot run this size here) or "failed"."""
     from ..check import check
-    from ..timing import peak_memory, time_call
+    from ..timing import peak_memory
 
     q, k, v = inputs
     record = {"key": record_key(contender.name, config), "contender": contender.name, "kind": contender.kind,
@@ -369,30 +410,11 @@ def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPol
             return record
         record["check_failed"] = True
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            estimate = time_call(call, warmup=0, repeats=1, flush_l2=policy.flush_l2).median_ms
-            if estimate >= policy.slow_call_ms:
-                repeats, warmup = 2, 0
-            else:
-                wanted = math.ceil(policy.seconds * 1e3 / max(estimate, 1e-3))
-                repeats = max(policy.min_repeats, min(policy.max_repeats, wanted))
-                warmup = policy.warmup if estimate < 100 else 0
-            timing = time_call(call, warmup=warmup, repeats=repeats, flush_l2=policy.flush_l2)
-    except Exception as error:  # noqa: BLE001
-        record.update(status="skipped" if _is_out_of_memory(error) else "failed", reason=_short(error))
-        _free_device_memory()
+    timing = time_into(record, call, policy)
+    if timing is None:
         return record
-
     seconds = timing.median_ms / 1e3
-    record.update(
-        status="ok", device=timing.device, repeats=len(timing.samples_ms), median_ms=_sig(timing.median_ms),
-        iqr_ms=_sig(timing.iqr_ms), min_ms=_sig(timing.min_ms), max_ms=_sig(timing.max_ms),
-        samples_ms=[_sig(s, 4) for s in timing.samples_ms],
-        tflops=_sig(flops / seconds / 1e12), tokens_per_s=_sig(config.B * config.L / seconds),
-        l2_flushed=policy.flush_l2 and timing.device == "cuda",
-    )
+    record.update(tflops=_sig(flops / seconds / 1e12), tokens_per_s=_sig(config.B * config.L / seconds))
     if not verdict.passed:
         record["check_failed"] = True
         record["note"] = (f"{contender.kind} outside the check tolerance; timed anyway"
@@ -489,14 +511,7 @@ def run(sweeps, out_path, *, policy: TimingPolicy | None = None, resume: bool = 
     table = table if table is not None else contenders()
     jobs, notes = plan(sweeps, table, explicit=explicit)
     out_path = Path(out_path)
-    if resume and out_path.exists():
-        results = load_results(out_path)
-        if results["environment"].get("device") != environment()["device"]:
-            raise Refused(f"{out_path} holds results from {results['environment'].get('device')}; this machine is "
-                          f"{environment()['device']}. Write to another file (--out) or start over (--fresh).")
-    else:
-        results = _new_results([s.name for s in sweeps], command)
-    results["presets"] = sorted(set(results["presets"]) | {s.name for s in sweeps})
+    results = open_results(out_path, [s.name for s in sweeps], resume=resume, command=command)
     results["unavailable"].update(notes)
     for name, why in notes.items():
         log(f"  {name}: absent ({why})")
@@ -533,14 +548,43 @@ def run(sweeps, out_path, *, policy: TimingPolicy | None = None, resume: bool = 
             ref_cache.clear()
             ref_cache[ref_key] = _reference_first_head(*inputs, config.causal)
         record = measure(contender, config, inputs, ref_cache[ref_key], policy)
-        record["presets"] = sweep_names
-        results["records"].append(record)
-        if record["status"] != "ok":
-            log(f"  {record['key']}: {record['status']}: {record['reason']}")
-        add_speedups(results)
-        save_results(results, out_path)
+        store_record(results, dict(record, presets=sweep_names), out_path, log, add_speedups)
     cache.clear()
     add_speedups(results)
+    return finish_results(results, out_path, stopped=stopped, time_budget=time_budget, log=log)
+
+
+def open_results(out_path: Path, presets: list, *, resume: bool, command: Optional[str], kind: Optional[str] = None,
+                 fresh=_new_results) -> dict:
+    """The results file to add to: `out_path` as it is when resuming (it must come from this machine, and be of
+    this `kind`: None for the attention presets, "decode"), else a new one; `presets` added to its list."""
+    if resume and out_path.exists():
+        results = load_results(out_path)
+        if results.get("kind") != kind:
+            raise Refused(f"{out_path} is not a {kind or 'attention'} results file (it is "
+                          f"{results.get('kind') or 'attention'}); write to another file (--out) or start over "
+                          "(--fresh)")
+        if results["environment"].get("device") != environment()["device"]:
+            raise Refused(f"{out_path} holds results from {results['environment'].get('device')}; this machine is "
+                          f"{environment()['device']}. Write to another file (--out) or start over (--fresh).")
+    else:
+        results = fresh(presets, command)
+    results["presets"] = sorted(set(results["presets"]) | set(presets))
+    return results
+
+
+def store_record(results: dict, record: dict, out_path: Path, log, derive=add_speedups) -> None:
+    """Add `record` to the results, say why if it was not timed, update what is derived from the records (`derive`:
+    speed-ups, or the decode ratios) and save the file: a run stopped after this keeps the record."""
+    results["records"].append(record)
+    if record["status"] != "ok":
+        log(f"  {record['key']}: {record['status']}: {record['reason']}")
+    derive(results)
+    save_results(results, out_path)
+
+
+def finish_results(results: dict, out_path: Path, *, stopped: bool, time_budget: Optional[float], log) -> dict:
+    """Mark the run complete (or stopped by the time budget), save it, and say what the file holds."""
     results["complete"] = not stopped
     save_results(results, out_path)
     counts = {s: sum(r["status"] == s for r in results["records"]) for s in ("ok", "skipped", "failed")}

@@ -3,7 +3,9 @@
 One JSON file per run under ``results/bench/``: the environment it ran in (:func:`environment`),
 the roofline's ceilings, the honesty demonstrations and one record per measurement. Written
 atomically after every measurement (:func:`save_results`), so a run cut short can be resumed.
-Also the newest committed file (:func:`committed_results`) and the README table built from it.
+Also the newest committed file (:func:`committed_results`) and the README table built from it. The decode
+presets' files (``"kind": "decode"``, under ``results/decode/``) have a README table of their own
+(:func:`decode_readme_table`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from ..stages import available_stages
 from .sweeps import BASELINES, PUBLIC_CONFIGS, Config, Refused, record_key
 
 __all__ = ["SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "README_BASELINES",
-           "environment", "load_results", "save_results", "add_speedups", "default_output", "committed_results",
-           "readme_table", "update_readme"]
+           "environment", "git_commit", "load_results", "save_results", "add_speedups", "default_output",
+           "committed_results",
+           "readme_table", "decode_readme_table", "update_readme", "committed_decode_results",
+           "README_DECODE_START", "README_DECODE_END", "README_DECODE_VIEW"]
 
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parents[2]  # wb_kernels/bench/results.py -> the repository
@@ -34,6 +38,10 @@ README_END = "<!-- perf-table:end -->"
 # The baselines the README's table sets beside the stages: PyTorch's default and its FlashAttention-2 backend,
 # FlexAttention (what a PyTorch user compiles instead), and the flash-attn package itself.
 README_BASELINES = ("sdpa", "sdpa-flash", "flex", "flash_attn")
+README_DECODE_START = "<!-- perf-table-decode:start -->"
+README_DECODE_END = "<!-- perf-table-decode:end -->"
+# The decode table's rows: the bar's setting (GQA with 4 query heads per KV head, fp16, D = 128) at every B and Lk.
+README_DECODE_VIEW = {"dtype": "float16", "D": 128, "H": 32, "Hk": 8}
 
 
 # Numbers are stored with 5 significant digits (3 or 4 for samples and ratios): the timings are not
@@ -85,13 +93,32 @@ def environment() -> dict:
                    vllm=_version("vllm"))
     else:
         env.update(gpu=None, cuda=torch.version.cuda, driver=None)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        env["git_commit"] = commit or None
-    except Exception:  # noqa: BLE001
-        env["git_commit"] = None
+    env["git_commit"] = git_commit()
     return env
+
+
+# What a run writes (results, figures, executed lessons, logs) is not a change to the code that ran.
+_RUN_OUTPUTS = ("results", "figures", "notebooks", "logs", "gpu-out")
+
+
+def git_commit(root=REPO_ROOT) -> Optional[str]:
+    """The short commit of the tree at `root` that is running, with ``+dirty`` when files that git tracks (or
+    new ones it does not ignore) differ from it outside the folders a run writes to; None when `root` is not the
+    top of a git checkout (a copy without .git, or one inside some other repository)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=20)
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != Path(root).resolve():
+            return None
+        commit = git("rev-parse", "--short", "HEAD").stdout.strip()
+        status = git("status", "--porcelain", "--", ".", *(f":(exclude){name}" for name in _RUN_OUTPUTS))
+    except Exception:  # noqa: BLE001 - no git here: the field stays empty
+        return None
+    if not commit:
+        return None
+    return commit + ("+dirty" if status.returncode != 0 or status.stdout.strip() else "")
 
 
 def load_results(path) -> dict:
@@ -140,13 +167,24 @@ def committed_results(kind: str = "gpu") -> Optional[Path]:
     """The newest benchmark results file of that kind ("gpu" or "simulator") under results/bench/, or None: the
     full runs the README, the dashboard and the ladder's lessons read. A rung's own runs (e.g. the ``mma`` preset in
     results/mma/) are read by its lesson by name. Other JSON files (tuning logs, ...) lack "records" and are ignored."""
+    return _newest("bench", kind, decode=False)
+
+
+def committed_decode_results() -> Optional[Path]:
+    """The newest GPU results file of the decode presets under results/decode/, or None."""
+    return _newest("decode", "gpu", decode=True)
+
+
+def _newest(folder: str, backend: str, *, decode: bool) -> Optional[Path]:
+    """The newest results file under results/<folder>/ from `backend`, of the decode presets or not."""
     found = []
-    for path in sorted((REPO_ROOT / "results" / "bench").glob("*.json")):
+    for path in sorted((REPO_ROOT / "results" / folder).glob("*.json")):
         try:
             data = load_results(path)
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and "records" in data and data.get("environment", {}).get("backend") == kind:
+        if isinstance(data, dict) and "records" in data and (data.get("kind") == "decode") == decode \
+                and data.get("environment", {}).get("backend") == backend:
             found.append((data["environment"].get("date", ""), path))
     return max(found)[1] if found else None
 
@@ -175,9 +213,7 @@ def readme_table(results: dict, source: str | None = None) -> str:
                if any(by_key.get(record_key(c, config), {}).get("status") == "ok" for config in public)]
     public = [config for config in public
               if any(by_key.get(record_key(c, config), {}).get("status") == "ok" for c in present)]
-    lines = [f"Measured on {env.get('gpu') or env.get('device')} (CUDA {env.get('cuda')}, torch {env.get('torch')}, "
-             f"driver {env.get('driver')}) on {env.get('date', '')[:10]}"
-             + (f", from `{source}`" if source else "") + ". Median of CUDA-event timings with the L2 cache "
+    lines = [_measured_on(env, source) + ". Median of CUDA-event timings with the L2 cache "
              "flushed, fp16, ms (TFLOP/s); a dash: not run or does not support the configuration.",
              "", "| B | H | L | D | causal | " + " | ".join(present) + " |",
              "|---:|---:|---:|---:|:---:|" + "---:|" * len(present)]
@@ -194,20 +230,103 @@ def readme_table(results: dict, source: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _measured_on(env: dict, source: Optional[str]) -> str:
+    return (f"Measured on {env.get('gpu') or env.get('device')} (CUDA {env.get('cuda')}, torch {env.get('torch')}, "
+            f"driver {env.get('driver')}) on {env.get('date', '')[:10]}" + (f", from `{source}`" if source else ""))
+
+
+def _gbps_cell(r: Optional[dict], with_backend: bool = False) -> str:
+    """A decode record as "GB/s (fraction of the copy)", † when it was timed outside the check tolerance."""
+    if not r or r.get("status") != "ok":
+        return "–"
+    fraction = r.get("fraction_of_copy")
+    text = f"{r['gbps']:.0f}" + (f" ({fraction:.2f})" if fraction is not None else "")
+    if with_backend:
+        text += f" {r['contender'].replace('sdpa-', '').replace('sdpa', 'default')}"
+    return text + (" †" if r.get("check_failed") else "")
+
+
+def decode_readme_table(results: dict, source: str | None = None) -> str:
+    """The README's decode table (Markdown) from a decode results file: at :data:`README_DECODE_VIEW`, one row per
+    (B, Lk) the file timed, GB/s and fraction of the copy ceiling of wb.decode (contiguous and paged), of its kernel
+    path alone, of the fastest SDPA backend and of FlexAttention, and wb.decode's speed over that SDPA backend; then
+    the per-call overhead rows."""
+    from .sweeps import DECODE_BAR
+
+    view = README_DECODE_VIEW
+    records = [r for r in results["records"] if all(r.get(name) == value for name, value in view.items())]
+    by = {(r["contender"], r["layout"], r["B"], r["Lk"]): r for r in records}
+    shapes = sorted({(r["B"], r["Lk"]) for r in records if r.get("status") == "ok"})
+    bar = {(B, Lk) for B, H, Hk, Lk, D, dtype in DECODE_BAR
+           if (H, Hk, D, dtype) == (view["H"], view["Hk"], view["D"], view["dtype"])}
+    lines = [_measured_on(results["environment"], source) + f", commit {results['environment'].get('git_commit')}. "
+             f"Decode: one new query per sequence, H = {view['H']} query heads on Hk = {view['Hk']} KV heads, "
+             f"D = {view['D']}, {view['dtype']}, every sequence Lk keys. GB/s: K and V read once "
+             "(2·B·Hk·Lk·D·2 bytes) over the median of CUDA-event timings with the L2 cache flushed; in "
+             "parentheses the fraction of the copy ceiling, a device-to-device copy of the same bytes in the same run counting what it reads and "
+             "writes. wb.decode: the user's call, validation included; decode_forward: its launcher and kernels "
+             "alone; paged: pages of 16 keys with a shuffled block table (SDPA and FlexAttention read the same "
+             "numbers contiguous). ×SDPA: the fastest SDPA backend's time over wb.decode's (>1: wb.decode is "
+             "faster). Bold: the bar's shapes. A dash: not run or refused (the file says why); other Hk, bf16 and "
+             "D = 64 are in the file.",
+             "", "| B | Lk | copy GB/s | wb.decode | decode_forward | wb.decode, paged | best SDPA | ×SDPA | "
+                 "×SDPA, paged | flex |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for B, Lk in shapes:
+        def get(name, layout="contiguous"):
+            return by.get((name, layout, B, Lk))
+
+        def ratio(r):
+            vs = (r or {}).get("vs_best_sdpa") if (r or {}).get("status") == "ok" else None
+            return f"{vs['ratio']:.2f}" if vs else "–"
+
+        ours, paged = get("wb.decode"), get("wb.decode", "paged")
+        best = next((r["vs_best_sdpa"]["backend"] for r in records
+                     if (r["B"], r["Lk"]) == (B, Lk) and r.get("vs_best_sdpa")), None)
+        copy = get("copy")
+        cells = [f"{copy['gbps']:.0f}" if copy and copy.get("status") == "ok" else "–", _gbps_cell(ours),
+                 _gbps_cell(get("decode_forward")), _gbps_cell(paged),
+                 _gbps_cell(get(best), with_backend=True) if best else "–", ratio(ours), ratio(paged),
+                 _gbps_cell(get("flex"))]
+        shape = [f"**{B}**", f"**{Lk}**"] if (B, Lk) in bar else [str(B), str(Lk)]
+        lines.append("| " + " | ".join(shape + cells) + " |")
+    if any("†" in line for line in lines[2:]):
+        lines += ["", "† outside the check tolerance (2x PyTorch's error in the same precision); timed anyway."]
+    rows = ((results.get("overhead") or {}).get("rows")) or []
+    if rows:
+        lines += ["", "Per-call wall time of back-to-back calls (median of batches; the bar: at most 2x SDPA's on the "
+                      "same problem):", "", "| call | problem | µs per call | SDPA µs | ×SDPA |",
+                  "|:---|:---|---:|---:|---:|"]
+        for row in rows:
+            if row["name"] == "sdpa":
+                continue
+            if row.get("status") != "ok":
+                lines.append(f"| {row['name']} | {row['problem']} | {row['status']} | – | – |")
+                continue
+            verdict = "" if row.get("meets_bar") is None else (" ✓" if row["meets_bar"] else " ✗")
+            lines.append(f"| {row['name']} | {row['problem']} | {row['per_call_us']:.1f} | "
+                         + (f"{row['sdpa_per_call_us']:.1f} | {row['ratio_to_sdpa']:.2f}{verdict} |"
+                            if row.get("sdpa_per_call_us") else "– | – |"))
+    return "\n".join(lines)
+
+
 def _readme_block(results: dict) -> tuple:
-    """The README's markers for a results file: the ladder's table, or the table of a rung's own preset run (a file
-    of the ``mma`` preset alone fills ``<!-- perf-table-mma:start -->`` ... ``:end -->``)."""
+    """The README's markers and table for a results file: the ladder's table, the table of a rung's own preset run
+    (a file of the ``mma`` preset alone fills ``<!-- perf-table-mma:start -->`` ... ``:end -->``), or the decode
+    table (a file of the decode presets)."""
     presets = results.get("presets") or []
+    if results.get("kind") == "decode":
+        return README_DECODE_START, README_DECODE_END, decode_readme_table
     if len(presets) == 1 and presets[0] == "mma":
-        return "<!-- perf-table-mma:start -->", "<!-- perf-table-mma:end -->"
-    return README_START, README_END
+        return "<!-- perf-table-mma:start -->", "<!-- perf-table-mma:end -->", readme_table
+    return README_START, README_END, readme_table
 
 
 def update_readme(results_path, readme=REPO_ROOT / "README.md") -> Path:
     readme = Path(readme)
     text = readme.read_text() if readme.exists() else ""
     results = load_results(results_path)
-    start, end = _readme_block(results)
+    start, end, render = _readme_block(results)
     if start not in text or end not in text:
         raise Refused(f"{readme} has no {start} ... {end} block to fill; add the two markers "
                       "where the table belongs")
@@ -216,7 +335,7 @@ def update_readme(results_path, readme=REPO_ROOT / "README.md") -> Path:
         relative = relative.relative_to(REPO_ROOT)
     except ValueError:
         pass
-    table = readme_table(results, source=str(relative))
+    table = render(results, source=str(relative))
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")

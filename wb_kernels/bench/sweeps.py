@@ -3,8 +3,9 @@
 A :class:`Config` is one problem (shapes, dtype, masking), a :class:`Sweep` is contenders x configs,
 and :data:`PRESETS` names the sweeps ``--preset`` runs. Also here: the counts every record carries
 (:func:`attention_flops`, :func:`minimum_bytes`), the key a record is stored under
-(:func:`record_key`), the baselines' names, and :class:`Refused`. Plain data, no torch, so that
-``--help``, ``--list`` and the README table read it without touching a device.
+(:func:`record_key`), the baselines' names, and :class:`Refused`. The decode presets' problems are
+:class:`DecodeWorkload` (:data:`DECODE_PRESETS`; measured by :mod:`wb_kernels.bench.decode`). Plain data, no
+torch, so that ``--help``, ``--list`` and the README table read it without touching a device.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 
 __all__ = ["Config", "Sweep", "PRESETS", "PRESET_HELP", "GPU_PRESETS", "ALL_PRESETS", "PUBLIC_CONFIGS",
            "LADDER_LENGTHS", "TOKENS", "BASELINES", "BASELINE_HELP", "attention_flops", "minimum_bytes", "record_key",
-           "Refused"]
+           "Refused", "DecodeWorkload", "DECODE_PRESETS", "DECODE_BAR", "DECODE_LENGTHS", "DECODE_LAYOUTS",
+           "DECODE_PAGE_SIZE", "decode_kv_bytes", "decode_record_key"]
 
 # The configurations other public attention-kernel projects report (B, H, L, D), so that numbers
 # here can be set beside theirs: B*L = 16k tokens, 16 heads of 128, plus the small B=1 L=512 D=64.
@@ -107,9 +109,19 @@ PRESET_HELP = {
            "H=16, causal and not; and B=1 H=16 L=512 D=64 fp16",
     "honesty": "the honest-benchmarking demonstrations of lesson 07 (GPU only)",
     "all": "public + ladder + flash-fp32 + tensor-cores + mma + honesty (the committed GPU run)",
+    "decode": "one new token per sequence against a KV cache: wb.decode and its kernel alone vs SDPA's backends "
+              "(enable_gqa), FlexAttention and a copy of the same bytes; H=32, Hk=32/8/1, B=1/8/64, Lk=1k..128k, "
+              "fp16 D=128, contiguous and paged (page 16); bf16 and D=64 at Hk=8; per-call overhead. Own file: "
+              "results/decode/bench_<gpu>.json (about 5 min on an H100: --time-budget 480)",
+    "decode-bar": "the decode preset's bar shapes and their Lk sweeps (fp16 D=128 H=32 Hk=8, B=1 and 8) and the "
+                  "per-call overhead (about 2.5 min on an H100, most of it FlexAttention's compilations; same file "
+                  "as decode)",
+    "decode-smoke": "the decode preset at tiny sizes (B<=2, H=4, Lk=32, D=16; fp32, fp16, bf16): what runs on the "
+                    "simulator",
 }
-GPU_PRESETS = ("ladder", "flash-fp32", "tensor-cores", "public", "mma", "honesty", "all")
-# What --preset all runs. A configuration that several presets share is measured once (measure.plan).
+GPU_PRESETS = ("ladder", "flash-fp32", "tensor-cores", "public", "mma", "honesty", "all", "decode", "decode-bar")
+# What --preset all runs. A configuration that several presets share is measured once (measure.plan). The decode
+# presets are not in it: they measure other problems, into a file of their own.
 ALL_PRESETS = ("public", "ladder", "flash-fp32", "tensor-cores", "mma", "honesty")
 
 
@@ -134,6 +146,75 @@ BASELINE_HELP = {
     "vllm": "vLLM's flash_attn_varlen_func, when vllm is installed",
 }
 BASELINES = tuple(BASELINE_HELP)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode: one new query per sequence against a KV cache (the decode rung, wb.decode)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeWorkload:
+    """One decode problem: B sequences of Lk cached keys each (all full), H query heads reading Hk KV heads
+    (GQA: H // Hk query heads share one), one new query per sequence and head. ``flex``: FlexAttention is timed
+    here too (it compiles one kernel per shape, seconds each, so only for the shapes the figure draws)."""
+
+    B: int
+    H: int
+    Hk: int
+    Lk: int
+    D: int
+    dtype: str
+    flex: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.dtype}|B{self.B}|H{self.H}|Hk{self.Hk}|Lk{self.Lk}|D{self.D}"
+
+    @property
+    def kv_bytes(self) -> float:
+        return decode_kv_bytes(self.B, self.Hk, self.Lk, self.D, _ITEMSIZE[self.dtype])
+
+    @property
+    def family(self) -> tuple:
+        """What a line of the figure shares: everything but Lk."""
+        return (self.dtype, self.D, self.H, self.Hk, self.B)
+
+
+def decode_kv_bytes(B: int, Hk: int, Lk: int, D: int, itemsize: int) -> float:
+    """The bytes a decode step cannot avoid reading, K and V once: 2 * B * Hk * Lk * D * itemsize. (q and the
+    output are B * H * D each: under 0.1% of it from Lk = 1024 on.)"""
+    return 2.0 * B * Hk * Lk * D * itemsize
+
+
+def decode_record_key(contender: str, layout: str, workload: DecodeWorkload) -> str:
+    return f"{contender}|{layout}|{workload.key}"
+
+
+DECODE_LAYOUTS = ("contiguous", "paged")  # the cache as (B, Hk, L, D), or pages of DECODE_PAGE_SIZE keys
+DECODE_PAGE_SIZE = 16  # vLLM's default block size
+DECODE_LENGTHS = (1024, 4096, 8192, 32768, 131072)
+# The issue's bar, (B, H, Hk, Lk, D, dtype): a batch of 8 at 8k keys and one long sequence of 32k, GQA with 4 query
+# heads per KV head, as Llama-3-8B's attention layers have (32 query heads, 8 KV heads, D = 128).
+DECODE_BAR = ((8, 32, 8, 8192, 128, "float16"), (1, 32, 8, 32768, 128, "float16"))
+
+
+def _decode_presets() -> dict:
+    figure = {(B, Hk, D, dtype) for B, _, Hk, _, D, dtype in DECODE_BAR}  # the bar shapes' Lk sweeps
+
+    def workload(B, Hk, Lk, D, dtype):
+        return DecodeWorkload(B, 32, Hk, Lk, D, dtype, flex=(B, Hk, D, dtype) in figure)
+
+    grid = [workload(B, Hk, Lk, 128, "float16") for Hk in (32, 8, 1) for B in (1, 8, 64) for Lk in DECODE_LENGTHS]
+    other = [workload(B, 8, Lk, D, dtype) for D, dtype in ((128, "bfloat16"), (64, "float16"))
+             for B in (1, 8, 64) for Lk in DECODE_LENGTHS]
+    smoke = [DecodeWorkload(2, 4, 2, 32, 16, "float32", flex=True), DecodeWorkload(1, 4, 1, 32, 16, "float16"),
+             DecodeWorkload(1, 4, 4, 32, 16, "bfloat16")]
+    return {"decode": tuple(grid + other),
+            "decode-bar": tuple(w for w in grid if w.flex),
+            "decode-smoke": tuple(smoke)}
+
+
+DECODE_PRESETS = _decode_presets()
 
 
 # Here, below every other module, because the README update, the sweep and the CLI all raise it.
