@@ -31,6 +31,7 @@ __all__ = ["partial_attention", "merge_partials", "split_kv_attention", "split_b
 MIN_KEYS_PER_SPLIT = 256
 
 
+# region: partial_attention
 def partial_attention(q, k, v, scale, allowed=None):
     """One split's share: ``(out_s, lse_s)`` for queries q (R, D) over keys k, v (n, D).
 
@@ -48,8 +49,10 @@ def partial_attention(q, k, v, scale, allowed=None):
     with np.errstate(divide="ignore"):
         lse = np.where(seen, row_max + np.log(np.where(seen, total, 1.0)), -np.inf)
     return out, lse
+# endregion
 
 
+# region: merge_partials
 def merge_partials(outs, lses):
     """Merge splits exactly: outs (S, ..., D), lses (S, ...) -> (out (..., D), lse (...)).
 
@@ -65,6 +68,7 @@ def merge_partials(outs, lses):
     out = np.where(seen[..., None], (weights[..., None] * outs).sum(axis=0) / safe_total[..., None], 0.0)
     lse = np.where(seen, top + np.log(safe_total), -np.inf)
     return out, lse
+# endregion
 
 
 def split_bounds(length: int, num_splits: int):
