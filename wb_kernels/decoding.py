@@ -20,6 +20,7 @@ LSE -inf.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -62,6 +63,12 @@ def validate_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, sta
     if len({is_torch(x) for x in (q, k_cache, v_cache)}) != 1 or \
             len({str(x.device) if is_torch(x) else "cpu" for x in (q, k_cache, v_cache)}) != 1:
         raise ValueError("q, k_cache, v_cache: expected all NumPy arrays or all torch tensors on one device")
+    if _dtype(q) == "bfloat16" and stage == "decode":
+        from .stages.decode.launcher import uses_cuda_kernel
+
+        if not uses_cuda_kernel(q):
+            raise TypeError("bfloat16 needs the CUDA kernel (a GPU, CUDA tensors, D 64 or 128); the numba kernel "
+                            "takes float32 and float16")
     require_array("cache_seqlens", cache_seqlens, ("int32",))
     if tuple(cache_seqlens.shape) != (B,):
         raise ValueError(f"cache_seqlens: expected shape (B,)=({B},), got {tuple(cache_seqlens.shape)}")
@@ -125,6 +132,41 @@ def reference_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, sc
     return out, lse
 
 
+def _propagate_non_finite(out, lse, q, k_cache, cache_seqlens, block_table, scale):
+    """NaN/Inf in q or the keys reach the rows SDPA would make NaN (wb.attention's rule), for the numba kernels.
+
+    One pass over q and the keys finds whether there is anything to do (on the host: this path is the simulator's
+    and float32's); only then is each sequence's problem rebuilt as an attention one and handed to
+    :func:`wb_kernels.api.propagate_non_finite`.
+    """
+    from .api import propagate_non_finite
+    from .stages.decode.launcher import contiguous_as_paged, gather_pages
+
+    def host(x):
+        return np.asarray(x.detach().cpu().float() if is_torch(x) else x, dtype=np.float64)
+
+    qn, kn = host(q), host(k_cache)
+    if np.isfinite(qn).all() and np.isfinite(kn).all():
+        return out, lse
+    lens = np.asarray(cache_seqlens.cpu() if is_torch(cache_seqlens) else cache_seqlens)
+    table = contiguous_as_paged(qn.shape[0], kn.shape[2]) if block_table is None else \
+        np.asarray(block_table.cpu() if is_torch(block_table) else block_table)
+    group = qn.shape[1] // kn.shape[1]
+    out_rows, lse_rows = [], []
+    for b in range(qn.shape[0]):
+        keys = np.repeat(gather_pages(kn, table, int(lens[b]), b), group, axis=0)[None]  # (1, H, len, D)
+        if keys.shape[2] == 0:  # no key: the row stays 0, LSE -inf, whatever its query
+            out_rows.append(out[b:b + 1, :, None])
+            lse_rows.append(lse[b:b + 1, :, None])
+            continue
+        o, l = propagate_non_finite(out[b:b + 1, :, None], lse[b:b + 1, :, None], qn[b:b + 1, :, None], keys,
+                                    scale=scale)
+        out_rows.append(o)
+        lse_rows.append(l)
+    join = (lambda xs: __import__("torch").cat(xs)) if is_torch(out) else np.concatenate
+    return join(out_rows)[:, :, 0], join(lse_rows)[:, :, 0]
+
+
 def decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, stage: str = "decode", scale=None,
            num_splits: int | None = None, max_seqlen: int | None = None, return_lse: bool = False):
     """Attention of one new query per sequence over its KV cache (see the module docstring for shapes).
@@ -146,9 +188,15 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, stage: str =
     if stage == "reference":
         out, lse = reference_decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale)
     else:
-        from .stages.decode.launcher import decode_forward
+        from .stages.decode.launcher import decode_forward, uses_cuda_kernel
 
-        out, lse = decode_forward(q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
-                                  num_splits=num_splits, max_seqlen=max_seqlen)
+        with warnings.catch_warnings():
+            # the simulator computes in NumPy, which warns about NaN/Inf that are the right answer here (as in
+            # wb.attention); a GPU computes the same silently
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out, lse = decode_forward(q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
+                                      num_splits=num_splits, max_seqlen=max_seqlen)
+        if not uses_cuda_kernel(q):  # the CUDA kernel handles NaN/Inf itself, on the GPU (flash_decode.cu)
+            out, lse = _propagate_non_finite(out, lse, q, k_cache, cache_seqlens, block_table, scale)
     out, lse = like_input(out, q), like_input(lse, q)
     return (out, lse) if return_lse else out

@@ -14,6 +14,8 @@ partial kernel and the merge, and returns float32 ``(out, lse)`` where the kerne
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ...backend import BACKEND
@@ -22,20 +24,27 @@ from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, NEG_HALF
                      merge_kernel)
 from .splitkv import choose_num_splits, split_bounds
 
-__all__ = ["split_kv_forward", "forward", "decode_forward", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES"]
+__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "uses_cuda_kernel", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES"]
 
 CAUSAL_MODES = {False: CAUSAL_NONE, True: CAUSAL_TOP_LEFT, "top_left": CAUSAL_TOP_LEFT,
                 "bottom_right": CAUSAL_BOTTOM_RIGHT}
 _SIMULATOR_SMS = 4  # the simulator has no SMs; a small number keeps its grids (and its run time) small
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def num_sms() -> int:
-    """Streaming multiprocessors of the GPU the kernels run on (a small stand-in on the simulator)."""
+    """Streaming multiprocessors of the GPU the kernels run on (a small stand-in on the simulator); asked once."""
     if BACKEND.is_simulator:
         return _SIMULATOR_SMS
     import torch
 
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return _sm_count(torch.cuda.current_device())
 
 
 def contiguous_as_paged(batch: int, length: int):
@@ -95,7 +104,7 @@ def split_kv_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal=False
     out = empty((B, H, Lq, D))
     lse = empty((B, H, Lq))
     merge[B * H * Lq, min(D, 128)](kernel_view(part_out), kernel_view(part_lse), kernel_view(out),
-                                          kernel_view(lse))
+                                   kernel_view(lse))
     if is_torch(lse):  # rows that saw no key: LSE -inf by the package's convention
         lse.masked_fill_(lse < NEG_HALF, float("-inf"))
     else:
@@ -104,20 +113,78 @@ def split_kv_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal=False
 
 
 def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, num_splits=None):
-    """The stage's ``wb.attention`` entry: k, v (B, Hk, Lk, D) as a contiguous cache, every sequence full."""
+    """The stage's ``wb.attention`` entry: k, v (B, Hk, Lk, D) as a contiguous cache, every sequence full.
+
+    One query per sequence without a mask (a decode step) runs the CUDA C++ kernel where :func:`uses_cuda_kernel`;
+    everything else runs the numba kernels.
+    """
     B, Lk = q.shape[0], k.shape[2]
+    if q.shape[2] == 1 and not causal and key_padding_mask is None and uses_cuda_kernel(q):
+        import torch
+
+        lens = torch.full((B,), Lk, dtype=torch.int32, device=q.device)
+        out, lse = cuda_decode_forward(q[:, :, 0], k, v, lens, scale=scale, num_splits=num_splits, max_seqlen=Lk)
+        return out[:, :, None], lse[:, :, None]
     table = contiguous_as_paged(B, Lk)
     lens = np.full(B, Lk, dtype=np.int32)
     return split_kv_forward(q, k, v, table, lens, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
                             num_splits=num_splits, max_len=Lk)
 
 
+def uses_cuda_kernel(q) -> bool:
+    """Whether wb.decode runs the CUDA C++ kernel (flash_decode.cu) for this q: a GPU, 16-bit data, D 64 or 128."""
+    return (BACKEND.is_gpu and is_torch(q) and q.is_cuda and str(q.dtype) in ("torch.float16", "torch.bfloat16")
+            and q.shape[-1] in (64, 128))
+
+
+_IDENTITY_TABLES: dict = {}
+
+
+def _identity_table(batch: int, device):
+    """contiguous_as_paged on the GPU, made once per (batch, device): no allocation or copy per decode step."""
+    key = (batch, str(device))
+    if key not in _IDENTITY_TABLES:
+        import torch
+
+        _IDENTITY_TABLES[key] = torch.arange(batch, dtype=torch.int32, device=device)[:, None].contiguous()
+    return _IDENTITY_TABLES[key]
+
+
+def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, num_splits=None,
+                        max_seqlen=None):
+    """The CUDA C++ split-KV kernel: q (B, H, D) -> ``(out (B, H, D) in q's dtype, lse (B, H) float32)``."""
+    import torch
+
+    from . import build
+
+    B, H, D = q.shape
+    Hk = k_cache.shape[1]
+    table = block_table if block_table is not None else _identity_table(B, q.device)
+    capacity = table.shape[1] * k_cache.shape[2]
+    max_len = min(capacity, capacity if max_seqlen is None else int(max_seqlen))
+    if num_splits is None:
+        num_splits = choose_num_splits(B, Hk, max_len, num_sms())
+    step = build.KEYS_PER_STEP
+    keys_per_split = max(step, -(-max(1, -(-max_len // num_splits)) // step) * step)
+    num_splits = max(1, -(-max_len // keys_per_split)) if max_len else 1  # rounding up may leave trailing splits empty
+    lens = cache_seqlens if is_torch(cache_seqlens) else torch.from_numpy(np.asarray(cache_seqlens))
+    table = table if is_torch(table) else torch.from_numpy(np.asarray(table))
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    return build.extension().flash_decode_forward(
+        q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), table.to(q.device, torch.int32).contiguous(),
+        lens.to(q.device, torch.int32).contiguous(), keys_per_split, num_splits, scale)
+
+
 def decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, num_splits=None,
                    max_seqlen=None):
-    """``wb.decode``'s kernel path (inputs validated there): q (B, H, D) -> float32 ``(out (B, H, D), lse (B, H))``.
+    """``wb.decode``'s kernel path (inputs validated there): q (B, H, D) -> ``(out (B, H, D), lse (B, H))``.
 
-    The one new token sees all of its sequence's keys, so no causal mask is needed beyond each sequence's length.
+    On a GPU with 16-bit data the CUDA C++ kernel runs (out in q's dtype); otherwise the numba kernels (float32
+    out). The one new token sees all of its sequence's keys, so no causal mask is needed beyond each length.
     """
+    if uses_cuda_kernel(q):
+        return cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
+                                   num_splits=num_splits, max_seqlen=max_seqlen)
     B = q.shape[0]
     table = block_table if block_table is not None else contiguous_as_paged(B, k_cache.shape[2])
     capacity = table.shape[1] * k_cache.shape[2]

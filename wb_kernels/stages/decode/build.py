@@ -1,0 +1,83 @@
+"""The CUDA C++ decode kernel's build: ``flash_decode.cu`` described to the shared :mod:`wb_kernels.cuda_build`.
+
+- :func:`extension` (needs a CUDA GPU and a CUDA build of torch): the extension with ``flash_decode_forward``, built
+  once per process from the package's source (the first build takes a minute or more, and says so) and cached on
+  disk; later calls return the loaded module without reading or hashing the source again (per-call overhead).
+- :func:`nvcc_compile_report` (needs only nvcc): registers, spills and shared memory of every kernel the launcher can
+  choose, for a CPU-only machine and CI.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...cuda_build import CudaBuildError, EditableSource, build_extension, compile_cubin, ptxas_entries
+
+__all__ = ["SOURCE", "SOURCE_NAME", "extension", "build", "nvcc_compile_report", "KernelResources",
+           "package_source", "KEYS_PER_STEP"]
+
+SOURCE = EditableSource(Path(__file__).resolve().parent / "flash_decode.cu")
+SOURCE_NAME = SOURCE.name  # "wb_kernels/stages/decode/flash_decode.cu"
+LINE_NAME = SOURCE.file_name
+_FUNCTIONS = ["flash_decode_forward"]
+_CPP_DECLARATION = (
+    "std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, "
+    "torch::Tensor block_table, torch::Tensor seq_lens, int64_t keys_per_split, int64_t num_splits, double scale);"
+)
+# keys a block of the split kernel reads per step at D = 128 (4 warps x 2 keys) times the steps in flight; splits are
+# rounded up to a multiple of it so that no block ends with a step of idle lanes
+KEYS_PER_STEP = 4 * 2 * 4
+
+package_source = SOURCE.package_source
+_module = None
+
+
+def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
+    """Compile (or load from the disk cache) the extension from `source` (default: the package's); returns it."""
+    source = package_source() if source is None else source
+    return build_extension(source, file_name=LINE_NAME, declarations=_CPP_DECLARATION, functions=_FUNCTIONS,
+                           flags=flags, verbose=verbose, display_name=SOURCE_NAME)
+
+
+def extension():
+    """The package's extension, looked up once per process: what every ``wb.decode`` call uses."""
+    global _module
+    if _module is None:
+        _module = build()
+    return _module
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    arch: str
+    kernel: str  # "split" or "merge"
+    dtype: str
+    head_dim: int
+    rows: int  # query rows per block (split kernel); 0 for the merge kernel
+    registers: int
+    spill_stores: int
+    spill_loads: int
+
+
+_SPLIT = re.compile(r"decode_split_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELi(\d+)E")
+_MERGE = re.compile(r"decode_merge_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
+
+
+def nvcc_compile_report(arch: str = "sm_90") -> list:
+    """Compile every kernel of the launcher for `arch` with nvcc; one :class:`KernelResources` each."""
+    _, log = compile_cubin(arch, package_source(), LINE_NAME, SOURCE_NAME)
+    found = []
+    for entry in ptxas_entries(log):
+        split, merge = _SPLIT.search(entry.function), _MERGE.search(entry.function)
+        match = split or merge
+        if match is None:
+            continue
+        dtype = "float16" if match.group(1) == "6__half" else "bfloat16"
+        found.append(KernelResources(entry.arch, "split" if split else "merge", dtype, int(match.group(2)),
+                                     int(split.group(3)) if split else 0, entry.registers, entry.spill_stores,
+                                     entry.spill_loads))
+    if not found:
+        raise CudaBuildError(f"nvcc for {arch} reported no kernel; its output was:\n{log[-2000:]}")
+    return sorted(found, key=lambda r: (r.kernel, r.dtype, r.head_dim, r.rows))

@@ -1,0 +1,355 @@
+// Split-KV decoding in CUDA C++ (lesson 07): one new query per sequence against a paged KV cache, GQA-aware.
+//
+// The numba kernel (kernel.py) teaches the algorithm; this one is shaped for what decode is bound by, memory
+// bandwidth (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference", 2023):
+// - every byte of K and V is read once per KV head: the block's query rows are the query heads of one KV group
+//   (GQA), held in registers, so the cache is not re-read per query head;
+// - 16-byte loads: a key's D halves are spread over D / 8 lanes, each loading one uint4 (8 values);
+// - several keys' K and V in flight per thread before any of them is used (the loads of KEYS_IN_FLIGHT steps are
+//   issued together), so each SM keeps tens of KB of requests outstanding, what HBM needs to reach full bandwidth;
+// - no shared memory on the way: each lane keeps its own online-softmax state (max, sum, 8 output columns) for the
+//   keys it saw; the states are merged once per block at the end (shuffles, then shared memory across warps);
+// - the splits of one sequence are merged by a second small kernel, exactly, through their log-sum-exps.
+// Scores are kept in log2 units (scale * log2(e) folded into q), so exp2f is one MUFU.EX2 instruction.
+// NaN and Inf give what PyTorch's SDPA gives, computed here, on the GPU, without a pass on the host: a score that is
+// NaN or +Inf turns its row's running sum into NaN (exp2(NaN) = NaN, exp2(Inf - Inf) = NaN), a query holding a NaN
+// or an Inf poisons its row outright, and a poisoned split poisons the merged row (output and LSE NaN). A NaN or an
+// Inf in V reaches the output columns it is in through P V. A sequence with no keys still gives 0 and LSE -inf.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+namespace wb {
+
+constexpr float kNegBig = -1.0e30f;  // a finite minus infinity: masked scores, empty states
+constexpr float kNegHalf = -0.5e30f;  // below this: masked / empty
+
+// NaN and Inf tests on the bits, which no compiler flag can assume away
+__device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
+__device__ __forceinline__ bool is_finite(float x) { return (__float_as_uint(x) & 0x7fffffffu) < 0x7f800000u; }
+
+struct DecodeParams {
+    const void* q;  // (B, H, D)
+    const void* k_pages;  // (num_pages, Hk, page_size, D)
+    const void* v_pages;
+    const int* block_table;  // (B, pages_per_seq)
+    const int* seq_lens;  // (B,)
+    float* part_out;  // (splits, B, H, D) float32, normalised per split
+    float* part_lse;  // (splits, B, H) float32, natural log; kNegBig for an empty split
+    int B, H, Hk, page_size, pages_per_seq, num_pages, keys_per_split, num_splits;
+    float scale_log2;  // softmax scale * log2(e)
+};
+
+// region: vector_loads
+// Eight 16-bit values <-> floats. A uint4 is 16 bytes: one load instruction (LDG.E.128) per lane.
+template <typename T> __device__ __forceinline__ void to_float8(const uint4& raw, float (&x)[8]);
+template <> __device__ __forceinline__ void to_float8<__half>(const uint4& raw, float (&x)[8]) {
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        x[2 * i] = f.x;
+        x[2 * i + 1] = f.y;
+    }
+}
+template <> __device__ __forceinline__ void to_float8<__nv_bfloat16>(const uint4& raw, float (&x)[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        x[2 * i] = f.x;
+        x[2 * i + 1] = f.y;
+    }
+}
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+// endregion
+
+// region: decode_split_kernel
+// Grid: (splits, B * Hk, ceil(G / ROWS)). Block: NUM_WARPS warps. LANES_PER_KEY = D / 8 lanes share a key, so a
+// warp reads 32 / LANES_PER_KEY keys per step and a block NUM_WARPS times that.
+template <typename T, int D, int ROWS, int NUM_WARPS, int KEYS_IN_FLIGHT>
+__global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const DecodeParams p) {
+    constexpr int LANES_PER_KEY = D / 8;
+    constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
+    constexpr int KEYS_PER_STEP = KEYS_PER_WARP * NUM_WARPS;
+
+    const int split = blockIdx.x;
+    const int b = blockIdx.y / p.Hk, kv_head = blockIdx.y % p.Hk;
+    const int group = p.H / p.Hk;
+    const int head0 = kv_head * group + blockIdx.z * ROWS;  // this block's first query head
+    const int rows = min(ROWS, kv_head * group + group - head0);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int key_lane = lane / LANES_PER_KEY;  // which of the warp's keys this lane reads
+    const int col = (lane % LANES_PER_KEY) * 8;  // the 8 columns it reads of that key
+
+    // the lengths on the device are clamped to the cache, so a wrong value cannot read outside it
+    const int length = min(max(p.seq_lens[b], 0), p.pages_per_seq * p.page_size);
+    const int start = split * p.keys_per_split;
+    const int stop = min(start + p.keys_per_split, length);
+
+    float q[ROWS][8];  // this lane's 8 columns of each query row, times scale * log2(e)
+    bool q_bad[ROWS];  // the row's query holds a NaN or an Inf (any column: the warp's lanes cover all D)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        if (r < rows) raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + ((size_t)b * p.H + head0 + r) * D + col);
+        to_float8<T>(raw, q[r]);
+        bool bad = false;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            bad |= !is_finite(q[r][i]);
+            q[r][i] *= p.scale_log2;
+        }
+        q_bad[r] = __any_sync(0xffffffffu, bad);
+    }
+    float m[ROWS], l[ROWS], acc[ROWS][8];  // this lane's online-softmax state per row, over the keys it saw
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        m[r] = kNegBig;
+        l[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
+    }
+
+    const T* k_base = static_cast<const T*>(p.k_pages);
+    const T* v_base = static_cast<const T*>(p.v_pages);
+    const int* table = p.block_table + (size_t)b * p.pages_per_seq;
+    for (int key0 = start + warp * KEYS_PER_WARP; key0 < stop; key0 += KEYS_PER_STEP * KEYS_IN_FLIGHT) {
+        // issue every load of KEYS_IN_FLIGHT steps before using any of them
+        uint4 k_raw[KEYS_IN_FLIGHT], v_raw[KEYS_IN_FLIGHT];
+#pragma unroll
+        for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
+            const int key = key0 + s * KEYS_PER_STEP + key_lane;
+            k_raw[s] = v_raw[s] = make_uint4(0, 0, 0, 0);
+            if (key < stop) {
+                const int page = min(max(table[key / p.page_size], 0), p.num_pages - 1);
+                const size_t offset = (((size_t)page * p.Hk + kv_head) * p.page_size + key % p.page_size) * D + col;
+                k_raw[s] = *reinterpret_cast<const uint4*>(k_base + offset);
+                v_raw[s] = *reinterpret_cast<const uint4*>(v_base + offset);
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
+            const bool valid = key0 + s * KEYS_PER_STEP + key_lane < stop;
+            float kx[8], vx[8];
+            to_float8<T>(k_raw[s], kx);
+            to_float8<T>(v_raw[s], vx);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                float score = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) score = fmaf(q[r][i], kx[i], score);
+                // the D / 8 lanes of one key hold partial dot products: add them up (lanes of a key are adjacent)
+#pragma unroll
+                for (int offset = LANES_PER_KEY / 2; offset > 0; offset /= 2)
+                    score += __shfl_xor_sync(0xffffffffu, score, offset);
+                if (!valid) continue;
+                const float new_max = fmaxf(m[r], score);
+                const float alpha = exp2f(m[r] - new_max);  // 0 while m[r] is kNegBig and score is not
+                const float weight = exp2f(score - new_max);
+                l[r] = l[r] * alpha + weight;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(weight, vx[i], acc[r][i] * alpha);
+                m[r] = new_max;
+            }
+        }
+    }
+
+    // merge the states of the warp's KEYS_PER_WARP key lanes (same columns, different keys): xor over key bits
+#pragma unroll
+    for (int offset = LANES_PER_KEY; offset < 32; offset *= 2) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float m_other = __shfl_xor_sync(0xffffffffu, m[r], offset);
+            const float l_other = __shfl_xor_sync(0xffffffffu, l[r], offset);
+            const float new_max = fmaxf(m[r], m_other);
+            // an empty state has l = 0 and acc = 0, so its weight does not matter, even exp2(0) = 1
+            const float mine = exp2f(m[r] - new_max), theirs = exp2f(m_other - new_max);
+            l[r] = l[r] * mine + l_other * theirs;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                acc[r][i] = acc[r][i] * mine + __shfl_xor_sync(0xffffffffu, acc[r][i], offset) * theirs;
+            m[r] = new_max;
+        }
+    }
+
+    // then across warps, through shared memory: lanes 0 .. LANES_PER_KEY-1 of each warp hold its state
+    __shared__ float s_m[NUM_WARPS][ROWS], s_l[NUM_WARPS][ROWS], s_acc[NUM_WARPS][ROWS][D];
+    if (key_lane == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (col == 0) {
+                s_m[warp][r] = m[r];
+                s_l[warp][r] = l[r];
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s_acc[warp][r][col + i] = acc[r][i];
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < rows * D; e += NUM_WARPS * 32) {
+        const int r = e / D, d = e % D;
+        float top = kNegBig;
+        for (int w = 0; w < NUM_WARPS; ++w) top = fmaxf(top, s_m[w][r]);
+        float total = 0.f, value = 0.f;
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float weight = exp2f(s_m[w][r] - top);
+            total += s_l[w][r] * weight;
+            value += s_acc[w][r][d] * weight;
+        }
+        const size_t row = ((size_t)split * p.B + b) * p.H + head0 + r;
+        // q_bad is the same in every warp; the split poisons its row only if it holds keys (a row that sees no
+        // key stays 0, whatever its query)
+        const bool poisoned = is_nan(total) || (q_bad[r] && stop > start);
+        const bool seen = total > 0.f;
+        p.part_out[row * D + d] = poisoned ? __int_as_float(0x7fc00000) : seen ? value / total : 0.f;
+        if (d == 0)
+            p.part_lse[row] = poisoned ? __int_as_float(0x7fc00000)
+                                       : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
+    }
+}
+// endregion
+
+// region: decode_merge_kernel
+// One block per (sequence, query head), one thread per column: out = sum_s exp(lse_s - lse) out_s / sum_s ...
+template <typename T, int D>
+__global__ void decode_merge_kernel(const float* part_out, const float* part_lse, T* out, float* lse, int rows,
+                                    int num_splits) {
+    const int row = blockIdx.x;
+    float top = kNegBig;
+    bool poisoned = false;  // a split made this row NaN (see the file's header)
+    for (int s = 0; s < num_splits; ++s) {
+        top = fmaxf(top, part_lse[(size_t)s * rows + row]);
+        poisoned |= is_nan(part_lse[(size_t)s * rows + row]);
+    }
+    if (poisoned) {
+        out[(size_t)row * D + threadIdx.x] = from_float<T>(__int_as_float(0x7fc00000));
+        if (threadIdx.x == 0) lse[row] = __int_as_float(0x7fc00000);
+        return;
+    }
+    float total = 0.f, value = 0.f;
+    for (int s = 0; s < num_splits; ++s) {
+        const float lse_s = part_lse[(size_t)s * rows + row];
+        if (lse_s <= kNegHalf) continue;  // an empty split
+        const float weight = __expf(lse_s - top);
+        total += weight;
+        value += weight * part_out[((size_t)s * rows + row) * D + threadIdx.x];
+    }
+    out[(size_t)row * D + threadIdx.x] = from_float<T>(total > 0.f ? value / total : 0.f);
+    if (threadIdx.x == 0) lse[row] = total > 0.f ? top + logf(total) : -INFINITY;
+}
+// endregion
+
+}  // namespace wb
+
+// The launcher's choices, in one list: (head dim, query rows per block)
+#define WB_FOR_EACH_DECODE_VARIANT(X) X(64, 1) X(64, 2) X(64, 4) X(128, 1) X(128, 2) X(128, 4)
+constexpr int kDecodeWarps = 4;  // warps per block of the split kernel
+constexpr int kKeysInFlight = 4;  // key steps whose loads a lane issues before using the first
+
+#ifdef WB_KERNEL_ONLY
+// Without torch (the compile check): instantiate every kernel the launcher can choose.
+#define WB_INSTANTIATE_SPLIT(D, ROWS)                                                                            \
+    template __global__ void wb::decode_split_kernel<__half, D, ROWS, kDecodeWarps, kKeysInFlight>(const wb::DecodeParams); \
+    template __global__ void wb::decode_split_kernel<__nv_bfloat16, D, ROWS, kDecodeWarps, kKeysInFlight>(const wb::DecodeParams);
+WB_FOR_EACH_DECODE_VARIANT(WB_INSTANTIATE_SPLIT)
+#define WB_INSTANTIATE_MERGE(T, D) \
+    template __global__ void wb::decode_merge_kernel<T, D>(const float*, const float*, T*, float*, int, int);
+WB_INSTANTIATE_MERGE(__half, 64) WB_INSTANTIATE_MERGE(__half, 128)
+WB_INSTANTIATE_MERGE(__nv_bfloat16, 64) WB_INSTANTIATE_MERGE(__nv_bfloat16, 128)
+#else
+// region: torch_launcher
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+namespace wb {
+
+template <typename T, int D, int ROWS>
+void launch_decode(const DecodeParams& params, T* out, float* lse, cudaStream_t stream) {
+    const int group = params.H / params.Hk;
+    const dim3 grid(params.num_splits, params.B * params.Hk, (group + ROWS - 1) / ROWS);
+    decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight><<<grid, kDecodeWarps * 32, 0, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    decode_merge_kernel<T, D><<<params.B * params.H, D, 0, stream>>>(params.part_out, params.part_lse, out, lse,
+                                                                     params.B * params.H, params.num_splits);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ROWS: query heads per block, the group size up to 4 (more rows would not fit in registers without spilling;
+// larger groups, as in MQA, take several blocks per KV head, which re-read the cache, mostly from L2)
+template <typename T, int D>
+void launch_rows(const DecodeParams& params, T* out, float* lse, cudaStream_t stream) {
+    const int group = params.H / params.Hk;
+    if (group == 1) return launch_decode<T, D, 1>(params, out, lse, stream);
+    if (group == 2) return launch_decode<T, D, 2>(params, out, lse, stream);
+    return launch_decode<T, D, 4>(params, out, lse, stream);
+}
+
+}  // namespace wb
+
+// Returns [out (B, H, D) in q's dtype, lse (B, H) float32]. The inputs were validated by wb.decode; the checks here
+// guard the raw pointers.
+std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
+                                                torch::Tensor block_table, torch::Tensor seq_lens,
+                                                int64_t keys_per_split, int64_t num_splits, double scale) {
+    TORCH_CHECK(q.is_cuda() && k_pages.is_cuda() && v_pages.is_cuda() && block_table.is_cuda() && seq_lens.is_cuda(),
+                "flash_decode: every tensor must be on the GPU");
+    const bool is_half = q.scalar_type() == torch::kHalf;
+    TORCH_CHECK(is_half || q.scalar_type() == torch::kBFloat16, "flash_decode: dtype must be float16 or bfloat16");
+    TORCH_CHECK(k_pages.scalar_type() == q.scalar_type() && v_pages.scalar_type() == q.scalar_type(),
+                "flash_decode: q and the cache must have one dtype");
+    TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
+                "flash_decode: q (B, H, D), pages (num_pages, Hk, page_size, D)");
+    TORCH_CHECK(q.is_contiguous() && k_pages.is_contiguous() && v_pages.is_contiguous() &&
+                block_table.is_contiguous() && seq_lens.is_contiguous(), "flash_decode: inputs must be contiguous");
+    TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+                "flash_decode: block_table and seq_lens must be int32");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hk = k_pages.size(1);
+    TORCH_CHECK(D == 64 || D == 128, "flash_decode: head dim must be 64 or 128, got ", D);
+    TORCH_CHECK(k_pages.size(3) == D && H % Hk == 0, "flash_decode: the cache's D must be q's, and Hk divide H");
+    TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && seq_lens.numel() == B,
+                "flash_decode: block_table (B, pages) and seq_lens (B,)");
+    TORCH_CHECK(num_splits >= 1 && keys_per_split >= 1, "flash_decode: need num_splits >= 1, keys_per_split >= 1");
+    const c10::cuda::CUDAGuard guard(q.device());
+    auto out = torch::empty_like(q);
+    auto lse = torch::empty({B, H}, q.options().dtype(torch::kFloat32));
+    auto part_out = torch::empty({num_splits, B, H, D}, q.options().dtype(torch::kFloat32));
+    auto part_lse = torch::empty({num_splits, B, H}, q.options().dtype(torch::kFloat32));
+
+    wb::DecodeParams params;
+    params.q = q.data_ptr();
+    params.k_pages = k_pages.data_ptr();
+    params.v_pages = v_pages.data_ptr();
+    params.block_table = block_table.data_ptr<int>();
+    params.seq_lens = seq_lens.data_ptr<int>();
+    params.part_out = part_out.data_ptr<float>();
+    params.part_lse = part_lse.data_ptr<float>();
+    params.B = static_cast<int>(B);
+    params.H = static_cast<int>(H);
+    params.Hk = static_cast<int>(Hk);
+    params.page_size = static_cast<int>(k_pages.size(2));
+    params.pages_per_seq = static_cast<int>(block_table.size(1));
+    params.num_pages = static_cast<int>(k_pages.size(0));
+    params.keys_per_split = static_cast<int>(keys_per_split);
+    params.num_splits = static_cast<int>(num_splits);
+    params.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    float* lse_ptr = lse.data_ptr<float>();
+    if (is_half) {
+        auto* o = reinterpret_cast<__half*>(out.data_ptr());
+        if (D == 64) wb::launch_rows<__half, 64>(params, o, lse_ptr, stream);
+        else wb::launch_rows<__half, 128>(params, o, lse_ptr, stream);
+    } else {
+        auto* o = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+        if (D == 64) wb::launch_rows<__nv_bfloat16, 64>(params, o, lse_ptr, stream);
+        else wb::launch_rows<__nv_bfloat16, 128>(params, o, lse_ptr, stream);
+    }
+    return {out, lse};
+}
+// endregion
+#endif  // WB_KERNEL_ONLY
