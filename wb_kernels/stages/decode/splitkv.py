@@ -90,6 +90,7 @@ def split_kv_attention(q, k, v, num_splits: int, scale=None, allowed=None):
     return merge_partials(outs, lses)
 
 
+# region: choose_num_splits
 def choose_num_splits(batch: int, kv_heads: int, max_keys: int, num_sms: int, *, blocks_per_sm: int = 2,
                       min_keys_per_split: int = MIN_KEYS_PER_SPLIT, max_splits: int = 64) -> int:
     """How many splits per sequence: enough blocks to fill the GPU, no split shorter than `min_keys_per_split`.
@@ -105,3 +106,4 @@ def choose_num_splits(batch: int, kv_heads: int, max_keys: int, num_sms: int, *,
     wanted = math.ceil(num_sms * blocks_per_sm / blocks)
     allowed_by_length = max(1, max_keys // min_keys_per_split)
     return int(max(1, min(wanted, allowed_by_length, max_splits)))
+# endregion
