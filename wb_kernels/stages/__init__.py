@@ -35,8 +35,17 @@ class Stage:
     linear_memory: bool = False  # True: no L x L buffer (the flash stages), suggested when others can't fit
 
 
+_FOUND: dict = {}  # the registry, filled by the first lookup: folders are walked once per process, not per call
+
+
 def available_stages() -> dict:
-    """All stages found in this package, in ladder order: {name: Stage}."""
+    """All stages found in this package, in ladder order: {name: Stage} (a copy: callers may change theirs)."""
+    if not _FOUND:
+        _FOUND.update(_discover())
+    return dict(_FOUND)
+
+
+def _discover() -> dict:
     found = []
     for module_info in pkgutil.iter_modules(__path__):
         if module_info.name.startswith("_"):
@@ -49,6 +58,9 @@ def available_stages() -> dict:
 
 
 def get_stage(name: str) -> Stage:
+    stage = _FOUND.get(name)
+    if stage is not None:
+        return stage
     stages = available_stages()
     if name not in stages:
         raise ValueError(f"stage={name!r} is not a stage of this package; available: {', '.join(stages)}")
