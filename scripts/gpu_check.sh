@@ -5,7 +5,7 @@
 #   scripts/gpu_check.sh [STEP ...]      steps: env build traffic tests properties accuracy bench notebooks tune
 #                                        (notebooks = execute, then nbval; each may be named alone)
 #                                        (default: all but tune, in that order: the lessons come after
-#                                        the benchmark because lesson 07 shows the newest results file)
+#                                        the benchmark because lesson 08 shows the newest results file)
 #   NOTEBOOKS="notebooks/04_*.ipynb" scripts/gpu_check.sh notebooks     only some lessons
 #   TESTS="tests/test_flash.py" scripts/gpu_check.sh tests             only some tests
 #   TUNE_RUNGS="mma" TUNE_ARGS="--quick" scripts/gpu_check.sh tune     only some rungs' tuning, fewer lengths

@@ -1,4 +1,4 @@
-"""The benchmark CLI, its results file, figures, README table and lesson 07's dashboard functions."""
+"""The benchmark CLI, its results file, figures, README table and lesson 08's dashboard functions."""
 
 from __future__ import annotations
 

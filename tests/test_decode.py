@@ -338,3 +338,98 @@ def test_non_finite_inputs_give_what_sdpa_gives(kernel):
     np.testing.assert_array_equal(nan_rows, expected)
     np.testing.assert_array_equal(np.isnan(lse), expected)
     assert not np.isnan(out[~expected]).any() and np.all(out[2] == 0)
+
+# ---------------------------------------------------------------- the lesson's figures and slider logic
+
+
+def test_decode_attention_moves_about_one_byte_per_flop():
+    from wb_kernels.stages.decode import slider
+
+    mha = slider.attention_cost(1, 32, 32, 1, 4096, 64, dtype_bytes=2)
+    assert mha["flops"] == 4 * 32 * 4096 * 64 and mha["kv_bytes"] == 2 * 32 * 4096 * 64 * 2
+    assert 0.99 < mha["intensity"] < 1.0  # q and the output add a little to the bytes
+    gqa = slider.attention_cost(1, 32, 8, 1, 4096, 64, dtype_bytes=2)
+    assert gqa["kv_bytes"] * 4 == mha["kv_bytes"] and 3.9 < gqa["intensity"] < 4.0
+    prefill = slider.attention_cost(1, 32, 32, 4096, 4096, 64, dtype_bytes=2)
+    assert prefill["intensity"] > 1000
+    with pytest.raises(ValueError, match="must divide"):
+        slider.attention_cost(1, 32, 5, 1, 10, 64)
+
+
+def test_split_table_and_the_grid_of_the_kernel():
+    from wb_kernels.stages.decode import slider
+    from wb_kernels.stages.decode.kernel import GPU_CONFIG
+
+    assert slider.row_chunks(32, 32) == 1 and slider.row_chunks(32, 8) == 1
+    assert slider.row_chunks(32, 1) == -(-32 // GPU_CONFIG.rows)  # MQA's 32 heads do not fit one block
+    rows = slider.splits_table(132, batches=(1,), kv_heads=(8,), lengths=(32768,))
+    assert rows == [{"B": 1, "Hk": 8, "Lk": 32768, "splits": 33, "blocks_unsplit": 8, "blocks": 264,
+                     "blocks_per_sm": 2.0}]
+    assert len(slider.splits_table(132)) == 3 * 3 * len(slider.WORKLOAD_LENGTHS)
+    np.testing.assert_array_equal(slider.sm_wave(8, 132), [1] * 8 + [0] * 124)
+    assert slider.sm_wave(1000, 132).tolist() == [2] * 132 and slider.sm_wave(140, 132)[:8].tolist() == [2] * 8
+
+
+def test_split_weights_sum_to_one_and_empty_splits_weigh_nothing():
+    from wb_kernels.stages.decode import slider
+
+    weights = slider.split_weights([1.0, -np.inf, 3.0])
+    np.testing.assert_allclose(weights, [1 / (1 + np.e ** 2), 0.0, 1 / (1 + np.e ** -2)])
+    np.testing.assert_array_equal(slider.split_weights([-np.inf, -np.inf]), [0.0, 0.0])
+
+
+def test_paged_cache_memory():
+    from wb_kernels.stages.decode import slider
+
+    memory = slider.cache_memory([1, 16, 17, 100], max_len=128, page_size=16)
+    assert memory == {"used": 134, "contiguous": 512, "paged": 16 + 16 + 32 + 112,
+                      "contiguous_waste": 1 - 134 / 512, "paged_waste": 1 - 134 / 176}
+    lengths = slider.random_sequence_lengths(500, 2048, seed=1)
+    assert lengths.min() >= 1 and lengths.max() <= 2048 and np.median(lengths) < 2048 / 4
+    with pytest.raises(ValueError, match="lengths"):
+        slider.cache_memory([129], max_len=128, page_size=16)
+
+
+def test_figures_draw():
+    from wb_kernels.stages.decode import slider
+
+    figures = [
+        slider.draw_roofline([("decode", 1.0), ("prefill", 2000.0)], peak_tflops=700, bandwidth_gbps=3000, gpu="GPU"),
+        slider.draw_split_weights(np.arange(10.0), 3, [1.0, 2.0, -np.inf]),
+        slider.draw_splits_heatmap(132, "GPU"),
+        slider.draw_split_choice(1, 8, 1024, num_sms=132, gpu="GPU"),
+        slider.draw_split_choice(64, 32, 131072, num_sms=132, gpu="GPU"),
+        slider.draw_cache_memory(slider.random_sequence_lengths(50, 512), 512),
+        slider.draw_page_pool(np.array([[3, 0], [1, 2]], np.int32), [20, 5], 5, 16),
+    ]
+    assert all(len(fig.axes) >= 1 for fig in figures)
+
+
+def test_committed_results_readers(tmp_path):
+    import json
+
+    from wb_kernels.stages.decode import slider
+
+    assert slider.committed_decode_results(tmp_path) is None
+    (tmp_path / "bench_a.json").write_text("{}")
+    newest = tmp_path / "bench_b.json"
+    newest.write_text(json.dumps({"environment": {"gpu": "Some GPU", "date": "2027-01-02T03:04:05Z"},
+                                  "records": [{"contender": "decode", "B": 1, "Hk": 8, "Lk": 1024, "median_ms": 0.01}]}))
+    assert slider.committed_decode_results(tmp_path) == newest
+    lines = slider.describe_decode_results(json.loads(newest.read_text()))
+    assert lines == ["Some GPU, 2027-01-02", "  contender=decode, B=1, Hk=8, Lk=1024, median_ms=0.01"]
+    gpu = slider.committed_gpu()
+    if gpu is not None:  # the committed benchmark run names its GPU and what it measured there
+        assert gpu["sm_count"] > 0 and gpu["copy_gbps"] > 0 and gpu["gpu"]
+
+
+def test_a_lesson_can_launch_its_own_kernels():
+    """split_kv_forward(kernel=, merge=) runs the kernels a lesson built from its own cells."""
+    from wb_kernels.stages.decode import kernel as dk
+
+    q, (kp, vp, table), _, lens = make_cache(2, 4, 2, 16, [9, 21], page_size=8, seed=4)
+    config = dk.config_for()
+    package, _ = split_kv_forward(q[:, :, None], kp, vp, table, lens, num_splits=2)
+    own, _ = split_kv_forward(q[:, :, None], kp, vp, table, lens, num_splits=2,
+                              kernel=dk.make_partial_kernel(16, config), merge=dk.merge_kernel)
+    np.testing.assert_array_equal(own, package)

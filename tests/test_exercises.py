@@ -29,7 +29,8 @@ LESSONS = [
     ("04_flash", "wb_kernels.stages.flash"),
     ("05_wmma", "wb_kernels.stages.wmma"),
     ("06_mma", "wb_kernels.stages.mma"),
-    ("07_bench", "wb_kernels.bench"),  # the dashboard lesson: not a rung, its exercises live with the benchmark
+    ("07_decode", "wb_kernels.stages.decode"),
+    ("08_bench", "wb_kernels.bench"),  # the dashboard lesson: not a rung, its exercises live with the benchmark
 ]
 
 
@@ -173,3 +174,29 @@ def test_mma_fragment_softmax_puzzle_solution_and_each_missing_piece(capsys):
     assert not _solved(check, _softmax_step(quad, guard=False), capsys)  # NaN in rows whose first key comes late
     assert not _solved(check, _softmax_step(own_lane, guard=True), capsys)  # lanes disagree on m: P's columns too
     assert not _solved(check, _softmax_step(whole_warp, guard=True), capsys)
+
+
+def test_decode_merge_puzzle_solution_the_stub_and_two_traps(capsys):
+    import numpy as np
+
+    from wb_kernels.stages.decode import exercises, solutions
+
+    check = exercises.check_merge_puzzle
+    assert _solved(check, solutions.merge_partials, capsys)
+    assert not _solved(check, lambda outs, lses: (outs[0], lses[0]), capsys)  # the stub as shipped
+
+    def without_the_max(outs, lses):  # exact on paper; exp(lse) overflows at the puzzle's scores
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            weights = np.exp(lses)
+            total = weights.sum(axis=0)
+            return (weights[..., None] * outs).sum(axis=0) / total[:, None], np.log(total)
+
+    def without_the_guard(outs, lses):  # right for every row that sees a key; NaN for the row that sees none
+        with np.errstate(invalid="ignore"):
+            top = lses.max(axis=0)
+            weights = np.exp(lses - top)
+            total = weights.sum(axis=0)
+            return (weights[..., None] * outs).sum(axis=0) / total[:, None], top + np.log(total)
+
+    assert not _solved(check, without_the_max, capsys)
+    assert not _solved(check, without_the_guard, capsys)

@@ -110,6 +110,22 @@ def test_link_slider_redraws_and_shows_what_it_is_computing():
     assert seen == [128, 256]
 
 
+def test_link_sliders_redraws_on_each_slider():
+    import ipywidgets as widgets
+
+    from wb_kernels.widgets import link_sliders
+
+    seen = []
+    a = widgets.SelectionSlider(options=[1, 2, 4], value=1, description="B")
+    b = widgets.SelectionSlider(options=[8, 16], value=8, description="Hk")
+    box = link_sliders([a, b], lambda x, y: seen.append((x, y)) or f"{x} {y}")
+    (row, output) = box.children
+    assert row.children[:2] == (a, b) and row.children[2].value == ""
+    a.value = 4
+    b.value = 16
+    assert seen == [(1, 8), (4, 8), (4, 16)]
+
+
 def test_link_slider_clears_its_status_when_the_callback_raises():
     import pytest
 

@@ -1,4 +1,4 @@
-"""One plot style for every lesson (01-07) and the benchmark, and saving into ``figures/``.
+"""One plot style for every lesson (01-08) and the benchmark, and saving into ``figures/``.
 
 PNG files are written without timestamps or software versions in their metadata, so re-running a
 lesson that draws the same figure leaves the committed file unchanged.

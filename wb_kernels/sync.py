@@ -1,4 +1,4 @@
-"""One source of truth between the lessons and the package (lessons 02-06; checked by CI).
+"""One source of truth between the lessons and the package (lessons 02-07; checked by CI).
 
 A module marks a piece of code a lesson shows in full with
 

@@ -1,4 +1,4 @@
-"""Timing and peak-memory measurement (lessons 01-07 and the benchmark).
+"""Timing and peak-memory measurement (lessons 01-08 and the benchmark).
 
 Timing follows the usual rules for asynchronous devices: warm-up calls first (compilation, caches,
 allocator), synchronization around every measured call (CUDA events on a GPU), many repeats,

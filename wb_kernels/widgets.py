@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["sequence_length_slider", "link_slider", "progress"]
+__all__ = ["sequence_length_slider", "link_slider", "link_sliders", "progress"]
 
 
 def sequence_length_slider(values, value=None, description="L"):
@@ -28,24 +28,31 @@ def link_slider(slider, draw):
     Returns the widget to display. `draw` runs in the callback, so an exception there surfaces in the
     output area (and the browser test sees it) instead of vanishing.
     """
+    return link_sliders([slider], draw)
+
+
+def link_sliders(sliders, draw):
+    """Like :func:`link_slider` for several sliders side by side: ``draw(*values)`` in the sliders' order."""
     import ipywidgets as widgets
     from IPython.display import display
 
+    sliders = list(sliders)
     output = widgets.Output()
     status = widgets.Label()  # says that work is under way: on the simulator a redraw can take seconds
 
     def redraw(change=None):
-        status.value = f"computing for {slider.description} = {slider.value} …"
+        status.value = "computing for " + ", ".join(f"{s.description} = {s.value}" for s in sliders) + " …"
         try:
             with output:
                 output.clear_output(wait=True)
-                display(draw(slider.value))
+                display(draw(*(s.value for s in sliders)))
         finally:
             status.value = ""
 
-    slider.observe(redraw, names="value")
+    for slider in sliders:
+        slider.observe(redraw, names="value")
     redraw()
-    return widgets.VBox([widgets.HBox([slider, status]), output])
+    return widgets.VBox([widgets.HBox([*sliders, status]), output])
 
 
 def _in_notebook() -> bool:

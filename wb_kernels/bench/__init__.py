@@ -1,4 +1,4 @@
-"""The benchmark: every stage against PyTorch's attention, into one resumable JSON file (lesson 07;
+"""The benchmark: every stage against PyTorch's attention, into one resumable JSON file (lesson 08;
 lesson 03 quotes its committed results, lesson 04 uses :data:`REPO_ROOT`).
 
     python -m wb_kernels.bench --help        # the command line: wb_kernels/bench/cli.py
@@ -14,8 +14,8 @@ One module per role:
                     of their own; the per-call overhead
 - :mod:`.cli`       ``python -m wb_kernels.bench`` (:func:`main`)
 - :mod:`.figures`   figures from a results file (matplotlib; imported on use)
-- :mod:`.pitfalls`  the honest-benchmarking demonstrations and how lesson 07 prints them
-- :mod:`.dashboard` lesson 07's dashboard widget (ipywidgets; imported on use)
+- :mod:`.pitfalls`  the honest-benchmarking demonstrations and how lesson 08 prints them
+- :mod:`.dashboard` lesson 08's dashboard widget (ipywidgets; imported on use)
 - :mod:`.ncu_traffic` the CUDA C++ stages' shared-memory traffic under Nsight Compute
                     (``python -m wb_kernels.bench.ncu_traffic``; a script, not imported here)
 

@@ -1,4 +1,4 @@
-"""Lesson 07's exercises: what each answer must equal (computed from the package when graded).
+"""Lesson 08's exercises: what each answer must equal (computed from the package when graded).
 
 The worked answers are in ``solutions.py`` next to this file: open it when you want them.
 """
@@ -23,5 +23,5 @@ EXERCISES = (
 
 
 def check(answer_1, answer_2, answer_3, answer_4) -> None:
-    """Grade lesson 07's exercises (``...`` means not answered yet)."""
+    """Grade lesson 08's exercises (``...`` means not answered yet)."""
     check_answers(EXERCISES, answer_1, answer_2, answer_3, answer_4)

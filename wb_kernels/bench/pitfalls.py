@@ -1,4 +1,4 @@
-"""Honest benchmarking, shown by getting it wrong on purpose (lesson 07's middle part).
+"""Honest benchmarking, shown by getting it wrong on purpose (lesson 08's middle part).
 
 :func:`honesty_demos` measures each mistake next to the right way on a GPU: no warm-up, a CPU timer
 without synchronizing, the mean instead of the median, a warm L2 cache, clocks after idle, zeros
@@ -52,7 +52,7 @@ def _stats(samples) -> dict:
 
 
 def honesty_demos() -> dict:
-    """Measured examples of each benchmarking mistake (lesson 07). GPU only; about 15 s.
+    """Measured examples of each benchmarking mistake (lesson 08). GPU only; about 15 s.
 
     Each entry holds the numbers of the wrong and the right way, measured one after the other.
     """
@@ -198,7 +198,7 @@ def honesty_demos() -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Printing and drawing them from the results file (what lesson 07 shows)
+# Printing and drawing them from the results file (what lesson 08 shows)
 # ----------------------------------------------------------------------------------------------
 
 HONESTY_TOPICS = ("warmup", "async", "medians", "l2", "clocks", "zeros")

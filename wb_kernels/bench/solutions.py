@@ -1,4 +1,4 @@
-"""Worked solutions to lesson 07's exercises. Try them first: the lesson's check cell tells you when you are right."""
+"""Worked solutions to lesson 08's exercises. Try them first: the lesson's check cell tells you when you are right."""
 
 answer_1 = 4 * 4 * 16 * 4096**2 * 128 / 2 / 0.5e-3 / 1e12  # causal: half of 4*B*H*L*L*D, over 0.5 ms, in TFLOP/s
 answer_2 = 4096 / 2                                        # 4*L*L*D FLOPs / (2 bytes * 4*L*D): L/2

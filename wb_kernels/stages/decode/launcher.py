@@ -72,17 +72,19 @@ def _work(x):
 
 
 def split_kv_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal=False, key_padding_mask=None,
-                     scale=None, num_splits=None, max_len=None, config=None):
+                     scale=None, num_splits=None, max_len=None, config=None, kernel=None, merge=None):
     """Split-KV attention of q (B, H, Lq, D) over a paged cache; returns float32 ``(out, lse)``.
 
     `block_table` (B, pages per sequence) and `seq_lens` (B,) are int32 (NumPy or torch); `causal` is False/True/
     "top_left"/"bottom_right"; `max_len` bounds the longest sequence (default: the block table's capacity), and
-    with the GPU's SM count it sets the number of splits unless `num_splits` is given.
+    with the GPU's SM count it sets the number of splits unless `num_splits` is given. `kernel` and `merge` let a
+    lesson launch its own kernels (built by ``make_partial_kernel(D, config)``, and a ``merge_kernel``).
     """
     B, H, Lq, D = q.shape
     Hk, page_size = k_pages.shape[1], k_pages.shape[2]
     config = config or config_for()
-    kernel = get_partial_kernel(D, config)
+    kernel = kernel or get_partial_kernel(D, config)
+    merge = merge or merge_kernel
     scale = float(D) ** -0.5 if scale is None else float(scale)
     max_len = block_table.shape[1] * page_size if max_len is None else int(max_len)
     if num_splits is None:
@@ -101,8 +103,8 @@ def split_kv_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal=False
         np.float32(scale), keys_per_split, kernel_view(part_out), kernel_view(part_lse))
     out = empty((B, H, Lq, D))
     lse = empty((B, H, Lq))
-    merge_kernel[B * H * Lq, min(D, 128)](kernel_view(part_out), kernel_view(part_lse), kernel_view(out),
-                                          kernel_view(lse))
+    merge[B * H * Lq, min(D, 128)](kernel_view(part_out), kernel_view(part_lse), kernel_view(out),
+                                   kernel_view(lse))
     if is_torch(lse):  # rows that saw no key: LSE -inf by the package's convention
         lse.masked_fill_(lse < NEG_HALF, float("-inf"))
     else:

@@ -31,6 +31,7 @@ __all__ = ["partial_attention", "merge_partials", "split_kv_attention", "split_b
 MIN_KEYS_PER_SPLIT = 256
 
 
+# region: partial_attention
 def partial_attention(q, k, v, scale, allowed=None):
     """One split's share: ``(out_s, lse_s)`` for queries q (R, D) over keys k, v (n, D).
 
@@ -48,8 +49,10 @@ def partial_attention(q, k, v, scale, allowed=None):
     with np.errstate(divide="ignore"):
         lse = np.where(seen, row_max + np.log(np.where(seen, total, 1.0)), -np.inf)
     return out, lse
+# endregion
 
 
+# region: merge_partials
 def merge_partials(outs, lses):
     """Merge splits exactly: outs (S, ..., D), lses (S, ...) -> (out (..., D), lse (...)).
 
@@ -65,6 +68,7 @@ def merge_partials(outs, lses):
     out = np.where(seen[..., None], (weights[..., None] * outs).sum(axis=0) / safe_total[..., None], 0.0)
     lse = np.where(seen, top + np.log(safe_total), -np.inf)
     return out, lse
+# endregion
 
 
 def split_bounds(length: int, num_splits: int):
@@ -86,6 +90,7 @@ def split_kv_attention(q, k, v, num_splits: int, scale=None, allowed=None):
     return merge_partials(outs, lses)
 
 
+# region: choose_num_splits
 def choose_num_splits(batch: int, kv_heads: int, max_keys: int, num_sms: int, *, blocks_per_sm: int = 2,
                       min_keys_per_split: int = MIN_KEYS_PER_SPLIT, max_splits: int = 64) -> int:
     """How many splits per sequence: enough blocks to fill the GPU, no split shorter than `min_keys_per_split`.
@@ -101,3 +106,4 @@ def choose_num_splits(batch: int, kv_heads: int, max_keys: int, num_sms: int, *,
     wanted = math.ceil(num_sms * blocks_per_sm / blocks)
     allowed_by_length = max(1, max_keys // min_keys_per_split)
     return int(max(1, min(wanted, allowed_by_length, max_splits)))
+# endregion

@@ -1,0 +1,346 @@
+"""Figure and slider logic for lesson 07 (decoding with a KV cache).
+
+What a decode step costs (FLOPs, bytes, where that sits on a roofline), how many key splits fill the GPU, a paged
+cache against contiguous ones sized to a maximum length, and the committed GPU numbers the lesson reads. Plain
+functions (inputs -> numbers or a matplotlib Figure): pytest calls them (``tests/test_decode.py``), and the lesson
+wires :func:`draw_split_choice` to three sliders with :func:`wb_kernels.widgets.link_sliders`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ...plots import new_figure, style
+from .kernel import GPU_CONFIG
+from .splitkv import MIN_KEYS_PER_SPLIT, choose_num_splits, split_bounds
+
+__all__ = ["attention_cost", "committed_gpu", "draw_roofline", "split_weights", "draw_split_weights",
+           "row_chunks", "splits_table", "draw_splits_heatmap", "sm_wave", "draw_split_choice", "random_sequence_lengths",
+           "cache_memory", "draw_cache_memory", "draw_page_pool", "committed_decode_results",
+           "describe_decode_results", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
+           "WORKLOAD_KV_HEADS", "WORKLOAD_LENGTHS"]
+
+SLIDER_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+SLIDER_KV_HEADS = (1, 2, 4, 8, 16, 32)
+SLIDER_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+# the decode workloads the rung is measured on: batch 1, 8, 64; MHA, GQA and MQA of 32 query heads; 1k to 128k keys
+WORKLOAD_BATCHES = (1, 8, 64)
+WORKLOAD_KV_HEADS = (32, 8, 1)
+WORKLOAD_LENGTHS = SLIDER_LENGTHS
+
+
+# ---------------------------------------------------------------- what a step costs
+
+
+def attention_cost(B: int, H: int, Hk: int, Lq: int, Lk: int, D: int, dtype_bytes: int = 2) -> dict:
+    """FLOPs of attention (``4 B H Lq Lk D``: QK^T and PV, no mask) and the bytes it must move at least: q and the
+    output once, and the cache's K and V once (``2 B Hk Lk D``: the query heads of a group share their KV head).
+    Decode is ``Lq = 1``; a prefill of L tokens is ``Lq = Lk = L``."""
+    if min(B, H, Hk, Lq, Lk, D, dtype_bytes) < 1 or H % Hk:
+        raise ValueError(f"attention_cost: sizes must be >= 1 and Hk={Hk} must divide H={H}")
+    flops = 4 * B * H * Lq * Lk * D
+    q_and_out = 2 * B * H * Lq * D * dtype_bytes
+    kv = 2 * B * Hk * Lk * D * dtype_bytes
+    return {"flops": flops, "kv_bytes": kv, "q_out_bytes": q_and_out, "bytes": kv + q_and_out,
+            "intensity": flops / (kv + q_and_out)}
+
+
+def committed_gpu(path=None) -> dict | None:
+    """The GPU of the committed benchmark run (``results/bench/``, or `path`): its name, date, SM count, copy
+    bandwidth and fp16 matrix-multiply peak as that run measured them. None where no GPU run is committed."""
+    from ...bench import committed_results, load_results
+
+    path = path or committed_results("gpu")
+    if path is None:
+        return None
+    results = load_results(path)
+    env, ceilings = results["environment"], results.get("ceilings") or {}
+    return {"gpu": env["gpu"], "date": env["date"][:10], "sm_count": env["sm_count"],
+            "copy_gbps": ceilings.get("copy_gbps"), "float16_tflops": ceilings.get("float16_matmul_tflops"),
+            "file": Path(path).name}
+
+
+def draw_roofline(points, *, peak_tflops: float, bandwidth_gbps: float, gpu: str):
+    """The roofline (``min(peak, bandwidth x intensity)``) with `points` [(label, FLOPs per byte), ...] on it: the
+    speed each could reach at best."""
+    fig, ax = new_figure(width=7.0, height=3.8)
+    intensities = [x for _, x in points]
+    x = np.geomspace(min(min(intensities) / 4, 0.25), max(max(intensities) * 4, 4 * peak_tflops * 1e3 / bandwidth_gbps),
+                     300)
+    roof = np.minimum(peak_tflops, bandwidth_gbps * x / 1e3)
+    ax.plot(x, roof, color="black", lw=1.5)
+    ridge = peak_tflops * 1e3 / bandwidth_gbps
+    ax.axvline(ridge, color="black", lw=0.6, ls=":")
+    ax.annotate(f"ridge: {ridge:.0f} FLOP/byte", (ridge, peak_tflops / 30), xytext=(4, 0), textcoords="offset points",
+                fontsize=8)
+    ax.annotate(f"fp16 matmul {peak_tflops:.0f} TFLOP/s", (x[-1], peak_tflops), ha="right", va="bottom", fontsize=8)
+    ax.annotate(f"memory {bandwidth_gbps:.0f} GB/s", (x[0], roof[0]), ha="left", va="bottom", fontsize=8)
+    for n, (label, intensity) in enumerate(points):
+        reach = min(peak_tflops, bandwidth_gbps * intensity / 1e3)
+        ax.plot([intensity], [reach], "o", markersize=6, color=f"C{n}", label=f"{label}: {intensity:.3g} FLOP/byte")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOPs per byte moved)")
+    ax.set_ylabel("attainable TFLOP/s")
+    ax.set_title(f"Attention on the roofline of an {gpu}")
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
+# ---------------------------------------------------------------- split-KV
+
+
+def split_weights(lses) -> np.ndarray:
+    """Each split's share of the row's softmax mass, ``exp(lse_s - lse)``: they sum to 1 (0 for an empty split)."""
+    lses = np.asarray(lses, dtype=np.float64)
+    top = lses.max()
+    if not np.isfinite(top):
+        return np.zeros_like(lses)
+    weights = np.exp(lses - top)
+    return weights / weights.sum()
+
+
+def draw_split_weights(scores, num_splits: int, lses):
+    """One row's scores along its keys, the split boundaries, and each split's weight in the merge."""
+    scores = np.asarray(scores)
+    bounds = split_bounds(len(scores), num_splits)
+    weights = split_weights(lses)
+    fig, (ax_s, ax_w) = new_figure(ncols=2, width=11.0, height=3.4)
+    ax_s.plot(np.arange(len(scores)), scores, ".", color="C0")
+    for start, stop in bounds[1:]:
+        if start < len(scores):
+            ax_s.axvline(start - 0.5, color="black", lw=0.6, ls="--")
+    ax_s.set(xlabel="key", ylabel="score (scaled q·k)", title=f"one query's scores, {num_splits} splits")
+    ax_w.bar([f"{s}\n[{a},{b})" for s, (a, b) in enumerate(bounds)], weights, color="C1")
+    ax_w.set(ylabel="exp(lse_s − lse)", title="each split's weight in the merge (they sum to 1)")
+    ax_w.tick_params(axis="x", labelsize=7)
+    return fig
+
+
+def row_chunks(H: int, Hk: int, rows_per_block: int = GPU_CONFIG.rows) -> int:
+    """Blocks per (split, sequence, KV head): a block holds `rows_per_block` query rows, the group's H / Hk heads
+    (one new token each); a larger group takes several blocks, and each reads the split's keys again."""
+    return -(-(H // Hk) // rows_per_block)
+
+
+def splits_table(num_sms: int, batches=WORKLOAD_BATCHES, kv_heads=WORKLOAD_KV_HEADS, lengths=WORKLOAD_LENGTHS, *,
+                 H: int = 32):
+    """For every (B, Hk, Lk): the splits ``choose_num_splits`` picks and the grid the kernel launches, without
+    splitting and with the splits (``splits x B·Hk x row chunks`` blocks), and the latter per SM."""
+    rows = []
+    for B in batches:
+        for Hk in kv_heads:
+            for Lk in lengths:
+                splits = choose_num_splits(B, Hk, Lk, num_sms)
+                unsplit = B * Hk * row_chunks(H, Hk)
+                rows.append({"B": B, "Hk": Hk, "Lk": Lk, "splits": splits, "blocks_unsplit": unsplit,
+                             "blocks": unsplit * splits, "blocks_per_sm": unsplit * splits / num_sms})
+    return rows
+
+
+def _length_label(L: int) -> str:
+    return f"{L // 1024}k" if L >= 1024 else str(L)
+
+
+def draw_splits_heatmap(num_sms: int, gpu: str, batches=WORKLOAD_BATCHES, kv_heads=WORKLOAD_KV_HEADS,
+                        lengths=WORKLOAD_LENGTHS, *, H: int = 32):
+    """Left: the splits chosen for each workload. Right: the grid's blocks without splitting and with the splits,
+    coloured by blocks per SM."""
+    from matplotlib.colors import LogNorm
+
+    rows = splits_table(num_sms, batches, kv_heads, lengths, H=H)
+    labels = [f"B={B}, Hk={Hk}" for B in batches for Hk in kv_heads]
+    shape = (len(labels), len(lengths))
+    splits = np.array([r["splits"] for r in rows], dtype=float).reshape(shape)
+    unsplit = np.array([r["blocks_unsplit"] for r in rows]).reshape(shape)
+    blocks = np.array([r["blocks"] for r in rows]).reshape(shape)
+    fig, (ax_s, ax_b) = new_figure(ncols=2, width=12.0, height=5.0)
+    for ax, data, norm, cmap, title in (
+            (ax_s, splits, LogNorm(vmin=1, vmax=64), "Blues", "splits per sequence (choose_num_splits)"),
+            (ax_b, blocks / num_sms, LogNorm(vmin=1 / 16, vmax=16), "RdYlGn",
+             f"blocks: unsplit → split; colour: blocks per SM ({num_sms} SMs)")):
+        image = ax.imshow(data, cmap=cmap, aspect="auto", norm=norm)
+        ax.set_xticks(range(len(lengths)), [_length_label(L) for L in lengths])
+        ax.set_yticks(range(len(labels)), labels)
+        ax.set_xlabel("keys per sequence Lk")
+        ax.set_title(title, fontsize=10)
+        ax.grid(False)
+        fig.colorbar(image, ax=ax, shrink=0.8)
+    for i in range(shape[0]):
+        for j in range(shape[1]):
+            ax_s.text(j, i, f"{splits[i, j]:.0f}", ha="center", va="center", fontsize=8)
+            ax_b.text(j, i, f"{unsplit[i, j]}\n→{blocks[i, j]}", ha="center", va="center", fontsize=7)
+    fig.suptitle(f"Split-KV on an {gpu}, H = {H} query heads: the grid is splits × B·Hk × row chunks blocks",
+                 fontsize=11)
+    return fig
+
+
+def sm_wave(blocks: int, num_sms: int, blocks_per_sm: int = 2) -> np.ndarray:
+    """Blocks resident on each SM in the grid's first wave (blocks dealt out one per SM in turn, at most
+    `blocks_per_sm` each): how much of the GPU the grid can keep busy at once."""
+    first_wave = min(blocks, num_sms * blocks_per_sm)
+    return np.array([first_wave // num_sms + (sm < first_wave % num_sms) for sm in range(num_sms)])
+
+
+def draw_split_choice(B: int, Hk: int, Lk: int, *, num_sms: int, gpu: str, H: int = 32, D: int = 64,
+                      dtype_bytes: int = 2, blocks_per_sm: int = 2):
+    """The slider's figure for one workload: the grid's size against the number of splits, and the SMs its first
+    wave keeps busy without splitting and with the chosen splits; the title gives the bytes."""
+    H = max(H, Hk)
+    chosen = choose_num_splits(B, Hk, Lk, num_sms, blocks_per_sm=blocks_per_sm)
+    cost = attention_cost(B, H, Hk, 1, Lk, D, dtype_bytes)
+    fig, (ax_grid, ax_sms) = new_figure(ncols=2, width=12.0, height=3.8)
+    counts = np.arange(1, 65)
+    unsplit = B * Hk * row_chunks(H, Hk)
+    ax_grid.plot(counts, unsplit * counts, color="C0", label="blocks = splits × B·Hk × row chunks")
+    if Lk // MIN_KEYS_PER_SPLIT < counts[-1]:
+        ax_grid.axvspan(max(1, Lk // MIN_KEYS_PER_SPLIT), counts[-1], color="#eeeeee",
+                        label=f"splits under {MIN_KEYS_PER_SPLIT} keys")
+    ax_grid.axhline(num_sms, color="black", lw=0.8, ls="--", label=f"{num_sms} SMs")
+    ax_grid.axhline(num_sms * blocks_per_sm, color="black", lw=0.8, ls=":", label=f"{blocks_per_sm} blocks per SM")
+    ax_grid.plot([chosen], [unsplit * chosen], "o", color="C3", markersize=8, label=f"chosen: {chosen} splits")
+    ax_grid.set_yscale("log")
+    ax_grid.set(xlabel="splits per sequence", ylabel="blocks in the grid", title=f"B={B}, Hk={Hk}, Lk={Lk}")
+    ax_grid.legend(fontsize=8, loc="lower right")
+    side = math.ceil(math.sqrt(num_sms))
+    for row, (label, blocks) in enumerate((("unsplit", unsplit), (f"{chosen} splits", unsplit * chosen))):
+        wave = sm_wave(blocks, num_sms, blocks_per_sm)
+        for sm, resident in enumerate(wave):
+            x, y = sm % side + row * (side + 2), -(sm // side)
+            ax_sms.add_patch(_square(x, y, resident / blocks_per_sm))
+        busy = int((wave > 0).sum())
+        ax_sms.text(row * (side + 2) + side / 2, 1.2, f"{label}: {blocks} blocks\n{busy} of {num_sms} SMs busy",
+                    ha="center", fontsize=8)
+    ax_sms.set_xlim(-1, 2 * side + 3)
+    ax_sms.set_ylim(-side - 0.5, 3)
+    ax_sms.set_aspect("equal")
+    ax_sms.axis("off")
+    ax_sms.set_title(f"the first wave on an {gpu}", fontsize=9)
+    keys = split_bounds(Lk, chosen)[0][1]
+    fig.suptitle(f"{chosen} splits of {keys} keys; one layer's step reads {cost['kv_bytes'] / 2**20:.1f} MiB of "
+                 f"K and V ({2 * Hk * D * dtype_bytes} bytes per cached token, H = {H}, D = {D}, "
+                 f"{8 * dtype_bytes}-bit)", fontsize=10)
+    return fig
+
+
+def _square(x, y, shade):
+    from matplotlib.patches import Rectangle
+
+    color = (1 - 0.8 * shade, 1 - 0.45 * shade, 1 - 0.2 * shade)
+    return Rectangle((x, y - 1), 0.9, 0.9, facecolor=color, edgecolor="#999999", lw=0.4)
+
+
+# ---------------------------------------------------------------- a paged cache
+
+
+def random_sequence_lengths(count: int, max_len: int, seed: int = 0) -> np.ndarray:
+    """Final lengths of `count` sequences: log-normal around an eighth of `max_len`, clipped to [1, max_len]. Most
+    requests end far below the maximum a server must allow for (the observation behind PagedAttention)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(mean=math.log(max_len / 8), sigma=0.9, size=count)
+    return np.clip(np.round(lengths), 1, max_len).astype(int)
+
+
+def cache_memory(lengths, max_len: int, page_size: int) -> dict:
+    """Cache slots (tokens) reserved for sequences of `lengths`: contiguous caches sized to `max_len` each, or
+    pages of `page_size` slots handed out as the sequence grows (only the last page is partly empty)."""
+    lengths = np.asarray(lengths)
+    if lengths.size and (lengths.min() < 0 or lengths.max() > max_len):
+        raise ValueError(f"cache_memory: lengths must be in [0, {max_len}]")
+    used = int(lengths.sum())
+    paged = int((-(-lengths // page_size) * page_size).sum())
+    contiguous = int(lengths.size * max_len)
+    return {"used": used, "contiguous": contiguous, "paged": paged,
+            "contiguous_waste": 1 - used / contiguous if contiguous else 0.0,
+            "paged_waste": 1 - used / paged if paged else 0.0}
+
+
+def draw_cache_memory(lengths, max_len: int, page_sizes=(16, 256), shown: int = 32):
+    """Left: the first `shown` sequences, the slots each uses and what a contiguous cache reserves for it.
+    Right: the totals of every layout, in cache slots."""
+    lengths = np.asarray(lengths)
+    fig, (ax_seq, ax_tot) = new_figure(ncols=2, width=12.0, height=3.8)
+    first = lengths[:shown]
+    ax_seq.bar(range(len(first)), [max_len] * len(first), color="#dddddd", label=f"reserved (max_len = {max_len})")
+    ax_seq.bar(range(len(first)), first, color="C0", label="used")
+    ax_seq.set(xlabel="sequence", ylabel="cache slots (tokens)", title=f"contiguous caches, first {len(first)} "
+               f"of {len(lengths)} sequences")
+    ax_seq.legend(fontsize=8, loc="upper right")
+    names = ["used", f"contiguous\n(max_len {max_len})"] + [f"paged\n({p} per page)" for p in page_sizes]
+    totals = [cache_memory(lengths, max_len, page_sizes[0])["used"], len(lengths) * max_len]
+    totals += [cache_memory(lengths, max_len, p)["paged"] for p in page_sizes]
+    bars = ax_tot.bar(names, totals, color=["C0", "#bbbbbb"] + ["C2"] * len(page_sizes))
+    for bar, total in zip(bars, totals):
+        ax_tot.annotate(f"{total / totals[0]:.2f}× used", (bar.get_x() + bar.get_width() / 2, total), ha="center",
+                        va="bottom", fontsize=8)
+    ax_tot.set(ylabel="cache slots reserved", title=f"{len(lengths)} sequences together")
+    return fig
+
+
+def draw_page_pool(block_table, seq_lens, num_pages: int, page_size: int):
+    """The pool of pages: each page a column of `page_size` slots, coloured by the sequence that owns it (filled:
+    holds a key; pale: reserved, not yet written; grey: free). Its number on top; the block table beside it."""
+    from matplotlib.patches import Rectangle
+
+    table = np.asarray(block_table)
+    lens = np.asarray(seq_lens)
+    owner = {}
+    for b in range(table.shape[0]):
+        pages_used = -(-int(lens[b]) // page_size)
+        for index, page in enumerate(table[b, :pages_used]):
+            owner[int(page)] = (b, index)
+    fig, ax = new_figure(width=11.0, height=3.2)
+    ax.remove()
+    with style():
+        ax_table, ax_pool = fig.subplots(1, 2, width_ratios=[1, 2.2])
+    ax_table.axis("off")
+    text = [f"seq {b} ({int(lens[b])} keys): " + "  ".join(
+        str(int(p)) if i < -(-int(lens[b]) // page_size) else "·" for i, p in enumerate(table[b]))
+        for b in range(table.shape[0])]
+    ax_table.text(0, 0.9, "block_table\n\n" + "\n".join(text), va="top", family="monospace", fontsize=9,
+                  transform=ax_table.transAxes)
+    for page in range(num_pages):
+        for slot in range(page_size):
+            if page in owner:
+                b, index = owner[page]
+                filled = index * page_size + slot < lens[b]
+                color = f"C{b}"
+                alpha = 1.0 if filled else 0.2
+            else:
+                color, alpha = "#cccccc", 1.0
+            ax_pool.add_patch(Rectangle((page, -slot - 1), 0.9, 0.9, facecolor=color, alpha=alpha, lw=0))
+        ax_pool.text(page + 0.45, 0.3, str(page), ha="center", fontsize=8)
+    ax_pool.set_xlim(-0.2, num_pages)
+    ax_pool.set_ylim(-page_size - 0.2, 1.2)
+    ax_pool.axis("off")
+    ax_pool.set_title(f"the pool: {num_pages} pages of {page_size} slots", fontsize=10)
+    return fig
+
+
+# ---------------------------------------------------------------- committed measurements
+
+
+def committed_decode_results(folder=None):
+    """The newest committed decode benchmark (``results/decode/bench_*.json``), or None while none is committed."""
+    from ...bench import REPO_ROOT
+
+    folder = Path(folder) if folder is not None else REPO_ROOT / "results" / "decode"
+    found = sorted(folder.glob("bench_*.json"))
+    return found[-1] if found else None
+
+
+def describe_decode_results(results: dict) -> list:
+    """Lines that say what a decode results file holds: its GPU and date, then one line per record (whatever
+    fields the file gives: shape, contender, time)."""
+    env = results.get("environment") or {}
+    gpu = env.get("gpu") or results.get("gpu") or results.get("device") or "an unnamed GPU"
+    date = str(env.get("date") or results.get("date") or "no date")[:10]
+    lines = [f"{gpu}, {date}"]
+    shown = ("contender", "stage", "B", "H", "Hk", "Lk", "D", "dtype", "paged", "num_splits", "median_ms",
+             "gbps", "status")
+    for record in results.get("records", []):
+        lines.append("  " + ", ".join(f"{key}={record[key]}" for key in shown if key in record))
+    return lines
