@@ -8,6 +8,8 @@ length masked.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -56,6 +58,8 @@ def test_choose_num_splits_fills_the_gpu_but_not_with_tiny_splits():
     assert splitkv.choose_num_splits(1, 8, 1024, 132) == 1024 // splitkv.MIN_KEYS_PER_SPLIT
     assert splitkv.choose_num_splits(64, 32, 8192, 132) == 1  # 2048 blocks already fill the GPU
     assert splitkv.choose_num_splits(1, 1, 10, 132) == 1
+    # MQA, 32 query heads in chunks of 4: 8 blocks per sequence already, so fewer splits
+    assert splitkv.choose_num_splits(8, 1, 32768, 132, row_chunks=8) == math.ceil(264 / 64)
     with pytest.raises(ValueError, match="batch"):
         splitkv.choose_num_splits(0, 8, 100, 132)
 
@@ -358,10 +362,9 @@ def test_decode_attention_moves_about_one_byte_per_flop():
 
 def test_split_table_and_the_grid_of_the_kernel():
     from wb_kernels.stages.decode import slider
-    from wb_kernels.stages.decode.kernel import GPU_CONFIG
 
     assert slider.row_chunks(32, 32) == 1 and slider.row_chunks(32, 8) == 1
-    assert slider.row_chunks(32, 1) == -(-32 // GPU_CONFIG.rows)  # MQA's 32 heads do not fit one block
+    assert slider.row_chunks(32, 1) == 8  # MQA's 32 heads take 8 of the CUDA kernel's blocks of 4 rows
     rows = slider.splits_table(132, batches=(1,), kv_heads=(8,), lengths=(32768,))
     assert rows == [{"B": 1, "Hk": 8, "Lk": 32768, "splits": 33, "blocks_unsplit": 8, "blocks": 264,
                      "blocks_per_sm": 2.0}]

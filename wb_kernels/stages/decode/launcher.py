@@ -87,8 +87,9 @@ def split_kv_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal=False
     merge = merge or merge_kernel
     scale = float(D) ** -0.5 if scale is None else float(scale)
     max_len = block_table.shape[1] * page_size if max_len is None else int(max_len)
+    row_chunks = -(-(H // Hk) * Lq // config.rows)  # blocks per (sequence, KV head): the group's rows, in chunks
     if num_splits is None:
-        num_splits = choose_num_splits(B, Hk, max_len, num_sms())
+        num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=row_chunks)
     keys_per_split = max(1, split_bounds(max_len, num_splits)[0][1])  # the first split's size is every split's
     qw, kw, vw = _work(q), _work(k_pages), _work(v_pages)
     table = to_work(block_table, dtype=np.int32)
@@ -96,7 +97,6 @@ def split_kv_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal=False
     keep = to_work(key_padding_mask, dtype=np.uint8) if key_padding_mask is not None else empty((1, 1), np.uint8)
     part_out = empty((num_splits, B, H, Lq, D))
     part_lse = empty((num_splits, B, H, Lq))
-    row_chunks = -(-(H // Hk) * Lq // config.rows)
     kernel[(num_splits, B * Hk, row_chunks), config.threads](
         kernel_view(qw), kernel_view(kw), kernel_view(vw), kernel_view(table), kernel_view(lens), kernel_view(keep),
         int(key_padding_mask is not None), CAUSAL_MODES[causal],
@@ -163,7 +163,9 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     capacity = table.shape[1] * k_cache.shape[2]
     max_len = min(capacity, capacity if max_seqlen is None else int(max_seqlen))
     if num_splits is None:
-        num_splits = choose_num_splits(B, Hk, max_len, num_sms())
+        group = H // Hk
+        rows = 1 if group == 1 else 2 if group == 2 else 4  # query heads per block, as flash_decode.cu's launch_rows
+        num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=-(-group // rows))
     step = build.KEYS_PER_STEP
     keys_per_split = max(step, -(-max(1, -(-max_len // num_splits)) // step) * step)
     num_splits = max(1, -(-max_len // keys_per_split)) if max_len else 1  # rounding up may leave trailing splits empty

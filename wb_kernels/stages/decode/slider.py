@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from ...plots import new_figure, style
-from .kernel import GPU_CONFIG
 from .splitkv import MIN_KEYS_PER_SPLIT, choose_num_splits, split_bounds
 
 __all__ = ["attention_cost", "committed_gpu", "draw_roofline", "split_weights", "draw_split_weights",
@@ -120,7 +119,10 @@ def draw_split_weights(scores, num_splits: int, lses):
     return fig
 
 
-def row_chunks(H: int, Hk: int, rows_per_block: int = GPU_CONFIG.rows) -> int:
+CUDA_ROWS_PER_BLOCK = 4  # flash_decode.cu's blocks hold up to 4 query heads: what a GPU runs for 16-bit caches
+
+
+def row_chunks(H: int, Hk: int, rows_per_block: int = CUDA_ROWS_PER_BLOCK) -> int:
     """Blocks per (split, sequence, KV head): a block holds `rows_per_block` query rows, the group's H / Hk heads
     (one new token each); a larger group takes several blocks, and each reads the split's keys again."""
     return -(-(H // Hk) // rows_per_block)
@@ -134,7 +136,7 @@ def splits_table(num_sms: int, batches=WORKLOAD_BATCHES, kv_heads=WORKLOAD_KV_HE
     for B in batches:
         for Hk in kv_heads:
             for Lk in lengths:
-                splits = choose_num_splits(B, Hk, Lk, num_sms)
+                splits = choose_num_splits(B, Hk, Lk, num_sms, row_chunks=row_chunks(H, Hk))
                 unsplit = B * Hk * row_chunks(H, Hk)
                 rows.append({"B": B, "Hk": Hk, "Lk": Lk, "splits": splits, "blocks_unsplit": unsplit,
                              "blocks": unsplit * splits, "blocks_per_sm": unsplit * splits / num_sms})
@@ -190,7 +192,7 @@ def draw_split_choice(B: int, Hk: int, Lk: int, *, num_sms: int, gpu: str, H: in
     """The slider's figure for one workload: the grid's size against the number of splits, and the SMs its first
     wave keeps busy without splitting and with the chosen splits; the title gives the bytes."""
     H = max(H, Hk)
-    chosen = choose_num_splits(B, Hk, Lk, num_sms, blocks_per_sm=blocks_per_sm)
+    chosen = choose_num_splits(B, Hk, Lk, num_sms, blocks_per_sm=blocks_per_sm, row_chunks=row_chunks(H, Hk))
     cost = attention_cost(B, H, Hk, 1, Lk, D, dtype_bytes)
     fig, (ax_grid, ax_sms) = new_figure(ncols=2, width=12.0, height=3.8)
     counts = np.arange(1, 65)

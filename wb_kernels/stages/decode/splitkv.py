@@ -92,17 +92,18 @@ def split_kv_attention(q, k, v, num_splits: int, scale=None, allowed=None):
 
 # region: choose_num_splits
 def choose_num_splits(batch: int, kv_heads: int, max_keys: int, num_sms: int, *, blocks_per_sm: int = 2,
-                      min_keys_per_split: int = MIN_KEYS_PER_SPLIT, max_splits: int = 64) -> int:
+                      min_keys_per_split: int = MIN_KEYS_PER_SPLIT, max_splits: int = 64, row_chunks: int = 1) -> int:
     """How many splits per sequence: enough blocks to fill the GPU, no split shorter than `min_keys_per_split`.
 
-    Without splitting, the grid has ``batch * kv_heads`` blocks (one per sequence and KV head: the query heads of a
-    group share their block, so the cache is read once). The GPU holds ``num_sms * blocks_per_sm`` of them at a time;
-    the splits make up the difference, as far as the keys allow. Already-full grids get 1 split (no merge step).
+    Without splitting, the grid has ``batch * kv_heads * row_chunks`` blocks: one per sequence and KV head (the query
+    heads of a group share their block, so the cache is read once), times the chunks a group too large for one
+    block's registers is cut into (MQA's 32 query heads: several). The GPU holds ``num_sms * blocks_per_sm`` of them
+    at a time; the splits make up the difference, as far as the keys allow. Already-full grids get 1 split.
     """
     if min(batch, kv_heads, num_sms) < 1 or max_keys < 0:
         raise ValueError(f"choose_num_splits: batch={batch}, kv_heads={kv_heads}, num_sms={num_sms} must be >= 1 "
                          f"and max_keys={max_keys} >= 0")
-    blocks = batch * kv_heads
+    blocks = batch * kv_heads * max(1, row_chunks)
     wanted = math.ceil(num_sms * blocks_per_sm / blocks)
     allowed_by_length = max(1, max_keys // min_keys_per_split)
     return int(max(1, min(wanted, allowed_by_length, max_splits)))
