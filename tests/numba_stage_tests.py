@@ -38,8 +38,10 @@ def _case_id(case):
     return f"B{B}H{H}-Lq{Lq}-Lk{Lk}-D{D}" + ("-causal" if causal else "") + ("-padding" if padding else "")
 
 
-def _run_and_check(stage, B, H, Lq, Lk, D, causal, padding, seed=0, framework="numpy", device=None):
+def _run_and_check(stage, B, H, Lq, Lk, D, causal, padding, seed=0, framework="numpy", device=None, Hk=None):
     q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, seed=seed, framework=framework, device=device)
+    if Hk is not None:  # grouped-query attention: the first Hk heads of k and v (a view; wb.attention copies it)
+        k, v = k[:, :Hk], v[:, :Hk]
     mask = wb.random_padding_mask(B, Lk, seed=seed + 1, framework=framework, device=device) if padding else None
     out, lse = wb.attention(q, k, v, stage=stage, causal=causal, key_padding_mask=mask, return_lse=True)
     assert tuple(out.shape) == (B, H, Lq, D) and tuple(lse.shape) == (B, H, Lq)
@@ -50,6 +52,27 @@ def _run_and_check(stage, B, H, Lq, Lk, D, causal, padding, seed=0, framework="n
 @pytest.mark.parametrize("case", SHAPES, ids=_case_id)
 def test_matches_reference(stage, case):
     assert _run_and_check(stage, *case, seed=sum(case[:5])).passed
+
+
+# (B, H, Hk, Lq, Lk, D, causal, padding): K/V heads shared by 2 or all query heads (GQA, MQA), the bottom-right
+# causal alignment with Lq < Lk, Lq = Lk and Lq > Lk (whose first Lq - Lk rows see no key), and top-left with GQA.
+GQA_SHAPES = [
+    (1, 4, 2, 9, 21, 16, "bottom_right", True),
+    (1, 2, 1, 13, 13, 16, "bottom_right", False),
+    (1, 2, 1, 21, 9, 32, "bottom_right", True),
+    (1, 2, 1, 11, 7, 16, "top_left", False),
+]
+
+
+def _gqa_case_id(case):
+    B, H, Hk, Lq, Lk, D, causal, padding = case
+    return f"B{B}H{H}Hk{Hk}-Lq{Lq}-Lk{Lk}-D{D}-{causal or 'full'}" + ("-padding" if padding else "")
+
+
+@pytest.mark.parametrize("case", GQA_SHAPES, ids=_gqa_case_id)
+def test_gqa_and_bottom_right_match_reference(stage, case):
+    B, H, Hk, Lq, Lk, D, causal, padding = case
+    assert _run_and_check(stage, B, H, Lq, Lk, D, causal, padding, seed=Lq + Lk, Hk=Hk).passed
 
 
 def test_torch_cpu_tensors(stage):
@@ -128,6 +151,21 @@ GPU_SHAPES = [
 @pytest.mark.parametrize("case", GPU_SHAPES, ids=_case_id)
 def test_gpu_matches_reference_with_cuda_tensors(stage, case):
     assert _run_and_check(stage, *case, framework="torch", device="cuda").passed
+
+
+GPU_GQA_SHAPES = [
+    (1, 8, 2, 300, 1000, 64, "bottom_right", True),
+    (2, 4, 1, 1000, 300, 128, "bottom_right", False),
+    (1, 4, 4, 1, 777, 32, "bottom_right", True),
+    (2, 6, 3, 555, 555, 16, "top_left", True),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", GPU_GQA_SHAPES, ids=_gqa_case_id)
+def test_gpu_gqa_and_bottom_right(stage, case):
+    B, H, Hk, Lq, Lk, D, causal, padding = case
+    assert _run_and_check(stage, B, H, Lq, Lk, D, causal, padding, framework="torch", device="cuda", Hk=Hk).passed
 
 
 @needs_gpu

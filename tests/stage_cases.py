@@ -108,16 +108,46 @@ CUDA_GPU_SHAPES = [  # (B, H, Lq, Lk): L = 1, ragged tiles, Lq != Lk both ways, 
 ]
 
 
-def check_cuda_stage(stage: str, dtype: str, D: int, causal: bool, padded: bool, shape: tuple) -> None:
-    """`stage` through wb.attention on CUDA tensors of `shape`, against the reference with wb.check's rule."""
+# (B, H, Hk, Lq, Lk): key/value heads shared by 4, 2 or all query heads (GQA, MQA) or none (Hk = H); with the
+# bottom-right alignment a single query after a long cache, Lq < Lk, Lq = Lk, and Lq > Lk, whose first Lq - Lk rows
+# (whole blocks of them at Lq - Lk >= 128) see no key.
+CUDA_GQA_CASES = [
+    (1, 8, 2, 1, 1000), (2, 4, 1, 77, 200), (1, 6, 3, 200, 200), (1, 4, 2, 200, 77), (1, 2, 1, 513, 129),
+    (2, 4, 4, 300, 1000),
+]
+
+
+def cuda_gqa_parameters(test):
+    """The parameters of every CUDA C++ stage's GQA and causal-alignment test: dtype, D, causal, padded, case (one
+    of CUDA_GQA_CASES), for :func:`check_cuda_gqa_case`."""
+    for name, values, ids in reversed([
+            ("dtype", ["float16", "bfloat16"], None), ("D", [64, 128], None),
+            ("causal", [False, "top_left", "bottom_right"], None), ("padded", [False, True], None),
+            ("case", CUDA_GQA_CASES, lambda c: "x".join(map(str, c)))]):
+        test = pytest.mark.parametrize(name, values, ids=ids)(test)
+    return test
+
+
+def check_cuda_gqa_case(stage: str, dtype: str, D: int, causal, padded: bool, case: tuple) -> None:
+    """:func:`check_cuda_stage` for a (B, H, Hk, Lq, Lk) case of CUDA_GQA_CASES."""
+    B, H, Hk, Lq, Lk = case
+    check_cuda_stage(stage, dtype, D, causal, padded, (B, H, Lq, Lk), Hk=Hk)
+
+
+def check_cuda_stage(stage: str, dtype: str, D: int, causal, padded: bool, shape: tuple, Hk: int | None = None) -> None:
+    """`stage` through wb.attention on CUDA tensors of `shape`, against the reference with wb.check's rule; with
+    `Hk`, k and v keep their first Hk heads (grouped-query attention)."""
     import torch
 
     B, H, Lq, Lk = shape
     q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, dtype=dtype, framework="torch", device="cuda", seed=Lq + 3 * Lk)
+    if Hk is not None:
+        k, v = k[:, :Hk].contiguous(), v[:, :Hk].contiguous()
     mask = wb.random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
     out, lse = wb.attention(q, k, v, stage=stage, causal=causal, key_padding_mask=mask, return_lse=True)
     assert out.dtype == q.dtype and out.device == q.device and lse.dtype == torch.float32
-    wb.check(f"{stage} {dtype} D={D} {shape}", out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask)
+    wb.check(f"{stage} {dtype} D={D} {shape} Hk={Hk or H} causal={causal}", out, q, k, v, lse=lse, causal=causal,
+             key_padding_mask=mask)
 
 
 def check_rows_without_keys(stage: str) -> None:
@@ -130,3 +160,20 @@ def check_rows_without_keys(stage: str) -> None:
     out, lse = wb.attention(q, k, v, stage=stage, causal=True, key_padding_mask=mask, return_lse=True)
     assert torch.all(out[:, :, :5] == 0) and torch.all(lse[:, :, :5] == float("-inf"))
     assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 5:]).all()
+
+
+def check_bottom_right_rows_without_keys(stage: str) -> None:
+    """Bottom-right with Lq = 200 > Lk = 70: rows 0-129 see no key (two whole 64-row blocks, part of the third), and
+    with keys 0-4 padded out rows 130-134 see none either: zeros and an LSE of -inf there, finite elsewhere. Four
+    query heads share two K/V heads."""
+    import torch
+
+    q, k, v = wb.random_qkv(1, 4, 200, 64, Lk=70, dtype="float16", framework="torch", device="cuda", seed=4)
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    mask = torch.ones(1, 70, dtype=torch.bool, device="cuda")
+    mask[0, :5] = False
+    out, lse = wb.attention(q, k, v, stage=stage, causal="bottom_right", key_padding_mask=mask, return_lse=True)
+    assert torch.all(out[:, :, :135] == 0) and torch.all(lse[:, :, :135] == float("-inf"))
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 135:]).all()
+    wb.check(f"{stage} bottom-right rows without keys", out, q, k, v, lse=lse, causal="bottom_right",
+             key_padding_mask=mask)

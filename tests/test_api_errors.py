@@ -71,6 +71,22 @@ def test_batch_or_heads_differ(name):
 
 
 @pytest.mark.parametrize("name", ALL_STAGES)
+def test_kv_heads_must_divide_query_heads(name):
+    """Grouped-query attention: k and v may have Hk heads where Hk divides H; 3 does not divide 4."""
+    q, k, v = small_inputs(name, H=4)
+    with expect(ValueError, r"^heads:", "H=4", "Hk=3", "Hk must divide H", re.escape("h // (H // Hk)")):
+        wb.attention(q, k[:, :3], v[:, :3], stage=name)
+
+
+@pytest.mark.parametrize("name", ALL_STAGES)
+def test_k_and_v_heads_differ(name):
+    q, k, v = small_inputs(name, H=4)
+    with expect(ValueError, "batch/heads", re.escape("k (1, 2)"), re.escape("v (1, 1)"),
+                "k and v must have the same number of heads Hk"):
+        wb.attention(q, k[:, :2], v[:, :1], stage=name)
+
+
+@pytest.mark.parametrize("name", ALL_STAGES)
 def test_head_dims_differ(name):
     q, k, v = small_inputs(name)
     D = q.shape[-1]
@@ -193,11 +209,29 @@ def test_mask_of_the_wrong_dtype(dtype):
 
 # --- causal and scale ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("causal", ["True", "False", None, 2, 0.5, [True]])
+@pytest.mark.parametrize("causal", [None, 2, 0.5, [True], b"top_left"])
 def test_causal_that_is_not_bool_like(causal):
     q, k, v = small_inputs("reference")
-    with expect(TypeError, r"^causal:", "True or False", re.escape(repr(causal)), type(causal).__name__):
+    with expect(TypeError, r"^causal:", "True or False", "'top_left' or 'bottom_right'", re.escape(repr(causal)),
+                type(causal).__name__):
         wb.attention(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("causal", ["True", "False", "bottom-right", "BOTTOM_RIGHT", "top", ""])
+@pytest.mark.parametrize("name", ALL_STAGES)
+def test_causal_string_that_is_not_an_alignment(name, causal):
+    """A string other than an alignment's name ("False" would be truthy) is refused with the accepted values."""
+    stage = STAGES[name]
+    q, k, v = where_it_runs(stage, *small_inputs(name))
+    with expect(ValueError, r"^causal:", "True, False", "'top_left', 'bottom_right'", re.escape(f"got {causal!r}")):
+        wb.attention(q, k, v, stage=name, causal=causal)
+
+
+def test_top_left_is_what_true_means():
+    q, k, v = small_inputs("reference", Lq=5, Lk=8)
+    expected = wb.attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(wb.attention(q, k, v, causal="top_left"), expected)
+    assert not np.array_equal(wb.attention(q, k, v, causal="bottom_right"), expected)
 
 
 @pytest.mark.parametrize("causal", [1, 0, np.bool_(True), np.bool_(False), np.array(True), torch.tensor(False)])
@@ -330,8 +364,14 @@ BAD_INPUTS = {
                              r"^key_padding_mask:", "got list"),
     "float mask": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "key_padding_mask": np.ones((2, 6), np.float32)}),
                             TypeError, r"^key_padding_mask:", "dtype bool", "got float32"),
-    "causal a string": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "causal": "False"}), TypeError, r"^causal:",
-                                 "True or False"),
+    "causal a string": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "causal": "False"}), ValueError, r"^causal:",
+                                 "'top_left', 'bottom_right'"),
+    "causal None": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "causal": None}), TypeError, r"^causal:",
+                             "True or False"),
+    "Hk not dividing H": _bad_case(lambda q, k, v, kw: ((q, k[:, :3], v[:, :3]), kw), ValueError, r"^heads:", "H=4",
+                                   "Hk=3", "Hk must divide H"),
+    "k and v heads differ": _bad_case(lambda q, k, v, kw: ((q, k[:, :2], v[:, :1]), kw), ValueError, "batch/heads",
+                                      "same number of heads Hk"),
     "scale a string": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "scale": "0.5"}), TypeError, r"^scale:"),
     "scale NaN": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "scale": float("nan")}), ValueError, r"^scale:",
                            "finite number"),
@@ -340,7 +380,7 @@ BAD_INPUTS = {
 
 def _call(entry, args, kwargs):
     """wb.reference, or wb.check of a well-formed output (with and without a precomputed reference)."""
-    good_q, good_k, good_v = small_inputs("reference", B=2, Lk=6)
+    good_q, good_k, good_v = small_inputs("reference", B=2, H=4, Lk=6)
     good_out, good_lse = wb.reference(good_q, good_k, good_v)
     if entry == "reference":
         return wb.reference(*args, **kwargs)
@@ -352,7 +392,7 @@ def _call(entry, args, kwargs):
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_reference_and_check_refuse_bad_input_as_attention_does(entry, case):
     change, error, patterns = BAD_INPUTS[case]
-    q, k, v = small_inputs("reference", B=2, Lk=6)
+    q, k, v = small_inputs("reference", B=2, H=4, Lk=6)
     args, kwargs = change(q, k, v, {})
     with expect(error, *patterns) as refused:
         wb.attention(*args, **kwargs)

@@ -39,6 +39,25 @@ def test_wrong_results_fail(bug, capsys):
     assert capsys.readouterr().out.strip().endswith("✗")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gqa_and_bottom_right_are_checked_as_pytorch_computes_them(dtype):
+    """SDPA with enable_gqa and the bottom-right mask passes; the same with K/V heads tiled instead of grouped, or
+    with the top-left mask, fails."""
+    q, k, v = wb.random_qkv(2, 4, 6, 16, Lk=13, seed=5)
+    k, v = k[:, :2], v[:, :2]
+    bottom_right = torch.from_numpy(np.tri(6, 13, 13 - 6, dtype=bool))
+
+    def sdpa(k_used, v_used, mask):
+        t = [torch.from_numpy(np.ascontiguousarray(x)).to(dtype) for x in (q, k_used, v_used)]
+        return F.scaled_dot_product_attention(*t, attn_mask=mask, enable_gqa=t[1].shape[1] != 4)
+
+    assert wb.check("sdpa gqa", sdpa(k, v, bottom_right), q, k, v, causal="bottom_right", verbose=False).passed
+    tiled_heads = sdpa(np.tile(k, (1, 2, 1, 1)), np.tile(v, (1, 2, 1, 1)), bottom_right)  # head h reads h % Hk
+    top_left = sdpa(k, v, torch.from_numpy(np.tri(6, 13, 0, dtype=bool)))
+    for name, wrong in (("tiled heads", tiled_heads), ("top-left mask", top_left)):
+        assert not wb.check(name, wrong, q, k, v, causal="bottom_right", verbose=False, raise_on_failure=False).passed
+
+
 def test_tolerance_scales_with_precision():
     q, k, v = wb.random_qkv(1, 2, 64, 64)
     tol32 = wb.check("f32", torch_attention(q, k, v, torch.float32), q, k, v, verbose=False).tol

@@ -1,6 +1,7 @@
 """Edge cases every stage must get right through wb.attention (issue: robustness): L = 1, Lq != Lk, lengths
-that are not tile multiples, causal with Lq != Lk (top-left, as SDPA), rows that see no key, logits of
-+-1e4, NaN/Inf in the inputs (the result SDPA gives, see wb.attention's docstring), non-contiguous inputs.
+that are not tile multiples, causal with Lq != Lk (top-left, as SDPA, and bottom-right), rows that see no key,
+logits of +-1e4, NaN/Inf in the inputs (the result SDPA gives, see wb.attention's docstring), also with fewer
+key/value heads than query heads (GQA), non-contiguous inputs.
 
 Stages join by existing; GPU-only ones are skipped on the simulator. Sizes stay small (L <= 20, B*H <= 2,
 the smallest head dim a stage takes), so the whole file runs in about a minute on the simulator.
@@ -92,6 +93,29 @@ def test_rows_that_see_no_key_are_zero_not_nan(name):
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_bottom_right_rows_that_see_no_key_are_zero_not_nan(name):
+    """Bottom-right with Lq > Lk: query i sees keys j <= i - (Lq - Lk), so rows 0..Lq-Lk-1 see none; with key 0
+    padded out in batch 1, row Lq - Lk (which sees key 0 alone) sees none there either. K/V are shared by two query
+    heads (GQA)."""
+    stage = STAGES[name]
+    B, H, Lq, Lk = 2, 2, 7, 4
+    q, k, v = make_inputs(stage, B, H, Lq, head_dim(stage), Lk=Lk, seed=12)
+    k, v = k[:, :1], v[:, :1]
+    keep = np.ones((B, Lk), dtype=bool)
+    keep[1, 0] = False
+    out, lse = run(name, q, k, v, causal="bottom_right", key_padding_mask=like_inputs(keep, q))
+    out, lse = numpy64(out), numpy64(lse)
+    blind = Lq - Lk
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert np.all(out[:, :, :blind] == 0) and np.all(np.isneginf(lse[:, :, :blind]))
+    assert np.all(out[1, :, blind] == 0) and np.all(np.isneginf(lse[1, :, blind]))
+    assert np.isfinite(lse[0, :, blind:]).all() and np.isfinite(lse[1, :, blind + 1:]).all()
+    ref, ref_lse = wb.reference(q, k, v, causal="bottom_right", key_padding_mask=keep)
+    np.testing.assert_allclose(out, ref, atol=LOOSE_TOLERANCE[dtype_name(q)])
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+
+
 # --- numerical extremes ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ALL)
@@ -164,6 +188,30 @@ def test_non_finite_inputs_propagate_as_in_sdpa(name, where, value, causal):
     ref, ref_lse = wb.reference(q, k, v, causal=causal)
     assert np.array_equal(np.isfinite(ref), np.isfinite(out))
     finite = np.isfinite(out)
+    np.testing.assert_allclose(out[finite], ref[finite], atol=LOOSE_TOLERANCE[dtype_name(q)])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_nan_key_reaches_only_the_query_heads_that_read_it(name):
+    """GQA: query heads 0-1 read K/V head 0, heads 2-3 head 1. A NaN in key 2 of head 1 makes every row of heads 2-3
+    that attends key 2 NaN (bottom-right: rows i >= 2 + Lq - Lk), and leaves heads 0-1 alone; rows 0-1 see no key."""
+    stage = STAGES[name]
+    Lq, Lk = 6, 4
+    q, k, v = (numpy64(x) for x in make_inputs(stage, 1, 4, Lq, head_dim(stage), Lk=Lk, seed=9))
+    k, v = k[:, :2].copy(), v[:, :2].copy()
+    k[0, 1, KEY, 0] = np.nan
+    template = make_inputs(stage, 1, 1, 1, head_dim(stage))[0]
+    q, k, v = (like_inputs(x, template) for x in (q, k, v))
+    out, lse = (numpy64(x) for x in run(name, q, k, v, causal="bottom_right"))
+    rows_that_attend = np.arange(Lq) >= KEY - (Lk - Lq)
+    assert not np.isnan(out[0, :2]).any() and not np.isnan(lse[0, :2]).any()  # heads 0-1 read K/V head 0
+    assert np.all(out[0, :, :Lq - Lk] == 0) and np.all(np.isneginf(lse[0, :, :Lq - Lk]))  # rows that see no key
+    for h in (2, 3):
+        assert np.array_equal(np.isnan(out[0, h]).all(-1), rows_that_attend)
+        assert np.array_equal(np.isnan(lse[0, h]), rows_that_attend)
+    ref = wb.reference(q, k, v, causal="bottom_right")[0]
+    finite = np.isfinite(out)
+    assert np.array_equal(np.isfinite(ref), finite)
     np.testing.assert_allclose(out[finite], ref[finite], atol=LOOSE_TOLERANCE[dtype_name(q)])
 
 

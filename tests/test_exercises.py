@@ -114,6 +114,22 @@ def test_tiled_bug_hunt_solution(capsys):
     assert _solved(exercises.check_scores_puzzle, solutions.make_scores_kernel, capsys)
 
 
+def test_tiled_bug_hunt_in_the_lesson_is_solvable(capsys):
+    """The lesson's buggy kernel, with its one missing line put back, solves the bug hunt: it takes the arguments
+    the launcher passes today (a changed kernel signature must reach the puzzle's copy too)."""
+    from wb_kernels.stages.tiled import exercises
+
+    cells = ["".join(c["source"]) for c in json.loads((ROOT / "notebooks" / "03_tiled.ipynb").read_text())["cells"]]
+    cell = next(c for c in cells if c.startswith("def make_buggy_scores_kernel"))
+    definition = cell.split("\n\n\nfrom ")[0]
+    loaded = "                k_tile[ty, tx] = 0.0\n"
+    assert definition.count(loaded) == 1
+    fixed = definition.replace(loaded, loaded + "            cuda.syncthreads()\n")
+    namespace = {}
+    exec("import math\nfrom numba import cuda, float32\n" + fixed, namespace)
+    assert _solved(exercises.check_scores_puzzle, namespace["make_buggy_scores_kernel"], capsys)
+
+
 def test_flash_online_softmax_puzzle_solution_and_a_nan_trap(capsys):
     import numpy as np
 

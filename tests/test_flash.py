@@ -28,10 +28,12 @@ REPO = Path(__file__).resolve().parent.parent
 gpu_only = pytest.mark.skipif(not wb.BACKEND.is_gpu, reason="needs a CUDA GPU (runs on the numba simulator here)")
 
 
-def run_and_check(B, H, Lq, D, *, Lk=None, causal=False, mask=None, seed=0, std=1.0, **kwargs):
+def run_and_check(B, H, Lq, D, *, Lk=None, causal=False, mask=None, seed=0, std=1.0, Hk=None, **kwargs):
     framework = "torch" if wb.BACKEND.is_gpu else "numpy"
     device = "cuda" if wb.BACKEND.is_gpu else None
     q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, seed=seed, std=std, framework=framework, device=device)
+    if Hk is not None:  # grouped-query attention: Hk key/value heads, each read by H // Hk query heads
+        k, v = (x[:, :Hk].contiguous() if framework == "torch" else np.ascontiguousarray(x[:, :Hk]) for x in (k, v))
     if mask is not None and wb.BACKEND.is_gpu:
         import torch
 
@@ -39,7 +41,7 @@ def run_and_check(B, H, Lq, D, *, Lk=None, causal=False, mask=None, seed=0, std=
     out, lse = fc.flash_forward(q, k, v, causal=causal, key_padding_mask=mask, **kwargs)
     # Where every row sees at most one key, LSE is that key's score alone and PyTorch's own error can be
     # ~0 by luck, leaving a tolerance below the rounding of a float32 dot product: bound LSE by that instead.
-    single_key = (Lk or Lq) == 1 or (causal and Lq == 1)
+    single_key = (Lk or Lq) == 1 or (causal in (True, "top_left") and Lq == 1)
     result = wb.check(f"flash B{B} H{H} Lq{Lq} Lk{Lk or Lq} D{D}", out, q, k, v, lse=None if single_key else lse,
                       causal=causal, key_padding_mask=mask)
     assert result.passed
@@ -64,6 +66,18 @@ def test_each_head_dim_odd_length(D, L):
 @pytest.mark.parametrize("causal", [False, True])
 def test_lq_differs_from_lk(Lq, Lk, causal):
     run_and_check(1, 1, Lq, 16, Lk=Lk, causal=causal, seed=Lq + Lk)
+
+
+@pytest.mark.parametrize("H, Hk, Lq, Lk, causal", [
+    (4, 2, 9, 40, "bottom_right"),  # decoding-like: a few queries after many cached keys
+    (2, 1, 40, 9, "bottom_right"),  # Lq > Lk: rows 0-30 see no key, the first two 16-row blocks none at all
+    (3, 1, 33, 33, "bottom_right"),  # Lq = Lk: the same mask as top-left
+    (4, 2, 21, 30, "top_left"),
+    (4, 4, 17, 21, "bottom_right"),
+])
+def test_gqa_and_bottom_right(H, Hk, Lq, Lk, causal):
+    mask = wb.random_padding_mask(1, Lk, seed=Lk)
+    run_and_check(1, H, Lq, 16, Lk=Lk, Hk=Hk, causal=causal, mask=mask, seed=Lq * 3 + Lk)
 
 
 def test_causal_and_padding_together():
@@ -274,6 +288,17 @@ def test_gpu_large_shapes(D, causal):
     run_and_check(2, 4, 1000, D, Lk=1537, causal=causal, seed=D)
     mask = wb.random_padding_mask(2, 777, seed=2)
     run_and_check(2, 3, 777, D, causal=causal, mask=mask, seed=D + 1)
+
+
+@gpu_only
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("H, Hk, Lq, Lk", [(8, 2, 1, 1537), (8, 1, 257, 1000), (4, 2, 1000, 333), (6, 3, 777, 777)])
+def test_gpu_gqa_and_bottom_right(D, H, Hk, Lq, Lk):
+    """Several tiles of GPU_CONFIGS' sizes: the bottom-right diagonal crosses some, skips others (and with
+    Lq > Lk whole query blocks see no key); K/V heads read in place by H // Hk query heads."""
+    mask = wb.random_padding_mask(2, Lk, seed=Lk)
+    run_and_check(2, H, Lq, D, Lk=Lk, Hk=Hk, causal="bottom_right", mask=mask, seed=D + Lq)
+    run_and_check(1, H, Lq, D, Lk=Lk, Hk=Hk, causal=True, seed=D + Lk)
 
 
 @gpu_only

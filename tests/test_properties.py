@@ -1,5 +1,6 @@
 """Property tests (hypothesis): every stage against the float64 reference with the tolerance rule, on random
-shapes, head dims, dtypes, masks, scales, logit sizes and memory layouts (issue: robustness).
+shapes, key/value head counts (GQA), head dims, dtypes, masks (both causal alignments), scales, logit sizes and
+memory layouts (issue: robustness).
 
 Two profiles, chosen automatically (or by HYPOTHESIS_PROFILE=ci|gpu):
 
@@ -62,18 +63,19 @@ def problems(draw, stage, p):
     """One attention problem: shapes, dtype, flags, mask, scale, logit size, layout, seed."""
     B = draw(st.integers(1, p["max_b"]))
     H = draw(st.integers(1, max(1, min(p["max_h"], p["max_bh"] // B))))
+    Hk = draw(st.sampled_from([d for d in range(1, H + 1) if H % d == 0]))  # key/value heads (GQA when < H)
     Lq = draw(st.integers(1, p["max_len"]))
     Lk = draw(st.one_of(st.just(Lq), st.integers(1, p["max_len"])))
     D = draw(st.sampled_from(sorted(p["head_dims"])))
     dtype = draw(st.sampled_from(sorted(p["dtypes"])))
-    causal = draw(st.booleans())
+    causal = draw(st.sampled_from([False, True, "bottom_right"]))
     mask_kind = draw(st.sampled_from(["none", "random", "prefix", "one_batch_empty"]))
     scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0)))
     std = draw(st.sampled_from([0.3, 1.0, 3.0]))  # logits from ~0.1 to ~10 (and 30 with a large scale)
     layout = draw(st.sampled_from(["contiguous", "heads_last", "strided"]))
     framework = draw(st.sampled_from(["numpy", "torch"])) if not ON_GPU and dtype != "bfloat16" else "torch"
     seed = draw(st.integers(0, 2**31 - 1))
-    return dict(B=B, H=H, Lq=Lq, Lk=Lk, D=D, dtype=dtype, causal=causal, mask_kind=mask_kind, scale=scale,
+    return dict(B=B, H=H, Hk=Hk, Lq=Lq, Lk=Lk, D=D, dtype=dtype, causal=causal, mask_kind=mask_kind, scale=scale,
                 std=std, layout=layout, framework=framework, seed=seed)
 
 
@@ -83,6 +85,7 @@ def build(problem):
     device = "cuda" if ON_GPU else None
     q, k, v = wb.random_qkv(P["B"], P["H"], P["Lq"], P["D"], Lk=P["Lk"], dtype=P["dtype"], framework=P["framework"],
                             device=device, seed=P["seed"], std=P["std"])
+    k, v = k[:, :P["Hk"]], v[:, :P["Hk"]]  # GQA: a view of the first Hk heads (strided when Hk < H and B > 1)
     if P["layout"] == "heads_last":  # (B, L, H, D) in memory, viewed as (B, H, L, D), as models store them
         q, k, v = (_heads_last(x) for x in (q, k, v))
     elif P["layout"] == "strided":  # every other row of a twice-as-long buffer

@@ -141,3 +141,80 @@ def test_link_slider_clears_its_status_when_the_callback_raises():
     with pytest.raises(RuntimeError, match="on purpose"):
         slider.value = 256
     assert box.children[0].children[1].value == ""
+
+
+# --- grouped-query attention and the bottom-right causal alignment ----------------------------------------
+
+def attention_by_rows(q, k, v, *, last_key=None, keep=None, scale=None):
+    """Exact attention one query row at a time, in float64: query head h reads K/V head h // (H // Hk), and row i
+    sees the keys j <= last_key(i, Lq, Lk) that `keep` (B, Lk) lets through. Shares no code with the package."""
+    B, H, Lq, D = q.shape
+    Hk, Lk = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(D) if scale is None else scale
+    out, lse = np.zeros((B, H, Lq, D)), np.full((B, H, Lq), -np.inf)
+    for b in range(B):
+        for h in range(H):
+            kv = h * Hk // H  # = h // (H // Hk)
+            for i in range(Lq):
+                keys = [j for j in range(Lk) if (last_key is None or j <= last_key(i, Lq, Lk))
+                        and (keep is None or keep[b, j])]
+                if not keys:
+                    continue  # a row that sees no key: zeros, LSE -inf
+                scores = np.array([scale * float(np.dot(q[b, h, i], k[b, kv, j])) for j in keys])
+                weights = np.exp(scores - scores.max())
+                out[b, h, i] = (weights / weights.sum()) @ v[b, kv, keys]
+                lse[b, h, i] = scores.max() + np.log(weights.sum())
+    return out, lse
+
+
+ALIGNMENTS = {"top_left": lambda i, Lq, Lk: i, "bottom_right": lambda i, Lq, Lk: i + Lk - Lq}
+
+
+@pytest.mark.parametrize("H, Hk", [(4, 4), (4, 2), (4, 1), (6, 3)])
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+def test_grouped_query_attention_matches_row_by_row(H, Hk, causal):
+    q, k, v = wb.random_qkv(2, H, 7, 8, Lk=11, dtype="float64", seed=H * 10 + Hk)
+    k, v = k[:, :Hk], v[:, :Hk]
+    out, lse = wb.reference(q, k, v, causal=causal)
+    expected, expected_lse = attention_by_rows(q, k, v, last_key=ALIGNMENTS.get(causal))
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("Lq, Lk", [(3, 12), (9, 9), (12, 5), (1, 7), (7, 1)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_bottom_right_matches_row_by_row(Lq, Lk, padded):
+    """Lq < Lk (decoding with a cache), Lq = Lk (the same as top-left), Lq > Lk (the first Lq - Lk rows see no key)."""
+    q, k, v = wb.random_qkv(2, 2, Lq, 8, Lk=Lk, dtype="float64", seed=Lq * 13 + Lk)
+    keep = wb.random_padding_mask(2, Lk, seed=Lk) if padded else None
+    out, lse = wb.reference(q, k, v, causal="bottom_right", key_padding_mask=keep)
+    expected, expected_lse = attention_by_rows(q, k, v, last_key=ALIGNMENTS["bottom_right"], keep=keep)
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-13)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-12)
+    if Lq > Lk:
+        assert np.all(out[:, :, :Lq - Lk] == 0) and np.all(np.isneginf(lse[:, :, :Lq - Lk]))
+    if Lq == Lk:
+        np.testing.assert_array_equal(out, wb.reference(q, k, v, causal=True, key_padding_mask=keep)[0])
+
+
+def test_gqa_and_bottom_right_match_sdpa():
+    """The same conventions as PyTorch: SDPA's enable_gqa, and flash-attn's bottom-right mask as SDPA's attn_mask."""
+    q, k, v = wb.random_qkv(1, 6, 5, 16, Lk=9, dtype="float64", seed=3)
+    k, v = np.ascontiguousarray(k[:, :2]), np.ascontiguousarray(v[:, :2])
+    bottom_right = np.tri(5, 9, 9 - 5, dtype=bool)
+    expected = F.scaled_dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v)),
+                                              attn_mask=torch.from_numpy(bottom_right), enable_gqa=True).numpy()
+    np.testing.assert_allclose(wb.reference(q, k, v, causal="bottom_right")[0], expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("Lq, Lk", [(3, 8), (8, 3), (6, 6), (1, 20)])
+def test_causal_alignment_figure(Lq, Lk):
+    from wb_kernels.plots import causal_alignment_figure
+
+    fig = causal_alignment_figure(Lq, Lk)
+    top_left, bottom_right = fig.axes
+    assert [ax.images[0].get_array().shape for ax in fig.axes] == [(Lq, Lk)] * 2
+    np.testing.assert_array_equal(top_left.images[0].get_array(), np.tri(Lq, Lk, 0, dtype=bool))
+    np.testing.assert_array_equal(bottom_right.images[0].get_array(), np.tri(Lq, Lk, Lk - Lq, dtype=bool))
+    assert ("see no key" in bottom_right.get_title()) == (Lq > Lk) and "see no key" not in top_left.get_title()

@@ -23,7 +23,8 @@ from wb_kernels.stages.wmma import build as wmma_build
 from wb_kernels.stages.wmma.fragment_model import fragment_model, round_to, ulp
 from wb_kernels.stages.wmma.launcher import DEFAULT_VARIANT
 from wb_kernels.sync import module_regions
-from stage_cases import CUDA_GPU_SHAPES, check_cuda_stage, check_rows_without_keys, tool_or_skip
+from stage_cases import (CUDA_GPU_SHAPES, check_bottom_right_rows_without_keys, check_cuda_gqa_case, check_cuda_stage,
+                         check_rows_without_keys, cuda_gqa_parameters, tool_or_skip)
 
 torch = pytest.importorskip("torch")
 
@@ -184,8 +185,35 @@ def test_every_launch_variant(variant, D):
 
 
 @needs_gpu
+@cuda_gqa_parameters
+def test_kernel_gqa_and_causal_alignments(dtype, D, causal, padded, case):
+    """K/V heads read in place by H // Hk query heads (kv_group), and the causal mask at either corner
+    (causal_offset): tile skipping, warp skipping and the per-score test all move with the offset."""
+    check_cuda_gqa_case("wmma", dtype, D, causal, padded, case)
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant", wmma_build.VARIANTS, ids=lambda v: f"warps{v[0]}-qregs{int(v[1])}-rows{16 * v[2]}")
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_launch_variant_gqa_bottom_right(variant, D):
+    """Each variant's block and warp sizes place the bottom-right diagonal differently: Lq < Lk and Lq > Lk."""
+    from wb_kernels.stages.wmma import launcher as stage
+
+    for Lq, Lk in ((300, 333), (333, 150)):
+        q, k, v = wb.random_qkv(2, 4, Lq, D, Lk=Lk, dtype="float16", framework="torch", device="cuda", seed=Lq)
+        k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+        out, lse = stage.forward(q, k, v, causal="bottom_right", variant=variant)
+        wb.check(f"wmma {variant} D={D} Lq={Lq} Lk={Lk} GQA bottom-right", out, q, k, v, lse=lse, causal="bottom_right")
+
+
+@needs_gpu
 def test_kernel_rows_without_keys_give_zero_and_minus_inf():
     check_rows_without_keys("wmma")
+
+
+@needs_gpu
+def test_kernel_bottom_right_rows_without_keys_give_zero_and_minus_inf():
+    check_bottom_right_rows_without_keys("wmma")
 
 
 @needs_gpu

@@ -19,7 +19,7 @@ import numpy as np
 
 from .backend import BACKEND
 from .device import is_torch, like_input
-from .reference import attention_mask
+from .reference import CAUSAL_ALIGNMENTS, attention_mask, causal_offset
 from .stages import available_stages, get_stage
 
 __all__ = ["attention", "validate", "validate_inputs", "require_array", "Inputs", "propagate_non_finite",
@@ -53,7 +53,7 @@ def _kind(x) -> str:
     return "torch tensor" if is_torch(x) else "NumPy array"
 
 
-def _as_flag(name: str, value) -> bool:
+def _as_flag(name: str, value, expected: str = "True or False (or 0/1)") -> bool:
     """True/False from a bool-like value; refuses strings ("False" is truthy) and other numbers."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
@@ -62,7 +62,20 @@ def _as_flag(name: str, value) -> bool:
     if (isinstance(value, np.ndarray) or is_torch(value)) and tuple(value.shape) == () \
             and _dtype_name(value) == "bool":
         return bool(value.item())
-    raise TypeError(f"{name}: expected True or False (or 0/1), got {value!r} of type {type(value).__name__}")
+    raise TypeError(f"{name}: expected {expected}, got {value!r} of type {type(value).__name__}")
+
+
+def _check_causal(causal):
+    """`causal` as the stages take it: False, "top_left" or "bottom_right" (True and bool-likes mean "top_left").
+
+    An unknown alignment name is a ValueError that lists the accepted values (:func:`causal_offset`); any other
+    type a TypeError, as for a flag.
+    """
+    if isinstance(causal, str):
+        causal_offset(causal, 0, 0)
+        return causal
+    alignments = " or ".join(map(repr, CAUSAL_ALIGNMENTS))
+    return "top_left" if _as_flag("causal", causal, f"True or False (or 0/1), or {alignments}") else False
 
 
 def _check_scale(scale):
@@ -89,7 +102,8 @@ class Inputs:
     """What :func:`validate_inputs` found out about valid q, k, v."""
 
     B: int
-    H: int
+    H: int  # query heads
+    Hk: int  # key/value heads: H, or a divisor of H (grouped-query attention)
     Lq: int
     Lk: int
     D: int
@@ -112,13 +126,19 @@ def validate_inputs(q, k, v, *, causal=False, key_padding_mask=None, scale=None)
         raise TypeError(f"q, k, v: expected all NumPy arrays or all torch tensors, got "
                         + ", ".join(f"{name} a {kind}" for name, kind in kinds.items()))
     (B, H, Lq, D), (Bk, Hk, Lk, Dk), (Bv, Hv, Lv, Dv) = q.shape, k.shape, v.shape
-    if (Bk, Hk) != (B, H) or (Bv, Hv) != (B, H):
-        raise ValueError(f"batch/heads differ: q has (B, H)=({B}, {H}), k ({Bk}, {Hk}), v ({Bv}, {Hv}); they must match")
+    shapes = f"q has (B, H)=({B}, {H}), k ({Bk}, {Hk}), v ({Bv}, {Hv})"
+    if Bk != B or Bv != B:
+        raise ValueError(f"batch/heads differ: {shapes}; the batch sizes must match")
+    if Hv != Hk:
+        raise ValueError(f"batch/heads differ: {shapes}; k and v must have the same number of heads Hk")
+    if Hk and H % Hk:
+        raise ValueError(f"heads: q has H={H} heads, k and v have Hk={Hk}; Hk must divide H (Hk = H, or "
+                         "grouped-query attention: query head h uses key/value head h // (H // Hk))")
     if Dk != D or Dv != D:
         raise ValueError(f"head dim differs: q has D={D}, k D={Dk}, v D={Dv}; they must match")
     if Lv != Lk:
         raise ValueError(f"v has Lk={Lv} keys but k has Lk={Lk}; k and v must have the same length")
-    if min(B, H, Lq, Lk, D) == 0:
+    if min(B, H, Hk, Lq, Lk, D) == 0:
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}; every dimension must be >= 1")
 
     dtypes = {_dtype_name(x) for x in (q, k, v)}
@@ -141,13 +161,12 @@ def validate_inputs(q, k, v, *, causal=False, key_padding_mask=None, scale=None)
         if mask_device not in ("cpu", device):
             raise ValueError(f"key_padding_mask: is on {mask_device} but q, k, v are on {device}; "
                              "put it on the CPU or on their device")
-    _as_flag("causal", causal)
+    _check_causal(causal)
     _check_scale(scale)
-    return Inputs(B, H, Lq, Lk, D, dtypes.pop(), device)
+    return Inputs(B, H, Hk, Lq, Lk, D, dtypes.pop(), device)
 
 
-def validate(q, k, v, *, stage: str = "reference", causal: bool = False, key_padding_mask=None,
-             scale=None):
+def validate(q, k, v, *, stage: str = "reference", causal=False, key_padding_mask=None, scale=None):
     """Raise a clear ValueError/TypeError/MemoryError for anything `stage` cannot run. Returns the Stage.
 
     First the stage name, then the rules of every entry point (:func:`validate_inputs`), then the stage's
@@ -238,20 +257,22 @@ def propagate_non_finite(out, lse, q, k, *, causal=False, key_padding_mask=None,
     """
     qn, kn = _numpy64(q), _numpy64(k)
     B, H, Lq, D = qn.shape
-    Lk = kn.shape[2]
+    Hk, Lk = kn.shape[1], kn.shape[2]
+    group = H // Hk  # query heads per key head (GQA)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)[:, 0]  # (B, Lq, Lk)
     poisoned = ~np.isfinite(qn).all(-1)  # (B, H, Lq)
-    bad_keys = ~np.isfinite(kn).all(-1)  # (B, H, Lk)
-    chunk = 256  # keys per step: bounds the (Lq, chunk) scores held at once
+    bad_keys = ~np.isfinite(kn).all(-1)  # (B, Hk, Lk)
+    chunk = 256  # keys per step: bounds the (group, Lq, chunk) scores held at once
     with np.errstate(invalid="ignore", over="ignore"):
-        for b, h in zip(*np.nonzero(bad_keys.any(-1))):
-            keys = np.flatnonzero(bad_keys[b, h])
+        for b, hk in zip(*np.nonzero(bad_keys.any(-1))):
+            heads = slice(hk * group, (hk + 1) * group)  # the query heads that read key head hk
+            keys = np.flatnonzero(bad_keys[b, hk])
             for first in range(0, len(keys), chunk):
                 some = keys[first:first + chunk]
-                scores = scale * (qn[b, h] @ kn[b, h, some].T)  # (Lq, len(some)), IEEE: inf*0 = NaN
+                scores = scale * (qn[b, heads] @ kn[b, hk, some].T)  # (group, Lq, len(some)), IEEE: inf*0 = NaN
                 hot = (np.isnan(scores) | (scores == np.inf)) & allowed[b][:, some]
-                poisoned[b, h] |= hot.any(-1)
+                poisoned[b, heads] |= hot.any(-1)
     poisoned &= allowed.any(-1)[:, None, :]  # a row that sees no key stays 0, LSE -inf
     if not poisoned.any():
         return out, lse
@@ -269,20 +290,36 @@ def propagate_non_finite(out, lse, q, k, *, causal=False, key_padding_mask=None,
     return out, lse
 
 
-def attention(q, k, v, *, stage: str = "reference", causal: bool = False, key_padding_mask=None,
+def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_mask=None,
               scale: float | None = None, return_lse: bool = False, check_finite: bool = True):
     """Exact attention softmax(scale * q k^T [masked]) v with the chosen stage's kernel.
 
     Inputs
-        q: (B, H, Lq, D); k, v: (B, H, Lk, D); all NumPy arrays or all torch tensors (CPU, or CUDA on a
-        GPU), of one dtype the stage accepts (``wb.get_stage(name).dtypes``) and a head dim D it supports.
-        Non-contiguous inputs (slices, transposes) are copied once; torch tensors are used detached
-        (forward only, no autograd).
+        q: (B, H, Lq, D); k, v: (B, Hk, Lk, D) where Hk = H, or Hk divides H: grouped-query attention
+        (GQA; MQA when Hk = 1), as SDPA's ``enable_gqa=True``: query head h uses key/value head
+        h // (H // Hk). The kernels read that head in place; nothing is copied. All NumPy arrays or all
+        torch tensors (CPU, or CUDA on a GPU), of one dtype the stage accepts (``wb.get_stage(name).dtypes``)
+        and a head dim D it supports. Non-contiguous inputs (slices, transposes) are copied once; torch
+        tensors are used detached (forward only, no autograd).
     causal
-        query i attends keys j <= i: *top-left* alignment, as SDPA's ``is_causal=True``, also when
-        Lq != Lk. With Lq=2, Lk=4, row 0 sees key 0 and row 1 keys 0-1 (keys 2-3 are seen by nobody);
-        with Lq=4, Lk=2, rows 1-3 all see both keys. (flash-attn's bottom-right alignment, for decoding,
-        is a different mask.) Accepts True/False, NumPy bools and 0/1.
+        ``False`` (no mask), ``True`` or ``"top_left"``, or ``"bottom_right"``: query i attends keys
+        j <= i + offset, where the offset is 0 at the top left and Lk - Lq at the bottom right
+        (:func:`wb_kernels.reference.causal_offset`). The two differ only when Lq != Lk::
+
+                    Lq=2, Lk=4                           Lq=4, Lk=2
+                    top_left   bottom_right              top_left   bottom_right
+            key     0 1 2 3    0 1 2 3           key     0 1        0 1
+            query 0 x . . .    x x x .           query 0 x .        . .
+            query 1 x x . .    x x x x           query 1 x x        . .
+                                                 query 2 x x        x .
+                                                 query 3 x x        x x
+
+        *top-left* is SDPA's ``is_causal=True``: row i sees keys 0..i whatever Lk is. *bottom-right* is
+        flash-attn's, what decoding with a KV cache and chunked prefill need: the Lq queries are the last
+        Lq positions of a sequence whose first Lk - Lq keys are already cached, so the last query sees
+        every key. With Lq > Lk its first Lq - Lk rows see no key (zeros, LSE -inf, as below).
+        ``wb_kernels.plots.causal_alignment_figure(Lq, Lk)`` draws both. Accepts True/False, NumPy
+        bools and 0/1 for the flag; another string is refused with the accepted values.
     key_padding_mask
         bool (B, Lk), True = the key takes part (SDPA's boolean ``attn_mask`` convention), on the CPU
         or the inputs' device.
@@ -312,12 +349,13 @@ def attention(q, k, v, *, stage: str = "reference", causal: bool = False, key_pa
           non-finite inputs is then whatever the kernel makes of them.
 
     Raises, before launching anything: TypeError (wrong kind or dtype of an argument, unknown kind of
-    stage name), ValueError (shapes that disagree, unsupported head dim, an unknown stage, CPU inputs
-    for a GPU-only stage, a size the simulator would take minutes for), MemoryError (a stage's Lq x Lk
+    stage name), ValueError (shapes that disagree, Hk not dividing H, an unknown causal alignment,
+    unsupported head dim, an unknown stage, CPU inputs for a GPU-only stage, a size the simulator would
+    take minutes for), MemoryError (a stage's Lq x Lk
     buffers would not fit: the message says how much they need and suggests the flash stages).
     """
     spec = validate(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    causal, scale = _as_flag("causal", causal), _check_scale(scale)
+    causal, scale = _check_causal(causal), _check_scale(scale)
     caller_q = q
     q, k, v = (_contiguous(x) for x in (q, k, v))
     if key_padding_mask is not None:

@@ -38,7 +38,7 @@ import numpy as np
 
 from .api import require_array, validate_inputs
 from .inputs import DTYPES
-from .reference import attention_mask, reference
+from .reference import attention_mask, reference, repeat_kv_heads
 
 __all__ = ["CheckFailed", "CheckResult", "check", "torch_error", "storage_floor", "dot_product_floor",
            "output_floor"]
@@ -130,6 +130,7 @@ def _score_rounding_chunks(q, k, *, dtype, causal, key_padding_mask, scale, rows
 
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
+    k = repeat_kv_heads(k, H)  # GQA: the key each query head really meets
     scale = D ** -0.5 if scale is None else scale
     unit_roundoff = 2.0 ** -53 if dtype == "float64" else 2.0 ** -24  # the stages accumulate in float32
     allowed_all = torch.from_numpy(attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)).to(q.device)
@@ -175,6 +176,7 @@ def output_floor(q, k, v, out_ref, lse_ref, *, dtype: str, causal=False, key_pad
     B, H, Lq, D = q64.shape
     if Lq == 0 or k64.shape[2] == 0:
         return 0.0
+    k64, v64 = repeat_kv_heads(k64, H), repeat_kv_heads(v64, H)
     scale_value = D ** -0.5 if scale is None else scale
     k_t, v_squared = k64.transpose(-1, -2), v64 * v64
     largest = 0.0
@@ -212,6 +214,7 @@ def torch_error(q, k, v, out_ref, lse_ref, *, dtype: str, device: str, causal=Fa
 
     tq, tk, tv = as_torch(q), as_torch(k), as_torch(v)
     B, H, Lq, D = tq.shape
+    tk, tv = repeat_kv_heads(tk, H), repeat_kv_heads(tv, H)  # GQA as SDPA's enable_gqa: a copy, exact
     Lk = tk.shape[2]
     allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)
     rows_valid = np.broadcast_to(allowed.any(-1), (B, H, Lq))
@@ -228,7 +231,7 @@ def torch_error(q, k, v, out_ref, lse_ref, *, dtype: str, device: str, causal=Fa
     return out_err, lse_err
 
 
-def check(name: str, out, q, k, v, *, lse=None, causal: bool = False, key_padding_mask=None,
+def check(name: str, out, q, k, v, *, lse=None, causal=False, key_padding_mask=None,
           scale: float | None = None, ref=None, multiplier: float = 2.0, verbose: bool = True,
           raise_on_failure: bool = True) -> CheckResult:
     """Compare `out` (and optionally `lse`) with the float64 reference; print one line; raise on failure.

@@ -1,4 +1,5 @@
-"""One plot style for every lesson (01-08) and the benchmark, and saving into ``figures/``.
+"""One plot style for every lesson (01-08) and the benchmark, and saving into ``figures/``; and the picture of
+the two causal alignments that ``wb.attention``'s docstring describes (:func:`causal_alignment_figure`).
 
 PNG files are written without timestamps or software versions in their metadata, so re-running a
 lesson that draws the same figure leaves the committed file unchanged.
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import matplotlib
 
-__all__ = ["STYLE", "STAGE_COLORS", "style", "new_figure", "save", "figures_dir"]
+__all__ = ["STYLE", "STAGE_COLORS", "style", "new_figure", "save", "figures_dir", "causal_alignment_figure"]
 
 STYLE = {
     "figure.dpi": 100,
@@ -82,3 +83,30 @@ def save(fig, name: str) -> Path:
     with style():
         fig.savefig(path, metadata={"Software": None})
     return path
+
+
+def causal_alignment_figure(Lq: int, Lk: int):
+    """Two panels of the (Lq, Lk) grid, the pairs (query i, key j) a causal mask allows: top-left alignment (SDPA's
+    ``is_causal``, j <= i) beside bottom-right (flash-attn's, j <= i + Lk - Lq). Rows that see no key are marked."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.ticker import MaxNLocator
+
+    from .reference import CAUSAL_ALIGNMENTS, attention_mask, causal_offset
+
+    fig, axes = new_figure(ncols=2, width=2 * min(6.0, 2.0 + 0.25 * Lk), height=min(6.0, 2.2 + 0.25 * Lq))
+    for ax, alignment in zip(axes, CAUSAL_ALIGNMENTS):
+        allowed = attention_mask(Lq, Lk, alignment)[0, 0]
+        ax.imshow(allowed, cmap=ListedColormap(["#f0f0f0", STAGE_COLORS["flash"]]), vmin=0, vmax=1, aspect="auto",
+                  extent=(-0.5, Lk - 0.5, Lq - 0.5, -0.5))
+        blind = [row for row in range(Lq) if not allowed[row].any()]  # rows that see no key: zeros, LSE -inf
+        for row in blind:
+            ax.axhspan(row - 0.5, row + 0.5, color=STAGE_COLORS["naive"], alpha=0.25, lw=0)
+        offset = causal_offset(alignment, Lq, Lk)
+        title = f"{alignment}: j <= i" + (f" {'+' if offset > 0 else '-'} {abs(offset)}" if offset else "")
+        if blind:
+            title += f"\n{len(blind)} row{'s' if len(blind) > 1 else ''} see no key (red)"
+        ax.set(title=title, xlabel=f"key j (Lk = {Lk})", ylabel=f"query i (Lq = {Lq})")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(False)
+    return fig

@@ -2,11 +2,14 @@
 
 Conventions shared by every stage of the package:
 
-- shapes: q (B, H, Lq, D), k and v (B, H, Lk, D); the output is (B, H, Lq, D) and the
-  log-sum-exp (LSE) of each row of scaled scores is (B, H, Lq);
+- shapes: q (B, H, Lq, D), k and v (B, Hk, Lk, D) with Hk dividing H; the output is (B, H, Lq, D) and
+  the log-sum-exp (LSE) of each row of scaled scores is (B, H, Lq);
+- grouped-query attention (GQA; MQA when Hk = 1): query head h uses key/value head h // (H // Hk), as
+  SDPA's ``enable_gqa=True`` (:func:`repeat_kv_heads`);
 - ``scale`` defaults to 1/sqrt(D);
-- ``causal=True`` lets query i see keys j <= i (top-left alignment, as
-  ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` does when Lq != Lk);
+- ``causal`` lets query i see keys j <= i + offset (:func:`causal_offset`): ``True`` or ``"top_left"``
+  (offset 0, as ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` when Lq != Lk), or
+  ``"bottom_right"`` (offset Lk - Lq, flash-attn's alignment, for decoding with a KV cache);
 - ``key_padding_mask`` is a bool array (B, Lk), True where the key takes part (SDPA's boolean
   ``attn_mask`` convention);
 - a query row that sees no key at all gets output 0 and LSE -inf, never NaN;
@@ -19,7 +22,11 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["reference", "attention_mask", "safe_softmax", "naive_softmax"]
+__all__ = ["reference", "attention_mask", "causal_offset", "repeat_kv_heads", "CAUSAL_ALIGNMENTS", "safe_softmax",
+           "naive_softmax"]
+
+# The values of ``causal`` that name an alignment; True means "top_left".
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 
 def _as_float64(x) -> np.ndarray:
@@ -28,11 +35,42 @@ def _as_float64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def attention_mask(Lq: int, Lk: int, causal: bool = False, key_padding_mask=None, batch: int = 1):
-    """Boolean mask (B, 1, Lq, Lk): True where query i may attend key j."""
+def causal_offset(causal, Lq: int, Lk: int):
+    """The causal mask as one integer: query i sees keys j <= i + offset; None when `causal` is off.
+
+    ``True`` or ``"top_left"``: offset 0 (SDPA's ``is_causal``). ``"bottom_right"``: offset Lk - Lq, so that
+    the last query sees the last key, as a new query does when it is appended after Lk - Lq cached keys
+    (flash-attn's alignment). The offset is negative when Lq > Lk: then the first Lq - Lk rows see no key.
+    Every stage masks with this number, so the two alignments are one code path.
+    """
+    if isinstance(causal, str):
+        if causal not in CAUSAL_ALIGNMENTS:
+            raise ValueError(f"causal: expected True, False or one of {', '.join(map(repr, CAUSAL_ALIGNMENTS))} "
+                             f"(True = 'top_left'), got {causal!r}")
+        return Lk - Lq if causal == "bottom_right" else 0
+    return 0 if causal else None
+
+
+def repeat_kv_heads(x, H: int):
+    """K or V (B, Hk, L, D) as (B, H, L, D): head h is head h // (H // Hk) of `x` (GQA as a copy).
+
+    What the reference and the checks do; the kernels read key/value head h // (H // Hk) in place instead.
+    NumPy arrays and torch tensors; `x` itself when Hk = H.
+    """
+    group = H // x.shape[1]
+    if group == 1:
+        return x
+    if hasattr(x, "repeat_interleave"):  # a torch tensor
+        return x.repeat_interleave(group, dim=1)
+    return np.repeat(x, group, axis=1)
+
+
+def attention_mask(Lq: int, Lk: int, causal=False, key_padding_mask=None, batch: int = 1):
+    """Boolean mask (B, 1, Lq, Lk): True where query i may attend key j (causal: j <= i + :func:`causal_offset`)."""
     allowed = np.ones((batch, 1, Lq, Lk), dtype=bool)
-    if causal:
-        allowed &= np.tril(np.ones((Lq, Lk), dtype=bool))
+    offset = causal_offset(causal, Lq, Lk)
+    if offset is not None:
+        allowed &= np.tri(Lq, Lk, k=offset, dtype=bool)
     if key_padding_mask is not None:
         keep = np.asarray(key_padding_mask.cpu() if hasattr(key_padding_mask, "cpu") else key_padding_mask, dtype=bool)
         allowed = allowed & keep[:, None, None, :]
@@ -60,7 +98,7 @@ def safe_softmax(scores: np.ndarray, axis: int = -1) -> np.ndarray:
         return np.divide(e, total, out=np.zeros_like(e), where=total != 0)
 
 
-def reference(q, k, v, *, causal: bool = False, key_padding_mask=None, scale: float | None = None):
+def reference(q, k, v, *, causal=False, key_padding_mask=None, scale: float | None = None):
     """Exact attention in float64. Returns ``(out, lse)`` as float64 NumPy arrays.
 
     Accepts NumPy arrays or torch tensors (any device and dtype, one for all three): converted to float64
@@ -72,6 +110,7 @@ def reference(q, k, v, *, causal: bool = False, key_padding_mask=None, scale: fl
     validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     q, k, v = _as_float64(q), _as_float64(k), _as_float64(v)
     B, H, Lq, D = q.shape
+    k, v = repeat_kv_heads(k, H), repeat_kv_heads(v, H)  # GQA: each group of query heads reads one K/V head
     Lk = k.shape[2]
     if scale is None:
         scale = 1.0 / np.sqrt(D)

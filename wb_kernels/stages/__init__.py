@@ -5,7 +5,9 @@ Every package in this folder whose ``__init__`` defines ``STAGE`` (a :class:`Sta
 (CONTRIBUTING.md has the whole recipe). A rung's folder holds its kernel, launcher, teaching model,
 slider logic, tuning script and ``NOTES.md``; its lesson is ``notebooks/NN_<rung>.ipynb`` and its tests
 ``tests/test_<rung>.py``. A stage's ``forward`` receives inputs that :mod:`wb_kernels.api` has already
-validated, and returns ``(out, lse)``.
+validated, and returns ``(out, lse)``: q (B, H, Lq, D), k and v (B, Hk, Lk, D) with Hk dividing H (query head h
+uses key/value head h // (H // Hk)), and ``causal`` False, ``"top_left"`` or ``"bottom_right"``
+(:func:`wb_kernels.reference.causal_offset` turns it into the offset of the diagonal).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class Stage:
     name: str  # what users pass as stage=...
     lesson: str  # notebook that teaches it, e.g. "02_naive"
     summary: str  # one line for listings and error messages
-    forward: Callable  # (q, k, v, *, causal, key_padding_mask, scale) -> (out, lse)
+    forward: Callable  # (q, k, v, *, causal, key_padding_mask, scale) -> (out, lse); see the module docstring
     dtypes: tuple  # accepted input dtypes, e.g. ("float32",)
     head_dims: Optional[tuple] = None  # accepted D, None = any
     needs_gpu: bool = False  # True: refuses to run on the simulator / CPU tensors

@@ -32,6 +32,7 @@ from numba import cuda, float32, float64, uint64  # after ..backend (imported by
 
 from ...backend import BACKEND
 from ...device import empty, is_torch, kernel_view, to_work
+from ...reference import causal_offset
 from ...resources import register_kernel
 from .. import Stage
 
@@ -156,20 +157,22 @@ def make_flash_kernel(D, config):
 
     @cuda.jit(**jit_options(THREADS, config.min_blocks))
     def flash_kernel(q,  # (B, H, Lq, D) float32 queries
-                     k,  # (B, H, Lk, D) float32 keys
-                     v,  # (B, H, Lk, D) float32 values
+                     k,  # (B, Hk, Lk, D) float32 keys; Hk divides H
+                     v,  # (B, Hk, Lk, D) float32 values
                      out,  # (B, H, Lq, D) float32 output
                      lse,  # (B, H, Lq) float32 log-sum-exp per row (NEG_BIG for a row that sees no key)
                      key_keep,  # (B, Lk) uint8, 1 = key takes part; read only when use_mask
                      use_mask,  # 0/1
-                     causal,  # 0/1: query i sees keys j <= i
+                     causal,  # 0/1: query i sees keys j <= i + causal_offset
+                     causal_offset,  # 0 (top-left), or Lk - Lq (bottom-right)
                      q_scale,  # multiplies Q as it is loaded: 1, or the softmax scale when that is <= 0
                      score_scale):  # turns the kernel's scores into scaled scores: the softmax scale, or 1
         smem = cuda.shared.array(0, float32)
         H, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
         b = cuda.blockIdx.y // H
         h = cuda.blockIdx.y % H
-        q_bh, k_bh, v_bh, out_bh, lse_bh = q[b, h], k[b, h], v[b, h], out[b, h], lse[b, h]
+        kv = h // (H // k.shape[1])  # the key/value head of query head h: H // Hk share one (GQA)
+        q_bh, k_bh, v_bh, out_bh, lse_bh = q[b, h], k[b, kv], v[b, kv], out[b, h], lse[b, h]
         # Heaviest tiles first: under a causal mask the last query tiles see the most keys.
         row0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BM
         t = cuda.threadIdx.x
@@ -202,8 +205,8 @@ def make_flash_kernel(D, config):
 
         n_tiles = (Lk + BN - 1) // BN
         if causal:  # tiles entirely above the diagonal are never loaded
-            last_row = min(row0 + BM, Lq) - 1
-            n_tiles = min(n_tiles, last_row // BN + 1)
+            last_key = min(row0 + BM, Lq) - 1 + causal_offset  # the last key the block's last row sees
+            n_tiles = max(0, min(n_tiles, last_key // BN + 1))  # 0 when no row of the block sees a key
 
         for tile in range(n_tiles):
             k0 = tile * BN
@@ -236,7 +239,7 @@ def make_flash_kernel(D, config):
                 for j in range(TN):
                     key = k0 + c + TPR * j
                     ok = key < Lk
-                    if causal and key > row:
+                    if causal and key > row + causal_offset:
                         ok = False
                     if ok and use_mask:
                         if key_keep[b, U(key)] == 0:
@@ -320,7 +323,7 @@ def make_flash_kernel(D, config):
 _F32_4D = "float32[:, :, :, ::1]"
 # the argument types the stage launches its kernel with (compile_ptx, the resource tables, CI)
 SIGNATURE = (f"void({_F32_4D}, {_F32_4D}, {_F32_4D}, {_F32_4D}, float32[:, :, ::1], uint8[:, ::1], "
-             "int64, int64, float32, float32)")
+             "int64, int64, int64, float32, float32)")
 _KERNELS: dict = {}
 
 
@@ -351,7 +354,7 @@ def kernel_signature(D: int = 64):
     from numba import float32, int64, uint8
 
     arr4 = float32[:, :, :, ::1]
-    return (arr4, arr4, arr4, arr4, float32[:, :, ::1], uint8[:, ::1], int64, int64, float32, float32)
+    return (arr4, arr4, arr4, arr4, float32[:, :, ::1], uint8[:, ::1], int64, int64, int64, float32, float32)
 
 
 _OPTED_IN: set = set()
@@ -386,6 +389,7 @@ def flash_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, c
     config = config or config_for(D)
     kernel = kernel or get_kernel(D, config)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    offset = causal_offset(causal, Lq, Lk)  # query i sees keys j <= i + offset; None: not causal
     qw, kw, vw = (to_work(x) for x in (q, k, v))
     out = empty((B, H, Lq, D))  # the only buffers beyond the inputs: O and LSE
     lse = empty((B, H, Lq))
@@ -394,7 +398,7 @@ def flash_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, c
     else:
         keep = empty((1, 1), dtype=np.uint8)  # never read
     args = (kernel_view(qw), kernel_view(kw), kernel_view(vw), kernel_view(out), kernel_view(lse),
-            kernel_view(keep), int(key_padding_mask is not None), int(causal),
+            kernel_view(keep), int(key_padding_mask is not None), int(offset is not None), offset or 0,
             # the max of the scores is the max of the scaled scores only for a positive scale
             np.float32(1.0 if scale > 0 else scale), np.float32(scale if scale > 0 else 1.0))
     grid = ((Lq + config.block_m - 1) // config.block_m, B * H)

@@ -30,8 +30,8 @@ LINE_NAME = SOURCE.file_name  # what compiler messages call it
 _FUNCTIONS = ["flash_mma_forward"]
 _CPP_DECLARATION = (
     "std::vector<torch::Tensor> flash_mma_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, "
-    "torch::Tensor key_keep, bool causal, double scale, int64_t num_warps, int64_t row_tiles, int64_t block_n, "
-    "bool q_in_registers);"
+    "torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale, int64_t num_warps, "
+    "int64_t row_tiles, int64_t block_n, bool q_in_registers);"
 )
 
 

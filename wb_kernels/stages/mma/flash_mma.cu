@@ -17,8 +17,8 @@
 // XOR-swizzled so that ldmatrix reads them without bank conflicts, with K and V double-buffered by cp.async.
 //
 // One thread block = NUM_WARPS warps of one (batch, head); each warp owns ROW_TILES x 16 query rows and walks
-// the keys in tiles of BLOCK_N. Inputs: q (B, H, Lq, D), k and v (B, H, Lk, D), contiguous, fp16 or bf16,
-// D in {64, 128}.
+// the keys in tiles of BLOCK_N. Inputs: q (B, H, Lq, D), k and v (B, Hk, Lk, D) with Hk dividing H, contiguous,
+// fp16 or bf16, D in {64, 128}.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,14 +28,14 @@ namespace wb {
 
 struct FlashParams {
     const void* q;            // (B, H, Lq, D)
-    const void* k;            // (B, H, Lk, D)
-    const void* v;            // (B, H, Lk, D)
+    const void* k;            // (B, Hk, Lk, D)
+    const void* v;            // (B, Hk, Lk, D)
     void* out;                // (B, H, Lq, D), same dtype as q
     float* lse;               // (B, H, Lq), natural-log log-sum-exp of the scaled scores
     const uint8_t* key_keep;  // (B, Lk), 1 = key takes part; nullptr = no padding mask
-    int B, H, Lq, Lk;
+    int B, H, Lq, Lk, kv_group;  // kv_group = H / Hk: query head h reads K/V head h / kv_group (GQA)
     float scale_log2;         // scale * log2(e) > 0: softmax runs in base 2 (the launcher makes the scale positive)
-    int causal;               // query i sees keys j <= i (top-left)
+    int causal, causal_offset;  // query i sees keys j <= i + causal_offset (0: top-left, Lk - Lq: bottom-right)
 };
 
 // region: mma_and_ldmatrix
@@ -170,9 +170,10 @@ __device__ __forceinline__ void online_softmax(float (&s)[N_TILES][4], float (&m
 
 // Masked scores become -inf, by select and not by adding a bias (NaN + -inf = NaN: a NaN score at a masked key
 // must not leak into the row). Called only for tiles that need it: the ragged last tile, tiles crossing the
-// causal diagonal, and every tile when a key padding mask is given.
+// causal diagonal, and every tile when a key padding mask is given. last_key: the last key the lane's row g may see
+// under the causal mask (its query index + causal_offset); row g + 8 sees 8 more.
 template <int N_TILES>
-__device__ __forceinline__ void mask_scores(float (&s)[N_TILES][4], int key0, int row, const FlashParams& p,
+__device__ __forceinline__ void mask_scores(float (&s)[N_TILES][4], int key0, int last_key, const FlashParams& p,
                                             int batch) {
     const int t = threadIdx.x % 4;
 #pragma unroll
@@ -180,10 +181,10 @@ __device__ __forceinline__ void mask_scores(float (&s)[N_TILES][4], int key0, in
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int key = key0 + 8 * n + 2 * t + (i & 1);
-            const int query = row + (i >= 2 ? 8 : 0);
+            const int row_last_key = last_key + (i >= 2 ? 8 : 0);
             bool keep = key < p.Lk;
             if (keep && p.key_keep != nullptr) keep = p.key_keep[static_cast<size_t>(batch) * p.Lk + key] != 0;
-            if (p.causal && key > query) keep = false;
+            if (p.causal && key > row_last_key) keep = false;
             if (!keep) s[n][i] = -INFINITY;
         }
     }
@@ -229,13 +230,16 @@ flash_mma_kernel(const FlashParams p) {
     const int batch = bh / p.H;
     const int m0 = m_block * L::BLOCK_M;
     const T* q = static_cast<const T*>(p.q) + static_cast<size_t>(bh) * p.Lq * HEAD_DIM;
-    const T* k = static_cast<const T*>(p.k) + static_cast<size_t>(bh) * p.Lk * HEAD_DIM;
-    const T* v = static_cast<const T*>(p.v) + static_cast<size_t>(bh) * p.Lk * HEAD_DIM;
-    // Causal: keys past the block's last query row are masked for every row, so those tiles are skipped.
-    const int key_end = p.causal ? min(p.Lk, m0 + L::BLOCK_M) : p.Lk;
+    // GQA: query head h of batch b (bh = b * H + h) reads K/V head b * Hk + h / kv_group = bh / kv_group.
+    const T* k = static_cast<const T*>(p.k) + static_cast<size_t>(bh / p.kv_group) * p.Lk * HEAD_DIM;
+    const T* v = static_cast<const T*>(p.v) + static_cast<size_t>(bh / p.kv_group) * p.Lk * HEAD_DIM;
+    // Causal: keys past the last one the block's last row sees are masked for every row, so those tiles are
+    // skipped (all of them when no row of the block sees a key: bottom-right alignment with Lq > Lk).
+    const int key_end = p.causal ? max(0, min(p.Lk, m0 + L::BLOCK_M + p.causal_offset)) : p.Lk;
     const int num_tiles = (key_end + BLOCK_N - 1) / BLOCK_N;
-    const int warp_row0 = m0 + warp * L::WARP_ROWS;  // this warp's first query row
-    const int local_row0 = warp * L::WARP_ROWS;      // ... and its row in the Q tile
+    // Causal: query i sees keys j <= i + causal_offset, so this warp's row r sees keys up to warp_last_key + r.
+    const int warp_last_key = m0 + warp * L::WARP_ROWS + p.causal_offset;
+    const int local_row0 = warp * L::WARP_ROWS;  // this warp's first row in the Q tile
 
     auto k_stage = [&](int stage) { return kv_tiles + stage * 2 * L::KV_TILE; };
     auto k_address = [&](int stage) { return kv_base + stage * 2 * L::KV_TILE * 2; };  // bytes
@@ -292,8 +296,9 @@ flash_mma_kernel(const FlashParams p) {
             load_tile_async<T, HEAD_DIM, BLOCK_N, THREADS>(k_stage(stage ^ 1), k, key0 + BLOCK_N, p.Lk);
         cp_async_commit();  // (an empty group at the last tile keeps the counting uniform)
 
-        // Causal: a warp whose rows all precede this tile has nothing to add (it still takes part in the syncs).
-        const bool active = !p.causal || key0 <= warp_row0 + L::WARP_ROWS - 1;
+        // Causal: a warp whose rows all see only keys before this tile has nothing to add (it still takes part in
+        // the syncs).
+        const bool active = !p.causal || key0 <= warp_last_key + L::WARP_ROWS - 1;
         uint32_t p_frag[ROW_TILES][PV_STEPS][4];  // P, 16-bit, as A operands of O += P V
         if (active) {
             // S = Q K^T: BLOCK_N keys x WARP_ROWS rows, in registers
@@ -325,10 +330,10 @@ flash_mma_kernel(const FlashParams p) {
 
             // Masks only where a tile needs them; everywhere else the softmax runs on the raw scores.
             const bool needs_mask = p.key_keep != nullptr || key0 + BLOCK_N > p.Lk ||
-                                    (p.causal && key0 + BLOCK_N - 1 > warp_row0);
+                                    (p.causal && key0 + BLOCK_N - 1 > warp_last_key);
 #pragma unroll
             for (int r = 0; r < ROW_TILES; ++r) {
-                if (needs_mask) mask_scores(s[r], key0, warp_row0 + r * 16 + lane / 4, p, batch);
+                if (needs_mask) mask_scores(s[r], key0, warp_last_key + r * 16 + lane / 4, p, batch);
                 float alpha[2];
                 online_softmax(s[r], m_run[r], l_run[r], alpha, p.scale_log2);
 #pragma unroll
@@ -372,7 +377,7 @@ flash_mma_kernel(const FlashParams p) {
         }
     }
     cp_async_wait<0>();
-    __syncthreads();  // with no key tile at all (Lk = 0), other threads' copies of Q may still be landing
+    __syncthreads();  // with no key tile at all (no row of the block sees a key), copies of Q may still be landing
 
     // Epilogue: combine each row's partial sums across its quad, O /= l, LSE = ln(2) * (m * scale_log2 + log2 l);
     // rows that saw no key get 0 and -inf. O goes through this warp's rows of the Q tile (its own rows only, so
@@ -469,8 +474,9 @@ void launch_variant(const FlashParams& params, int64_t head_dim, int64_t num_war
 
 // Returns [out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) float32].
 std::vector<torch::Tensor> flash_mma_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                             torch::Tensor key_keep, bool causal, double scale, int64_t num_warps,
-                                             int64_t row_tiles, int64_t block_n, bool q_in_registers) {
+                                             torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale,
+                                             int64_t num_warps, int64_t row_tiles, int64_t block_n,
+                                             bool q_in_registers) {
     TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash_mma: q, k, v must be CUDA tensors");
     TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
                 "flash_mma: q, k, v must have one dtype");
@@ -481,8 +487,8 @@ std::vector<torch::Tensor> flash_mma_forward(torch::Tensor q, torch::Tensor k, t
     TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "flash_mma: inputs must be contiguous");
     const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2);
     TORCH_CHECK(D == 64 || D == 128, "flash_mma: head dim must be 64 or 128, got ", D);
-    TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(),
-                "flash_mma: k and v must be (B, H, Lk, D) with q's B, H, D");
+    TORCH_CHECK(k.size(0) == B && k.size(1) > 0 && H % k.size(1) == 0 && k.size(3) == D && v.sizes() == k.sizes(),
+                "flash_mma: k and v must be (B, Hk, Lk, D) with q's B and D, and Hk dividing H");
     TORCH_CHECK(scale > 0, "flash_mma: the launcher passes a positive scale (got ", scale, ")");
     const bool has_mask = key_keep.numel() > 0;
     if (has_mask) {
@@ -507,7 +513,9 @@ std::vector<torch::Tensor> flash_mma_forward(torch::Tensor q, torch::Tensor k, t
     params.Lq = static_cast<int>(Lq);
     params.Lk = static_cast<int>(Lk);
     params.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    params.kv_group = static_cast<int>(H / k.size(1));
     params.causal = causal ? 1 : 0;
+    params.causal_offset = static_cast<int>(causal_offset);
 
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     if (is_half) wb::launch_variant<__half>(params, D, num_warps, row_tiles, block_n, q_in_registers, stream);

@@ -1,14 +1,16 @@
 """Stage 06: FlashAttention-2 by hand on tensor cores, PTX mma.sync in CUDA C++ (lesson 06_mma).
 
 The kernel is ``flash_mma.cu`` in this folder, built by ``build.py`` with torch's ``load_inline`` the first time the
-stage runs (cached afterwards). It takes CUDA torch tensors in float16 or bfloat16 with head dim 64 or 128 and needs
-an sm_80 or newer GPU; the benchmark and ``tune.py`` use it through ``wb_kernels.attention(..., stage="mma")``.
+stage runs (cached afterwards). It takes CUDA torch tensors in float16 or bfloat16 with head dim 64 or 128 (K and V may
+have fewer heads: grouped-query attention, read in place; causal top-left or bottom-right) and needs an sm_80 or newer
+GPU; the benchmark and ``tune.py`` use it through ``wb_kernels.attention(..., stage="mma")``.
 """
 
 from __future__ import annotations
 
 from . import build as mma_build
 from .. import Stage
+from ...reference import causal_offset
 
 __all__ = ["STAGE", "forward", "DEFAULT_VARIANT", "variant_for"]
 
@@ -36,6 +38,7 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=
     D = q.shape[-1]
     variant = variant if variant is not None else variant_for(D)
     scale = float(D) ** -0.5 if scale is None else float(scale)
+    offset = causal_offset(causal, q.shape[2], k.shape[2])  # query i sees keys j <= i + offset; None: not causal
     if scale < 0:
         # The kernel tracks each row's maximum of the raw scores, which is the maximum of the scaled ones only for
         # a positive scale; scale * (q . k) = |scale| * (-q . k), and negating a 16-bit number is exact.
@@ -48,8 +51,8 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=
         keep = torch.empty(0, dtype=torch.uint8, device=q.device)
     else:
         keep = torch.as_tensor(key_padding_mask).to(device=q.device, dtype=torch.uint8).contiguous()
-    out, lse = module.flash_mma_forward(q.contiguous(), k.contiguous(), v.contiguous(), keep, bool(causal), scale,
-                                        variant.num_warps, variant.row_tiles, variant.block_n,
+    out, lse = module.flash_mma_forward(q.contiguous(), k.contiguous(), v.contiguous(), keep, offset is not None,
+                                        offset or 0, scale, variant.num_warps, variant.row_tiles, variant.block_n,
                                         variant.q_in_registers)
     return out, lse
 

@@ -2,7 +2,8 @@
 
 Taught in lesson 02 (``notebooks/02_naive.ipynb``), which shows every region below in full; lesson 03
 compares its tiled kernels with these. The kernels work on (B*H, L, D) views of the (B, H, L, D) inputs,
-so one grid dimension walks the (batch, head) pairs.
+so one grid dimension walks the (batch, head) pairs; K and V may have fewer heads Hk (grouped-query
+attention), viewed as (B*Hk, Lk, D): pair bh then reads K/V pair bh // (H // Hk).
 
     scores_kernel        S = scale * Q K^T, masked entries -inf      one thread per element of S
     row_softmax_kernel   P = softmax(S) by rows, and LSE per row     one thread per row
@@ -19,6 +20,7 @@ import numpy as np
 from numba import cuda, float32
 
 from ... import device
+from ...reference import causal_offset
 from ...resources import register_kernel
 from .. import Stage
 
@@ -30,18 +32,20 @@ __all__ = ["scores_kernel", "row_softmax_kernel", "weighted_sum_kernel", "naive_
 # region: scores_kernel
 @cuda.jit
 def scores_kernel(q,         # (B*H, Lq, D) float32 queries
-                  k,         # (B*H, Lk, D) float32 keys
+                  k,         # (B*Hk, Lk, D) float32 keys; Hk divides H
                   key_keep,  # (B, Lk) uint8, 1 where the key takes part
                   num_heads,  # H, to find the batch element b = bh // H of the mask
                   scale,     # float32 multiplier of the dot products
-                  causal,    # bool: query i sees only keys j <= i
+                  causal,    # bool: query i sees only keys j <= i + causal_offset
+                  causal_offset,  # int: 0 (top-left), or Lk - Lq (bottom-right)
                   scores):   # (B*H, Lq, Lk) float32 output S
     j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x  # key: neighbouring threads write neighbouring S
     i = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y  # query
     bh = cuda.blockIdx.z                                       # (batch, head) pair
+    kv = bh // (q.shape[0] // k.shape[0])  # = b*Hk + h // (H // Hk): the K/V head query head h shares (GQA)
     if i >= scores.shape[1] or j >= scores.shape[2]:
         return  # the grid is rounded up to whole blocks; these threads have no element
-    if (causal and j > i) or key_keep[bh // num_heads, j] == 0:
+    if (causal and j > i + causal_offset) or key_keep[bh // num_heads, j] == 0:
         scores[bh, i, j] = -math.inf  # exp(-inf) = 0: the key gets no weight
         return
     # Every thread reads a whole row of Q and of K from global memory. The sum goes in blocks of 16:
@@ -52,7 +56,7 @@ def scores_kernel(q,         # (B*H, Lq, D) float32 queries
     for d0 in range(0, q.shape[2], 16):
         block_sum = float32(0.0)
         for d in range(d0, min(d0 + 16, q.shape[2])):
-            block_sum += q[bh, i, d] * k[bh, j, d]
+            block_sum += q[bh, i, d] * k[kv, j, d]
         total += block_sum
     scores[bh, i, j] = scale * total
 # endregion
@@ -94,11 +98,12 @@ def row_softmax_kernel(scores,  # (B*H, Lq, Lk) float32 input S
 # region: weighted_sum_kernel
 @cuda.jit
 def weighted_sum_kernel(probs,  # (B*H, Lq, Lk) float32 P
-                        v,      # (B*H, Lk, D) float32 values
+                        v,      # (B*Hk, Lk, D) float32 values; Hk divides H
                         out):   # (B*H, Lq, D) float32 output O
     d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x  # column of O: neighbours read neighbouring V
     i = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y  # row of O (query)
     bh = cuda.blockIdx.z
+    kv = bh // (probs.shape[0] // v.shape[0])  # the K/V pair of scores_kernel (GQA)
     if i >= out.shape[1] or d >= out.shape[2]:
         return
     # A whole row of P and a whole column of V per thread, summed in blocks of 16 keys as the scores
@@ -108,16 +113,17 @@ def weighted_sum_kernel(probs,  # (B*H, Lq, Lk) float32 P
     for j0 in range(0, v.shape[1], 16):
         block_sum = float32(0.0)
         for j in range(j0, min(j0 + 16, v.shape[1])):
-            block_sum += probs[bh, i, j] * v[bh, j, d]
+            block_sum += probs[bh, i, j] * v[kv, j, d]
         total += block_sum
     out[bh, i, d] = total
 # endregion
 
 
 # The argument types the launcher below passes (C-contiguous float32 arrays, a uint8 mask, H as int64,
-# scale as float32, causal as bool); CI compiles each kernel with exactly these for sm_80 and sm_90.
+# scale as float32, causal as bool, its offset as int64); CI compiles each kernel with exactly these for sm_80
+# and sm_90.
 _F32_3D = "float32[:, :, ::1]"
-SCORES_SIGNATURE = f"void({_F32_3D}, {_F32_3D}, uint8[:, ::1], int64, float32, boolean, {_F32_3D})"
+SCORES_SIGNATURE = f"void({_F32_3D}, {_F32_3D}, uint8[:, ::1], int64, float32, boolean, int64, {_F32_3D})"
 SOFTMAX_SIGNATURE = f"void({_F32_3D}, {_F32_3D}, float32[:, ::1])"
 WEIGHTED_SUM_SIGNATURE = f"void({_F32_3D}, {_F32_3D}, {_F32_3D})"
 register_kernel("naive.scores_kernel", scores_kernel, SCORES_SIGNATURE)
@@ -151,12 +157,13 @@ def naive_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, b
     """
     scores_k, softmax_k, weighted_sum_k = kernels or (scores_kernel, row_softmax_kernel, weighted_sum_kernel)
     B, H, Lq, D = q.shape
-    Lk = k.shape[2]
+    Hk, Lk = k.shape[1], k.shape[2]
     scale = np.float32(1.0 / math.sqrt(D) if scale is None else scale)  # float32: no float64 math on the GPU
-    # (B, H, L, D) -> (B*H, L, D): one grid dimension walks the (batch, head) pairs
+    offset = causal_offset(causal, Lq, Lk)  # query i sees keys j <= i + offset; None: not causal
+    # (B, H, L, D) -> (B*H, L, D): one grid dimension walks the (batch, head) pairs; K and V: (B*Hk, Lk, D)
     q3 = device.to_work(q).reshape(B * H, Lq, D)
-    k3 = device.to_work(k).reshape(B * H, Lk, D)
-    v3 = device.to_work(v).reshape(B * H, Lk, D)
+    k3 = device.to_work(k).reshape(B * Hk, Lk, D)
+    v3 = device.to_work(v).reshape(B * Hk, Lk, D)
     key_keep = key_keep_mask(key_padding_mask, B, Lk)
     scores = device.empty((B * H, Lq, Lk))  # S: the first L x L buffer
     probs = device.empty((B * H, Lq, Lk))   # P: the second
@@ -165,7 +172,8 @@ def naive_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, b
     view = device.kernel_view
 
     grid = (math.ceil(Lk / block), math.ceil(Lq / block), B * H)  # one thread per element of S
-    scores_k[grid, (block, block)](view(q3), view(k3), view(key_keep), H, scale, bool(causal), view(scores))
+    scores_k[grid, (block, block)](view(q3), view(k3), view(key_keep), H, scale, offset is not None, offset or 0,
+                                   view(scores))
     grid = (math.ceil(Lq / softmax_threads), B * H)  # one thread per row
     softmax_k[grid, softmax_threads](view(scores), view(probs), view(lse))
     grid = (math.ceil(D / block), math.ceil(Lq / block), B * H)  # one thread per element of O

@@ -26,6 +26,7 @@ from numba import cuda, float32
 
 from ... import device
 from ...backend import BACKEND
+from ...reference import causal_offset
 from ...resources import register_kernel
 from .. import Stage
 from ..naive.kernel import key_keep_mask, workspace_bytes
@@ -49,19 +50,21 @@ def make_tiled_kernels(tile):
 
     @cuda.jit
     def tiled_scores_kernel(q,         # (B*H, Lq, D) float32 queries
-                            k,         # (B*H, Lk, D) float32 keys
+                            k,         # (B*Hk, Lk, D) float32 keys; Hk divides H
                             key_keep,  # (B, Lk) uint8, 1 where the key takes part
                             num_heads,  # H, to find the batch element b = bh // H of the mask
                             scale,     # float32 multiplier of the dot products
-                            causal,    # bool: query i sees only keys j <= i
+                            causal,    # bool: query i sees only keys j <= i + causal_offset
+                            causal_offset,  # int: 0 (top-left), or Lk - Lq (bottom-right)
                             scores):   # (B*H, Lq, Lk) float32 output S
         q_tile = cuda.shared.array((tile, tile), float32)      # Q[i0 + row, d0 + col]
         k_tile = cuda.shared.array((tile, padded), float32)   # K[j0 + row, d0 + col]; +1 column: see below
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         i0, j0, bh = cuda.blockIdx.y * tile, cuda.blockIdx.x * tile, cuda.blockIdx.z
+        kv = bh // (q.shape[0] // k.shape[0])  # = b*Hk + h // (H // Hk): the K/V head query head h shares (GQA)
         i, j = i0 + ty, j0 + tx  # this thread's element of S
         Lq, Lk, D = scores.shape[1], scores.shape[2], q.shape[2]
-        if causal and j0 > i0 + tile - 1:
+        if causal and j0 > i0 + tile - 1 + causal_offset:
             # the whole tile lies above the diagonal: nothing to load (the same for every thread of the
             # block, so no thread skips a syncthreads that the others wait at)
             if i < Lq and j < Lk:
@@ -75,7 +78,7 @@ def make_tiled_kernels(tile):
             else:
                 q_tile[ty, tx] = 0.0
             if j0 + ty < Lk and d0 + tx < D:
-                k_tile[ty, tx] = k[bh, j0 + ty, d0 + tx]
+                k_tile[ty, tx] = k[kv, j0 + ty, d0 + tx]
             else:
                 k_tile[ty, tx] = 0.0
             cuda.syncthreads()  # the tiles are complete before anyone reads them
@@ -87,23 +90,26 @@ def make_tiled_kernels(tile):
             total += tile_sum
             cuda.syncthreads()  # everyone is done with the tiles before the next step overwrites them
         if i < Lq and j < Lk:
-            if (causal and j > i) or key_keep[bh // num_heads, j] == 0:
+            if (causal and j > i + causal_offset) or key_keep[bh // num_heads, j] == 0:
                 scores[bh, i, j] = -math.inf
             else:
                 scores[bh, i, j] = scale * total
 
     @cuda.jit
     def tiled_weighted_sum_kernel(probs,   # (B*H, Lq, Lk) float32 P
-                                  v,       # (B*H, Lk, D) float32 values
+                                  v,       # (B*Hk, Lk, D) float32 values; Hk divides H
                                   causal,  # bool: P is 0 right of the diagonal, those tiles are skipped
+                                  causal_offset,  # int: the diagonal is j = i + causal_offset
                                   out):    # (B*H, Lq, D) float32 output O
         p_tile = cuda.shared.array((tile, tile), float32)  # P[i0 + row, j0 + col]
         v_tile = cuda.shared.array((tile, tile), float32)  # V[j0 + row, d0 + col]
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         i0, d0, bh = cuda.blockIdx.y * tile, cuda.blockIdx.x * tile, cuda.blockIdx.z
+        kv = bh // (probs.shape[0] // v.shape[0])  # = b*Hk + h // (H // Hk), as in the scores kernel (GQA)
         i, d = i0 + ty, d0 + tx  # this thread's element of O
         Lq, Lk, D = out.shape[1], v.shape[1], out.shape[2]
-        key_end = min(Lk, i0 + tile) if causal else Lk  # the last key any row of this tile may see, + 1
+        # the last key any row of this tile may see, + 1 (<= 0 when none sees a key: the loop is skipped)
+        key_end = min(Lk, i0 + tile + causal_offset) if causal else Lk
         total = float32(0.0)
         for j0 in range(0, key_end, tile):
             if i < Lq and j0 + tx < Lk:
@@ -111,7 +117,7 @@ def make_tiled_kernels(tile):
             else:
                 p_tile[ty, tx] = 0.0
             if j0 + ty < Lk and d < D:
-                v_tile[ty, tx] = v[bh, j0 + ty, d]
+                v_tile[ty, tx] = v[kv, j0 + ty, d]
             else:
                 v_tile[ty, tx] = 0.0
             cuda.syncthreads()
@@ -185,8 +191,8 @@ def make_block_softmax_kernel(threads):
 
 
 _F32_3D = "float32[:, :, ::1]"
-SCORES_SIGNATURE = f"void({_F32_3D}, {_F32_3D}, uint8[:, ::1], int64, float32, boolean, {_F32_3D})"
-WEIGHTED_SUM_SIGNATURE = f"void({_F32_3D}, {_F32_3D}, boolean, {_F32_3D})"
+SCORES_SIGNATURE = f"void({_F32_3D}, {_F32_3D}, uint8[:, ::1], int64, float32, boolean, int64, {_F32_3D})"
+WEIGHTED_SUM_SIGNATURE = f"void({_F32_3D}, {_F32_3D}, boolean, int64, {_F32_3D})"
 SOFTMAX_SIGNATURE = f"void({_F32_3D}, {_F32_3D}, float32[:, ::1])"
 
 
@@ -237,11 +243,12 @@ def tiled_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, t
     """
     scores_k, softmax_k, weighted_sum_k = kernels or tiled_kernels(tile, softmax_threads)
     B, H, Lq, D = q.shape
-    Lk = k.shape[2]
+    Hk, Lk = k.shape[1], k.shape[2]
     scale = np.float32(1.0 / math.sqrt(D) if scale is None else scale)
+    offset = causal_offset(causal, Lq, Lk)  # query i sees keys j <= i + offset; None: not causal
     q3 = device.to_work(q).reshape(B * H, Lq, D)
-    k3 = device.to_work(k).reshape(B * H, Lk, D)
-    v3 = device.to_work(v).reshape(B * H, Lk, D)
+    k3 = device.to_work(k).reshape(B * Hk, Lk, D)
+    v3 = device.to_work(v).reshape(B * Hk, Lk, D)
     key_keep = key_keep_mask(key_padding_mask, B, Lk)
     scores = device.empty((B * H, Lq, Lk))
     probs = device.empty((B * H, Lq, Lk))
@@ -250,10 +257,11 @@ def tiled_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, t
     view = device.kernel_view
 
     grid = (math.ceil(Lk / tile), math.ceil(Lq / tile), B * H)  # one block per tile of S
-    scores_k[grid, (tile, tile)](view(q3), view(k3), view(key_keep), H, scale, bool(causal), view(scores))
+    scores_k[grid, (tile, tile)](view(q3), view(k3), view(key_keep), H, scale, offset is not None, offset or 0,
+                                 view(scores))
     softmax_k[(Lq, B * H), softmax_threads](view(scores), view(probs), view(lse))  # one block per row
     grid = (math.ceil(D / tile), math.ceil(Lq / tile), B * H)  # one block per tile of O
-    weighted_sum_k[grid, (tile, tile)](view(probs), view(v3), bool(causal), view(out))
+    weighted_sum_k[grid, (tile, tile)](view(probs), view(v3), offset is not None, offset or 0, view(out))
     return out.reshape(B, H, Lq, D), lse.reshape(B, H, Lq)
 # endregion
 

@@ -29,8 +29,8 @@ LINE_NAME = SOURCE.file_name  # what compiler messages call it
 _FUNCTIONS = ["flash_wmma_forward"]
 _CPP_DECLARATION = (
     "std::vector<torch::Tensor> flash_wmma_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, "
-    "torch::Tensor key_keep, bool causal, double scale, int64_t num_warps, bool q_in_registers, "
-    "int64_t row_frags);"
+    "torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale, int64_t num_warps, "
+    "bool q_in_registers, int64_t row_frags);"
 )
 # Every variant the launcher can choose: (num_warps, q_in_registers, row_frags), as WB_FOR_EACH_VARIANT
 # in flash_wmma.cu lists them. A warp owns row_frags x 16 query rows. The compile report covers all.

@@ -18,7 +18,7 @@
 //     re-loaded as a matrix_a fragment for O += P V on tensor cores;
 //   - O stays in fp32 accumulator fragments; rows are rescaled through a row-index map read once
 //     from a fragment loaded with known values (layout-agnostic); O and LSE are written once.
-// Inputs: q (B, H, Lq, D), k and v (B, H, Lk, D), contiguous, fp16 or bf16, D in {64, 128}.
+// Inputs: q (B, H, Lq, D), k and v (B, Hk, Lk, D) with Hk dividing H, contiguous, fp16 or bf16, D in {64, 128}.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -35,14 +35,14 @@ constexpr int ROW_PAD = 8;   // extra elements per shared-memory row: keeps frag
 
 struct FlashParams {
     const void* q;                 // (B, H, Lq, D)
-    const void* k;                 // (B, H, Lk, D)
-    const void* v;                 // (B, H, Lk, D)
+    const void* k;                 // (B, Hk, Lk, D)
+    const void* v;                 // (B, Hk, Lk, D)
     void* out;                     // (B, H, Lq, D), same dtype as q
     float* lse;                    // (B, H, Lq), natural-log log-sum-exp of the scaled scores
     const uint8_t* key_keep;       // (B, Lk), 1 = key takes part; nullptr = no padding mask
-    int B, H, Lq, Lk;
+    int B, H, Lq, Lk, kv_group;    // kv_group = H / Hk: query head h reads K/V head h / kv_group (GQA)
     float scale_log2;              // scale * log2(e): softmax runs in base 2
-    int causal;                    // query i sees keys j <= i (top-left)
+    int causal, causal_offset;     // query i sees keys j <= i + causal_offset (0: top-left, Lk - Lq: bottom-right)
 };
 
 // Conversions between fp32 and the 16-bit input type, two values at a time.
@@ -141,7 +141,7 @@ __device__ __forceinline__ float online_softmax_rows(
     T* p_rows, int p_stride,                 // this warp's P scratch (16 x 64 fp16/bf16)
     const float* key_bias,                   // (64,) 0 for a key that takes part, -inf otherwise
     float scale_log2,                        // scale * log2(e)
-    int query_index, int key0, bool causal_tile,  // causal_tile: this tile crosses the diagonal
+    int last_key, int key0, bool causal_tile,  // the row's last visible key; causal_tile: the tile crosses the diagonal
     float& m_run, float& l_run) {            // running max (base 2) and sum of the row, both lanes
     using T2 = typename Pack<T>::T2;
     const int lane = threadIdx.x % 32;
@@ -158,7 +158,7 @@ __device__ __forceinline__ float online_softmax_rows(
             const int col = col0 + 8 * j + t;
             // select, not add: a NaN score at a masked key must not leak into the row (NaN + -inf = NaN)
             float xi = key_bias[col] == 0.0f ? s[t] * scale_log2 : -INFINITY;
-            if (causal_tile && key0 + col > query_index) xi = -INFINITY;
+            if (causal_tile && key0 + col > last_key) xi = -INFINITY;
             x[4 * j + t] = xi;
             tile_max = fmaxf(tile_max, xi);
         }
@@ -217,10 +217,12 @@ flash_wmma_kernel(const FlashParams p) {
     const int batch = bh / p.H;
     const int m0 = m_block * L::BLOCK_M;
     const T* q = static_cast<const T*>(p.q) + static_cast<size_t>(bh) * p.Lq * HEAD_DIM;
-    const T* k = static_cast<const T*>(p.k) + static_cast<size_t>(bh) * p.Lk * HEAD_DIM;
-    const T* v = static_cast<const T*>(p.v) + static_cast<size_t>(bh) * p.Lk * HEAD_DIM;
-    // Causal: keys past the block's last query row are masked for every row, so those tiles are skipped.
-    const int key_end = p.causal ? min(p.Lk, m0 + L::BLOCK_M) : p.Lk;
+    // GQA: query head h of batch b (bh = b * H + h) reads K/V head b * Hk + h / kv_group = bh / kv_group.
+    const T* k = static_cast<const T*>(p.k) + static_cast<size_t>(bh / p.kv_group) * p.Lk * HEAD_DIM;
+    const T* v = static_cast<const T*>(p.v) + static_cast<size_t>(bh / p.kv_group) * p.Lk * HEAD_DIM;
+    // Causal: keys past the last one the block's last row sees are masked for every row, so those tiles are
+    // skipped (all of them when no row of the block sees a key: bottom-right alignment with Lq > Lk).
+    const int key_end = p.causal ? max(0, min(p.Lk, m0 + L::BLOCK_M + p.causal_offset)) : p.Lk;
     const int num_tiles = (key_end + BLOCK_N - 1) / BLOCK_N;
 
     auto load_kv_stage = [&](int tile, int stage) {
@@ -287,8 +289,8 @@ flash_wmma_kernel(const FlashParams p) {
         __syncthreads();
 
         const int key0 = tile * BLOCK_N;
-        // Causal: a warp whose rows all precede this tile has nothing to add (but still syncs).
-        if (!p.causal || key0 <= warp_row0 + L::WARP_ROWS - 1) {
+        // Causal: a warp whose rows all see only keys before this tile has nothing to add (but still syncs).
+        if (!p.causal || key0 <= warp_row0 + L::WARP_ROWS - 1 + p.causal_offset) {
             const T* k_tile = kv_tiles + stage * 2 * L::KV_TILE;
             const T* v_tile = k_tile + L::KV_TILE;
 
@@ -327,10 +329,10 @@ flash_wmma_kernel(const FlashParams p) {
 #pragma unroll
             for (int r = 0; r < ROW_FRAGS; ++r) {
                 const int row0 = warp_row0 + r * FRAG;
-                const bool causal_tile = p.causal && key0 + BLOCK_N - 1 > row0;
+                const bool causal_tile = p.causal && key0 + BLOCK_N - 1 > row0 + p.causal_offset;
                 const float alpha = online_softmax_rows<T>(
                     my_s + r * FRAG * L::S_STRIDE, L::S_STRIDE, my_p + r * FRAG * L::P_STRIDE, L::P_STRIDE,
-                    key_bias + stage * BLOCK_N, p.scale_log2, row0 + (lane >> 1), key0, causal_tile,
+                    key_bias + stage * BLOCK_N, p.scale_log2, row0 + (lane >> 1) + p.causal_offset, key0, causal_tile,
                     m_run[r], l_run[r]);
                 if ((lane & 1) == 0) my_row_factor[r * FRAG + (lane >> 1)] = alpha;
             }
@@ -463,7 +465,7 @@ void launch_variant(const FlashParams& params, int64_t num_warps, bool q_in_regi
 
 // Returns [out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) float32].
 std::vector<torch::Tensor> flash_wmma_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                              torch::Tensor key_keep, bool causal, double scale,
+                                              torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale,
                                               int64_t num_warps, bool q_in_registers, int64_t row_frags) {
     TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "flash_wmma: q, k, v must be CUDA tensors");
     TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
@@ -475,8 +477,8 @@ std::vector<torch::Tensor> flash_wmma_forward(torch::Tensor q, torch::Tensor k, 
     TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "flash_wmma: inputs must be contiguous");
     const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2);
     TORCH_CHECK(D == 64 || D == 128, "flash_wmma: head dim must be 64 or 128, got ", D);
-    TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(),
-                "flash_wmma: k and v must be (B, H, Lk, D) with q's B, H, D");
+    TORCH_CHECK(k.size(0) == B && k.size(1) > 0 && H % k.size(1) == 0 && k.size(3) == D && v.sizes() == k.sizes(),
+                "flash_wmma: k and v must be (B, Hk, Lk, D) with q's B and D, and Hk dividing H");
     const bool has_mask = key_keep.numel() > 0;
     if (has_mask) {
         TORCH_CHECK(key_keep.is_cuda() && key_keep.scalar_type() == torch::kUInt8 && key_keep.is_contiguous() &&
@@ -499,7 +501,9 @@ std::vector<torch::Tensor> flash_wmma_forward(torch::Tensor q, torch::Tensor k, 
     params.Lq = static_cast<int>(Lq);
     params.Lk = static_cast<int>(Lk);
     params.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    params.kv_group = static_cast<int>(H / k.size(1));
     params.causal = causal ? 1 : 0;
+    params.causal_offset = static_cast<int>(causal_offset);
 
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     if (is_half) {

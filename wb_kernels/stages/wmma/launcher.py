@@ -2,7 +2,8 @@
 
 The kernel is ``flash_wmma.cu`` in this folder, built by ``build.py`` (on the shared :mod:`wb_kernels.cuda_build`) with torch's
 ``load_inline`` the first time the stage runs (cached afterwards). It takes CUDA torch tensors in
-float16 or bfloat16 with head dim 64 or 128 and needs an sm_80 or newer GPU; the benchmark and
+float16 or bfloat16 with head dim 64 or 128 (K and V may have fewer heads: grouped-query attention, read in
+place; causal top-left or bottom-right) and needs an sm_80 or newer GPU; the benchmark and
 this folder's tune.py use it through ``wb_kernels.attention(..., stage="wmma")`` like every other stage.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from . import build as wmma_build
 from .. import Stage
+from ...reference import causal_offset
 
 __all__ = ["STAGE", "forward", "DEFAULT_VARIANT", "variant_for"]
 
@@ -37,12 +39,13 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=
     D = q.shape[-1]
     num_warps, q_in_registers, row_frags = variant if variant is not None else variant_for(D)
     scale = float(D) ** -0.5 if scale is None else float(scale)
+    offset = causal_offset(causal, q.shape[2], k.shape[2])  # query i sees keys j <= i + offset; None: not causal
     if key_padding_mask is None:
         keep = torch.empty(0, dtype=torch.uint8, device=q.device)
     else:
         keep = torch.as_tensor(key_padding_mask).to(device=q.device, dtype=torch.uint8).contiguous()
-    out, lse = module.flash_wmma_forward(q.contiguous(), k.contiguous(), v.contiguous(), keep, bool(causal),
-                                         scale, int(num_warps), bool(q_in_registers), int(row_frags))
+    out, lse = module.flash_wmma_forward(q.contiguous(), k.contiguous(), v.contiguous(), keep, offset is not None,
+                                         offset or 0, scale, int(num_warps), bool(q_in_registers), int(row_frags))
     return out, lse
 
 
