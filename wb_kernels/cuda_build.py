@@ -25,7 +25,9 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,12 +255,20 @@ def build_extension(source: str, *, file_name: str, declarations: str, functions
     from torch.utils.cpp_extension import load_inline
 
     build_dir = _cache_root() / name
+    cold = not any(build_dir.glob(f"{name}*.so"))
+    if cold:
+        # nvcc gives no sign of life for a minute or more: say what is happening, and when it is over
+        print(f"building {display_name} for this GPU (the first time takes a minute or more; later runs load it "
+              f"from {build_dir.parent} in milliseconds) ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
     cuda_source = prepare_build_directory(build_dir, source, file_name)
     with _file_lock(_cache_root() / f"{name}.lock"):
         try:
             module = load_inline(name=name, cpp_sources=[declarations], cuda_sources=[cuda_source],
                                  functions=functions, extra_cuda_cflags=flags, build_directory=str(build_dir),
                                  verbose=verbose)
+            if cold:
+                print(f"built {display_name} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         except RuntimeError as error:
             raise CudaBuildError(f"building {display_name} failed:\n{_trim_compiler_output(str(error))}") from None
     _loaded[name] = module

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from ...cuda_build import (CudaBuildError, EditableSource, build_extension, comp
                            ptxas_entries, sass_lines)
 
 __all__ = ["SOURCE", "SOURCE_NAME", "VARIANTS", "Variant", "KernelResources", "package_source", "current_source",
-           "set_region", "reset_regions", "edited_regions", "enable_region_cells", "build", "shared_memory_bytes",
+           "set_region", "reset_regions", "edited_regions", "enable_region_cells", "build", "extension", "shared_memory_bytes",
            "nvcc_compile_report", "sass", "key_loop_counts"]
 
 SOURCE = EditableSource(Path(__file__).resolve().parent / "flash_mma.cu")
@@ -78,6 +79,13 @@ def build(source: str | None = None, *, flags: list | None = None, verbose: bool
     return build_extension(source, file_name=LINE_NAME, declarations=_CPP_DECLARATION, functions=_FUNCTIONS,
                            flags=flags, verbose=verbose, display_name=SOURCE_NAME)
 
+
+
+@functools.cache
+def extension():
+    """The package's kernel (the learner's edits left out), built or loaded from the disk cache once per process:
+    what ``wb.attention`` calls, without reading or hashing the source again on every call."""
+    return build(package_source())
 
 def shared_memory_bytes(variant: Variant) -> int:
     """Dynamic shared memory per block; mirrors ``Layout`` in flash_mma.cu: the Q tile (which also stages the

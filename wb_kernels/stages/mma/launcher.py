@@ -34,7 +34,7 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=
     import torch
 
     if module is None:
-        module = mma_build.build(mma_build.package_source())
+        module = mma_build.extension()
     D = q.shape[-1]
     variant = variant if variant is not None else variant_for(D)
     scale = float(D) ** -0.5 if scale is None else float(scale)

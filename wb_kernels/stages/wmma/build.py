@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from ...cuda_build import (CudaBuildError, EditableSource, build_extension, comp
                            ptxas_entries, sass_lines)
 
 __all__ = ["SOURCE", "SOURCE_PATH", "SOURCE_NAME", "LINE_NAME", "VARIANTS", "KernelResources", "package_source",
-           "current_source", "set_region", "reset_regions", "edited_regions", "enable_region_cells", "build",
+           "current_source", "set_region", "reset_regions", "edited_regions", "enable_region_cells", "build", "extension",
            "shared_memory_bytes", "nvcc_compile_report", "sass"]
 
 SOURCE = EditableSource(Path(__file__).resolve().parent / "flash_wmma.cu")
@@ -53,6 +54,13 @@ def build(source: str | None = None, *, flags: list | None = None, verbose: bool
     return build_extension(source, file_name=LINE_NAME, declarations=_CPP_DECLARATION, functions=_FUNCTIONS,
                            flags=flags, verbose=verbose, display_name=SOURCE_NAME)
 
+
+
+@functools.cache
+def extension():
+    """The package's kernel (the learner's edits left out), built or loaded from the disk cache once per process:
+    what ``wb.attention`` calls, without reading or hashing the source again on every call."""
+    return build(package_source())
 
 @dataclass(frozen=True)
 class KernelResources:

@@ -35,7 +35,7 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=
     import torch
 
     if module is None:
-        module = wmma_build.build(wmma_build.package_source())
+        module = wmma_build.extension()
     D = q.shape[-1]
     num_warps, q_in_registers, row_frags = variant if variant is not None else variant_for(D)
     scale = float(D) ** -0.5 if scale is None else float(scale)
