@@ -367,7 +367,9 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
           math), so this function keeps the promise: it looks for NaN/Inf in q and k first (one pass
           over each) and, when there are any, marks the rows SDPA would make NaN
           (:func:`propagate_non_finite`). ``check_finite=False`` skips that pass; the result for
-          non-finite inputs is then whatever the kernel makes of them.
+          non-finite inputs is then whatever the kernel makes of them. A stage whose kernel keeps the
+          promise itself (``Stage.non_finite_in_kernel``: the mma rung) gets no pass: that pass reads a
+          number back from the GPU, which stalls the host on every call.
 
     Raises, before launching anything: TypeError (wrong kind or dtype of an argument, unknown kind of
     stage name), ValueError (shapes that disagree, Hk not dividing H, an unknown causal alignment,
@@ -381,7 +383,8 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     q, k, v = (_contiguous(x) for x in (q, k, v))
     if key_padding_mask is not None:
         key_padding_mask = _contiguous(key_padding_mask)
-    non_finite = check_finite and _may_hold_non_finite(q, k)
+    # a stage whose kernel handles NaN/Inf itself needs no pass here (that pass waits for the GPU: see Stage)
+    non_finite = check_finite and not spec.non_finite_in_kernel and _may_hold_non_finite(q, k)
     with warnings.catch_warnings():
         if non_finite or BACKEND.is_simulator:
             # NumPy arithmetic (the reference, and every kernel on the simulator) warns about NaN/Inf that

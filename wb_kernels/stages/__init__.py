@@ -35,6 +35,9 @@ class Stage:
     simulator_seconds: Optional[Callable[[int, int, int, int, int], float]] = None
     order: int = 0  # position on the ladder
     linear_memory: bool = False  # True: no L x L buffer (the flash stages), suggested when others can't fit
+    # True: the kernel itself gives NaN/Inf inputs SDPA's result (wb.attention then skips its host-side pass, which
+    # synchronises with the GPU: a large part of a small call's cost)
+    non_finite_in_kernel: bool = False
 
 
 _FOUND: dict = {}  # the registry, filled by the first lookup: folders are walked once per process, not per call

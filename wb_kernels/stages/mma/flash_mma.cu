@@ -204,6 +204,45 @@ struct Layout {
     static_assert(HEAD_DIM / 8 >= 8, "the swizzle permutes 8 chunks of 16 bytes: rows of at least 128 bytes");
 };
 
+// region: non_finite_queries
+// NaN and Inf, as PyTorch's SDPA has them, without a pass on the host. A query row holding a NaN or an Inf must give
+// a NaN row if it sees any key. Rewriting such a row to all-NaN in the Q tile does it: every score it then makes
+// with a key is NaN, its running sum becomes NaN (2^NaN = NaN), and the epilogue writes a NaN row; masked keys
+// are replaced by -inf with a select, so a row that sees no key still gets 0. Keys holding NaN or Inf need nothing
+// here: their scores are NaN, +Inf (both poison the sum: 2^(Inf - Inf) = NaN) or -Inf (the key drops out), as in
+// SDPA. The tests are on the bits, which no fast-math flag can assume away.
+__device__ __forceinline__ bool is_nan_bits(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
+
+template <typename T> struct Bits;  // a 16-bit type's exponent field (all ones: Inf or NaN) and a quiet NaN
+template <> struct Bits<__half> { static constexpr uint32_t kExponent = 0x7c00u, kNaN = 0x7e00u; };
+template <> struct Bits<__nv_bfloat16> { static constexpr uint32_t kExponent = 0x7f80u, kNaN = 0x7fc0u; };
+
+template <typename T>
+__device__ __forceinline__ bool any_non_finite(const uint4& chunk) {  // eight 16-bit values
+    const uint32_t e = Bits<T>::kExponent;
+    const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bad |= (words[i] & e) == e || ((words[i] >> 16) & e) == e;
+    return bad;
+}
+
+// Every thread of the block, after the Q tile has landed and before any of it is read into fragments.
+template <typename T, int HEAD_DIM, int ROWS, int THREADS>
+__device__ __forceinline__ void poison_non_finite_query_rows(T* q_tile) {
+    constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
+    const uint32_t nan2 = Bits<T>::kNaN | (Bits<T>::kNaN << 16);
+    for (int i = threadIdx.x; i < ROWS * CHUNKS_PER_ROW; i += THREADS) {
+        const int row = i / CHUNKS_PER_ROW;
+        const T* chunk = q_tile + swizzled_offset<HEAD_DIM>(row, i % CHUNKS_PER_ROW);
+        if (!any_non_finite<T>(*reinterpret_cast<const uint4*>(chunk))) continue;
+        // threads that find the same row write the same bits; one that reads a chunk already rewritten finds NaN
+        for (int c = 0; c < CHUNKS_PER_ROW; ++c)
+            *reinterpret_cast<uint4*>(q_tile + swizzled_offset<HEAD_DIM>(row, c)) = make_uint4(nan2, nan2, nan2, nan2);
+    }
+}
+// endregion
+
 // region: flash_mma_kernel
 template <typename T, int HEAD_DIM, int NUM_WARPS, int ROW_TILES, int BLOCK_N, bool Q_IN_REGISTERS>
 __global__ void __launch_bounds__(NUM_WARPS * 32)
@@ -271,6 +310,8 @@ flash_mma_kernel(const FlashParams p) {
     if constexpr (Q_IN_REGISTERS) {
         cp_async_wait<1>();
         __syncthreads();
+        poison_non_finite_query_rows<T, HEAD_DIM, L::BLOCK_M, THREADS>(q_tile);
+        __syncthreads();
 #pragma unroll
         for (int r = 0; r < ROW_TILES; ++r)
 #pragma unroll
@@ -292,6 +333,10 @@ flash_mma_kernel(const FlashParams p) {
         const int key0 = tile * BLOCK_N;
         cp_async_wait<1>();  // K of this tile has landed (V may still be in flight)
         __syncthreads();     // ... for every thread's copies; and everyone is done with S of the previous tile
+        if (!Q_IN_REGISTERS && tile == 0) {  // Q landed with K0: rewrite its non-finite rows before the first read
+            poison_non_finite_query_rows<T, HEAD_DIM, L::BLOCK_M, THREADS>(q_tile);
+            __syncthreads();
+        }
         if (tile + 1 < num_tiles)
             load_tile_async<T, HEAD_DIM, BLOCK_N, THREADS>(k_stage(stage ^ 1), k, key0 + BLOCK_N, p.Lk);
         cp_async_commit();  // (an empty group at the last tile keeps the counting uniform)
@@ -392,12 +437,15 @@ flash_mma_kernel(const FlashParams p) {
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const bool row_has_keys = l > 0.0f;
-            const float inv_l = row_has_keys ? 1.0f / l : 0.0f;
+            const bool poisoned = is_nan_bits(l);  // a NaN or +Inf score, or a non-finite query (see above)
+            const float inv_l = poisoned ? __int_as_float(0x7fc00000) : row_has_keys ? 1.0f / l : 0.0f;
             const int local_row = local_row0 + r * 16 + g + 8 * h;
             const int query = m0 + local_row;
             if (t == 0 && query < p.Lq)
                 p.lse[static_cast<size_t>(bh) * p.Lq + query] =
-                    row_has_keys ? (m_run[r][h] * p.scale_log2 + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+                    poisoned       ? __int_as_float(0x7fc00000)
+                    : row_has_keys ? (m_run[r][h] * p.scale_log2 + __log2f(l)) * 0.69314718055994531f
+                                   : -INFINITY;
 #pragma unroll
             for (int d = 0; d < D_TILES; ++d) {
                 const uint32_t pair = Mma<T>::pack(o[r][d][2 * h] * inv_l, o[r][d][2 * h + 1] * inv_l);

@@ -44,9 +44,10 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=
         # a positive scale; scale * (q . k) = |scale| * (-q . k), and negating a 16-bit number is exact.
         q, scale = -q, -scale
     elif scale == 0:
-        # A masked score is -inf before it is scaled, and -inf * 0 is NaN; 0 * (q . k) = 1 * (0 . k) instead.
-        # (Non-finite inputs are the API's business: wb.attention patches their rows as the reference has them.)
-        q, scale = torch.zeros_like(q), 1.0
+        # A masked score is -inf before it is scaled, and -inf * 0 is NaN; 0 * (q . k) = 1 * (q * 0 . k) instead.
+        # q * 0 rather than zeros: a NaN or an Inf in q stays a NaN there (0 * Inf = NaN), and the kernel makes
+        # that row NaN, as 0 * (q . k) is NaN in the reference.
+        q, scale = q * 0, 1.0
     if key_padding_mask is None:
         keep = torch.empty(0, dtype=torch.uint8, device=q.device)
     else:
@@ -65,6 +66,7 @@ STAGE = Stage(
     dtypes=("float16", "bfloat16"),
     head_dims=(64, 128),
     needs_gpu=True,
+    non_finite_in_kernel=True,  # flash_mma.cu, region non_finite_queries: no pass over q and k on the host
     workspace_bytes=lambda B, H, Lq, Lk, D: 2 * B * H * Lq * D + 4 * B * H * Lq,  # out + lse
     order=6,
     linear_memory=True,
