@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
 
 import wb_kernels as wb
 from wb_kernels.stages.decode import splitkv
@@ -436,3 +438,46 @@ def test_a_lesson_can_launch_its_own_kernels():
     own, _ = split_kv_forward(q[:, :, None], kp, vp, table, lens, num_splits=2,
                               kernel=dk.make_partial_kernel(16, config), merge=dk.merge_kernel)
     np.testing.assert_array_equal(own, package)
+
+
+# ---------------------------------------------------------------- hypothesis over decode problems
+
+# The simulator runs every CUDA thread as a Python thread: a dozen small problems (derandomized, so CI sees the same
+# ones every run); a GPU takes 100 random ones at decode sizes, through the CUDA C++ kernel.
+DECODE_PROFILE = (dict(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck)) if ON_GPU else
+                  dict(max_examples=12, deadline=None, derandomize=True, database=None,
+                       suppress_health_check=list(HealthCheck)))
+
+
+@st.composite
+def decode_problems(draw):
+    Hk = draw(st.sampled_from([1, 2, 8] if ON_GPU else [1, 2]))
+    group = draw(st.sampled_from([1, 2, 4, 8] if ON_GPU else [1, 2, 4]))
+    B = draw(st.integers(1, 6 if ON_GPU else 3))
+    lens = draw(st.lists(st.integers(0, 3000 if ON_GPU else 40), min_size=B, max_size=B))
+    return dict(B=B, H=Hk * group, Hk=Hk, D=draw(st.sampled_from([64, 128] if ON_GPU else [16, 32])), lens=lens,
+                page_size=draw(st.sampled_from([1, 5, 16, 64])),
+                num_splits=draw(st.one_of(st.none(), st.integers(1, 40 if ON_GPU else 4))),
+                dtype=draw(st.sampled_from(["float16", "bfloat16"] if ON_GPU else ["float32", "float16"])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@settings(**DECODE_PROFILE)
+@given(problem=decode_problems())
+def test_random_decode_problems_match_the_reference(problem):
+    """Random batch, GQA ratio, lengths (0 included), page size and number of splits; paged, through the block
+    table, against the float64 reference with wb.check's rule."""
+    note(str(problem))
+    p = problem
+    storage = np.float32 if p["dtype"] == "float32" or ON_GPU else np.float16
+    q, (kp, vp, table), (kc, vc), lens = make_cache(p["B"], p["H"], p["Hk"], p["D"], p["lens"],
+                                                   page_size=p["page_size"], seed=p["seed"], dtype=storage)
+    if ON_GPU:
+        q_, kp_, vp_, kc_, vc_ = _to_cuda(q, kp, vp, kc, vc, dtype=p["dtype"])
+        lens_, table_ = _to_cuda(lens, table)
+        out = wb.decode(q_, kp_, vp_, lens_, block_table=table_, num_splits=p["num_splits"])
+        q, kc, vc = (x.float().cpu().numpy() for x in (q_, kc_, vc_))  # the rounded inputs the kernel saw
+        out = out.float().cpu().numpy()
+    else:
+        out = wb.decode(q, kp, vp, lens, block_table=table, num_splits=p["num_splits"])
+    assert check_decode(np.asarray(out, dtype=np.float32), q, kc, vc, lens).passed
