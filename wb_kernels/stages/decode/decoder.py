@@ -201,13 +201,17 @@ def sdpa_attend(q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seq
         k, v = gather_pages(k_cache, block_table, num_keys), gather_pages(v_cache, block_table, num_keys)
     else:
         k, v = k_cache[:, :, :num_keys], v_cache[:, :, :num_keys]  # (B, Hk, num_keys, D)
-    mask = None
-    if not all_equal:
-        positions = torch.arange(num_keys, device=q.device)
-        mask = (positions[None, :] < cache_seqlens[:, None])[:, None, None, :]  # (B, 1, 1, num_keys)
-    # enable_gqa: query head h reads KV head h // (H // Hk) without K and V being repeated in memory.
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, enable_gqa=True)
-    return out[:, :, 0, :]
+    if all_equal:
+        # enable_gqa: query head h reads KV head h // (H // Hk) without K and V being repeated in memory.
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True)
+        return out[:, :, 0, :]
+    positions = torch.arange(num_keys, device=q.device)
+    mask = (positions[None, :] < cache_seqlens[:, None])[:, None, None, :]  # (B, 1, 1, num_keys)
+    # With a mask, SDPA's fused kernels do not take enable_gqa; the query heads of a group become the query rows of
+    # their KV head instead ((B, Hk, G, D): heads kv * G .. kv * G + G - 1 are consecutive), which they do take.
+    batch, n_heads, head_dim = q.shape
+    grouped = q.reshape(batch, k.shape[1], n_heads // k.shape[1], head_dim)
+    return F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).reshape(batch, n_heads, head_dim)
 # endregion
 
 
