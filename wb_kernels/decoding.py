@@ -19,12 +19,11 @@ LSE -inf.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import numpy as np
 
-from .api import require_array
+from .api import _check_scale, _dtype_name, _numpy64, require_array
 from .device import is_torch, like_input
 
 __all__ = ["decode", "validate_decode", "DECODE_STAGES", "reference_decode"]
@@ -32,8 +31,9 @@ __all__ = ["decode", "validate_decode", "DECODE_STAGES", "reference_decode"]
 DECODE_STAGES = ("reference", "decode")
 
 
-def _dtype(x) -> str:
-    return str(x.dtype).replace("torch.", "")
+def _host(x) -> np.ndarray:
+    """Lengths or a block table as a NumPy array (read off the GPU: only where a synchronisation is acceptable)."""
+    return np.asarray(x.cpu() if is_torch(x) else x)
 
 
 def validate_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, stage="decode", scale=None):
@@ -57,13 +57,13 @@ def validate_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, sta
     if H % Hk:
         raise ValueError(f"q has H={H} heads and the cache Hk={Hk}: Hk must divide H (GQA: H // Hk query heads "
                          "share each KV head; MQA: Hk = 1)")
-    if len({_dtype(x) for x in (q, k_cache, v_cache)}) != 1:
-        raise TypeError(f"q, k_cache, v_cache have different dtypes ({_dtype(q)}, {_dtype(k_cache)}, "
-                        f"{_dtype(v_cache)}); use one dtype")
+    if len({_dtype_name(x) for x in (q, k_cache, v_cache)}) != 1:
+        raise TypeError(f"q, k_cache, v_cache have different dtypes ({_dtype_name(q)}, {_dtype_name(k_cache)}, "
+                        f"{_dtype_name(v_cache)}); use one dtype")
     if len({is_torch(x) for x in (q, k_cache, v_cache)}) != 1 or \
             len({str(x.device) if is_torch(x) else "cpu" for x in (q, k_cache, v_cache)}) != 1:
         raise ValueError("q, k_cache, v_cache: expected all NumPy arrays or all torch tensors on one device")
-    if _dtype(q) == "bfloat16" and stage == "decode":
+    if _dtype_name(q) == "bfloat16" and stage == "decode":
         from .stages.decode.launcher import uses_cuda_kernel
 
         if not uses_cuda_kernel(q):
@@ -87,20 +87,19 @@ def validate_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, sta
     # The values of the lengths and the table are checked only where they already are on the host: on a GPU that
     # would cost a synchronisation per decode step. The kernels clamp them to the cache instead.
     if not is_torch(cache_seqlens) or cache_seqlens.device.type == "cpu":
-        lens = np.asarray(cache_seqlens.cpu() if is_torch(cache_seqlens) else cache_seqlens)
+        lens = _host(cache_seqlens)
         if lens.min(initial=0) < 0 or lens.max(initial=0) > capacity:
             raise ValueError(f"cache_seqlens: every length must be in [0, {capacity}] (the cache's capacity per "
                              f"sequence), got {lens.tolist()}")
         if paged and (not is_torch(block_table) or block_table.device.type == "cpu"):
-            table = np.asarray(block_table.cpu() if is_torch(block_table) else block_table)
+            table = _host(block_table)
             page_size = k_cache.shape[2]
             for b, length in enumerate(lens):
                 used = table[b, :-(-int(length) // page_size)]
                 if used.size and (used.min() < 0 or used.max() >= k_cache.shape[0]):
                     raise ValueError(f"block_table[{b}]: pages must be in [0, {k_cache.shape[0]}), got "
                                      f"{used.tolist()}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"scale: expected a finite number or None (= 1/sqrt(D)), got {scale!r}")
+    _check_scale(scale)  # wb.attention's rule and message
     return B, H, Hk, D, paged
 
 
@@ -109,16 +108,13 @@ def reference_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, sc
     from .reference import reference
     from .stages.decode.launcher import contiguous_as_paged, gather_pages
 
-    def host64(x):
-        return np.asarray(x.detach().cpu().double() if is_torch(x) else x, dtype=np.float64)
-
-    qn, kn, vn = host64(q), host64(k_cache), host64(v_cache)
-    lens = np.asarray(cache_seqlens.cpu() if is_torch(cache_seqlens) else cache_seqlens)
+    qn, kn, vn = _numpy64(q), _numpy64(k_cache), _numpy64(v_cache)
+    lens = _host(cache_seqlens)
     B, H, D = qn.shape
     if block_table is None:
         table = contiguous_as_paged(B, kn.shape[2])
     else:
-        table = np.asarray(block_table.cpu() if is_torch(block_table) else block_table)
+        table = _host(block_table)
     group = H // kn.shape[1]
     out, lse = np.zeros((B, H, D)), np.full((B, H), -np.inf)
     for b in range(B):
@@ -142,15 +138,12 @@ def _propagate_non_finite(out, lse, q, k_cache, cache_seqlens, block_table, scal
     from .api import propagate_non_finite
     from .stages.decode.launcher import contiguous_as_paged, gather_pages
 
-    def host(x):
-        return np.asarray(x.detach().cpu().float() if is_torch(x) else x, dtype=np.float64)
-
-    qn, kn = host(q), host(k_cache)
+    qn, kn = _numpy64(q), _numpy64(k_cache)
     if np.isfinite(qn).all() and np.isfinite(kn).all():
         return out, lse
-    lens = np.asarray(cache_seqlens.cpu() if is_torch(cache_seqlens) else cache_seqlens)
+    lens = _host(cache_seqlens)
     table = contiguous_as_paged(qn.shape[0], kn.shape[2]) if block_table is None else \
-        np.asarray(block_table.cpu() if is_torch(block_table) else block_table)
+        _host(block_table)
     group = qn.shape[1] // kn.shape[1]
     out_rows, lse_rows = [], []
     for b in range(qn.shape[0]):
@@ -182,7 +175,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, stage: str =
         if not isinstance(max_seqlen, (int, np.integer)) or max_seqlen < 0:
             raise ValueError(f"max_seqlen: expected a non-negative int, got {max_seqlen!r}")
         if not is_torch(cache_seqlens) or cache_seqlens.device.type == "cpu":
-            longest = int(np.asarray(cache_seqlens.cpu() if is_torch(cache_seqlens) else cache_seqlens).max())
+            longest = int(_host(cache_seqlens).max())
             if longest > max_seqlen:
                 raise ValueError(f"max_seqlen={max_seqlen} is below the longest sequence ({longest} keys)")
     if stage == "reference":

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,6 @@ _CPP_DECLARATION = (
 KEYS_PER_STEP = 4 * 2 * 4
 
 package_source = SOURCE.package_source
-_module = None
 
 
 def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
@@ -41,12 +41,10 @@ def build(source: str | None = None, *, flags: list | None = None, verbose: bool
                            flags=flags, verbose=verbose, display_name=SOURCE_NAME)
 
 
+@functools.cache
 def extension():
     """The package's extension, looked up once per process: what every ``wb.decode`` call uses."""
-    global _module
-    if _module is None:
-        _module = build()
-    return _module
+    return build()
 
 
 @dataclass(frozen=True)
