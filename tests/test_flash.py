@@ -47,6 +47,7 @@ def run_and_check(B, H, Lq, D, *, Lk=None, causal=False, mask=None, seed=0, std=
     assert result.passed
     if single_key:
         q64, k64 = (np.asarray(wb.device.like_input(x, np.zeros(1)), dtype=np.float64) for x in (q, k))
+        k64 = np.repeat(k64, H // k64.shape[1], axis=1)  # GQA: each key head serves H // Hk query heads
         scale = kwargs.get("scale") or 1 / math.sqrt(D)
         ref_lse = wb.reference(q, k, v, causal=causal, key_padding_mask=mask)[1]
         bound = 2 * D * np.finfo(np.float32).eps * scale * (np.abs(q64[..., :, None, :]) * np.abs(k64[..., None, :1, :])).sum(-1)[..., 0]
@@ -74,6 +75,7 @@ def test_lq_differs_from_lk(Lq, Lk, causal):
     (3, 1, 33, 33, "bottom_right"),  # Lq = Lk: the same mask as top-left
     (4, 2, 21, 30, "top_left"),
     (4, 4, 17, 21, "bottom_right"),
+    (4, 2, 1, 20, True),  # one query, top-left causal: it sees key 0 alone (the single-key LSE bound, grouped)
 ])
 def test_gqa_and_bottom_right(H, Hk, Lq, Lk, causal):
     mask = wb.random_padding_mask(1, Lk, seed=Lk)
