@@ -3,8 +3,9 @@
 # benchmarks. Run from the repository root on a machine with an NVIDIA GPU, torch with CUDA and numba-cuda.
 #
 #   scripts/gpu_check.sh [STEP ...]      steps: env build traffic tests properties accuracy bench notebooks tune
+#                                        tokens
 #                                        (notebooks = execute, then nbval; each may be named alone)
-#                                        (default: all but tune, in that order: the lessons come after
+#                                        (default: all but tune and tokens, in that order: the lessons come after
 #                                        the benchmark because lesson 08 shows the newest results file)
 #   NOTEBOOKS="notebooks/04_*.ipynb" scripts/gpu_check.sh notebooks     only some lessons
 #   TESTS="tests/test_flash.py" scripts/gpu_check.sh tests             only some tests
@@ -12,6 +13,8 @@
 #   BENCH_PRESET=decode scripts/gpu_check.sh bench     the decode preset instead of "all": wb.decode against SDPA,
 #                                        FlexAttention and a copy, into results/decode/bench_<gpu>.json (about
 #                                        5 min on an H100; BENCH_PRESET=decode-bar: its bar shapes, about 2.5 min)
+#   scripts/gpu_check.sh build tokens   the decoder's tokens/s with SDPA and wb.decode (lesson 07), into
+#                                        results/decode/decoder_<gpu>.json (about 1 min on an H100 after build)
 #   TESTS_WORKERS=8 (default): pytest-xdist processes sharing the GPU for the unit tests; 0 = one process
 #   PROPERTIES_WORKERS=5 (default): the same for the property tests (one stage each); 0 = one process
 #
@@ -133,6 +136,13 @@ if has tune; then
     run_step "tune_$rung" "${TUNE_LIMIT:-420}" python3 -m "wb_kernels.stages.$rung.tune" ${TUNE_ARGS:-} \
       --json "results/$rung/tune_$gpu.json"
   done
+fi
+if has tokens; then
+  # the LLaMA-shaped decoder's tokens per second with SDPA and with wb.decode, contiguous and paged caches, and the
+  # greedy check (lesson 07 reads the file); after build, so that the CUDA extension's build is not in its time
+  gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
+  run_step tokens "${TOKENS_LIMIT:-300}" python3 -m wb_kernels.stages.decode.tokens \
+    --json "results/decode/decoder_$gpu.json"
 fi
 echo "== collected into $OUT/gpu_results.tgz; overall status $status" | tee -a "$LOG"
 exit $status

@@ -48,7 +48,7 @@ from .sweeps import DECODE_BAR, DECODE_PAGE_SIZE, DECODE_PRESETS, DecodeWorkload
 __all__ = ["DecodeContender", "DecodeInputs", "decode_contenders", "make_inputs", "add_pages", "paged_copy",
            "check_slice_indices", "memory_refusal", "plan_decode", "estimate_seconds", "per_call_seconds",
            "measure_overhead", "add_decode_ratios", "run_decode", "default_decode_output", "DECODE_NOTES",
-           "OVERHEAD_BAR", "NEEDS_GPU"]
+           "OVERHEAD_BAR", "NEEDS_GPU", "gpu_short_name"]
 
 NEEDS_GPU = "needs a CUDA GPU; this machine runs the CUDA simulator"
 MATH_MAX_BYTES = 2**30  # MATH's cache (K and V repeated to H heads) up to which it is timed
@@ -666,10 +666,15 @@ def default_decode_output(on_cuda: bool) -> Path:
     folder = REPO_ROOT / "results" / "decode"
     if not on_cuda:
         return folder / "simulator_smoke.json"
+    return folder / f"bench_{gpu_short_name()}.json"
+
+
+def gpu_short_name() -> str:
+    """h100, h200, a100, b200 (or gpu): the GPU's name in results files' names, as the tuning files use it."""
     import torch
 
     name = torch.cuda.get_device_name(0)
-    return folder / f"bench_{next((g for g in ('H100', 'H200', 'A100', 'B200') if g in name), 'gpu').lower()}.json"
+    return next((g for g in ("H100", "H200", "A100", "B200") if g in name), "gpu").lower()
 
 
 def run_decode(workloads, out_path, *, presets=("decode",), policy: Optional[TimingPolicy] = None,

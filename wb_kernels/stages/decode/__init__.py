@@ -12,13 +12,17 @@ Files:
 - ``launcher.py``: launching them, the paged-cache helpers, and this stage's ``wb.attention`` entry;
 - ``decoder.py``: a LLaMA-shaped decoder in plain torch (random weights, contiguous or paged KV cache) whose decode
   attention is pluggable: SDPA, the float64 reference, or ``wb.decode``; tokens per second and the step's roofline;
+- ``tokens.py``: the decoder's benchmark, ``python -m wb_kernels.stages.decode.tokens``: tokens per second of the 1B
+  models with SDPA and with ``wb.decode``, contiguous and paged, against the step's roofline, and a greedy check
+  that both attentions generate the same tokens (``results/decode/decoder_<gpu>.json``, which the lesson reads);
 - ``slider.py``: the logic behind the lesson's figures and slider (a decode step's FLOPs and bytes on the roofline,
   the merge's weights, splits and blocks per workload against the SMs, a paged cache against contiguous ones);
 - ``exercises.py`` and ``solutions.py``: the lesson's exercises and its puzzle (the merge), their worked answers;
 - ``NOTES.md``: the versions, each with its prediction and measurement;
 - the decode entry point itself is ``wb.decode`` (``wb_kernels/decoding.py``).
 
-Lesson: ``notebooks/07_decode.ipynb``; tests: ``tests/test_decode.py`` and ``tests/test_decoder.py``.
+Lesson: ``notebooks/07_decode.ipynb``; tests: ``tests/test_decode.py``, ``tests/test_decoder.py`` and
+``tests/test_decoder_tokens.py``.
 """
 
 import math

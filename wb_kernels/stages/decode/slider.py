@@ -1,7 +1,8 @@
 """Figure and slider logic for lesson 07 (decoding with a KV cache).
 
 What a decode step costs (FLOPs, bytes, where that sits on a roofline), how many key splits fill the GPU, a paged
-cache against contiguous ones sized to a maximum length, and the committed GPU numbers the lesson reads. Plain
+cache against contiguous ones sized to a maximum length, and the committed GPU numbers the lesson reads (the decode
+benchmark's, and the decoder's tokens per second from ``tokens.py``). Plain
 functions (inputs -> numbers or a matplotlib Figure): pytest calls them (``tests/test_decode.py``), and the lesson
 wires :func:`draw_split_choice` to three sliders with :func:`wb_kernels.widgets.link_sliders`.
 """
@@ -19,7 +20,8 @@ from .splitkv import MIN_KEYS_PER_SPLIT, choose_num_splits, split_bounds
 __all__ = ["attention_cost", "committed_gpu", "draw_roofline", "split_weights", "draw_split_weights",
            "row_chunks", "splits_table", "draw_splits_heatmap", "sm_wave", "draw_split_choice", "random_sequence_lengths",
            "cache_memory", "draw_cache_memory", "draw_page_pool", "committed_decode_results",
-           "describe_decode_results", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
+           "describe_decode_results", "committed_decoder_results", "decoder_table", "describe_decoder_run",
+           "NO_DECODER_RUN", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
            "WORKLOAD_KV_HEADS", "WORKLOAD_LENGTHS"]
 
 SLIDER_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -346,3 +348,76 @@ def describe_decode_results(results: dict) -> list:
     for record in results.get("records", []):
         lines.append("  " + ", ".join(f"{key}={record[key]}" for key in shown if key in record))
     return lines
+
+
+NO_DECODER_RUN = ("No decoder run is committed yet (results/decode/decoder_<gpu>.json, from "
+                  "`python -m wb_kernels.stages.decode.tokens`)")
+
+
+def committed_decoder_results(folder=None):
+    """The newest committed GPU run of the decoder's tokens per second (``results/decode/decoder_*.json``, written by
+    ``python -m wb_kernels.stages.decode.tokens``), by the date it records; None while there is none. Smoke runs and
+    files that are not such runs (unreadable, another kind) are passed over."""
+    import json
+
+    from ...bench import REPO_ROOT
+
+    folder = Path(folder) if folder is not None else REPO_ROOT / "results" / "decode"
+    found = []
+    for path in sorted(folder.glob("decoder_*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("kind") == "decoder_tokens" and data.get("mode") == "gpu":
+            found.append((str((data.get("environment") or {}).get("date", "")), path.name, path))
+    return max(found)[2] if found else None
+
+
+def _cell(value, text: str) -> str:
+    return "–" if value is None else text.format(value)
+
+
+def decoder_table(results: dict) -> str:
+    """A results file of ``tokens.py`` as text: where and how it ran, one line per row (model, batch, context, cache
+    layout, attention, tokens/s, ms per step, the attention's share of the step, tokens/s over SDPA's on the same
+    layout, percent of the step's roofline), then the greedy check's verdicts."""
+    env = results.get("environment") or {}
+    settings = results.get("settings") or {}
+    ceilings = results.get("ceilings") or {}
+    where = env.get("gpu") or env.get("device") or "an unnamed device"
+    lines = [f"{where}, {str(env.get('date', ''))[:10]}, commit {env.get('git_commit')}, torch {env.get('torch')}, "
+             f"CUDA {env.get('cuda')}" + (" (a smoke run: not GPU numbers)" if results.get("mode") != "gpu" else ""),
+             f"{settings.get('dtype')}, {settings.get('steps')} timed decode steps per row (after "
+             f"{settings.get('warmup')} untimed); roofline at the copy bandwidth of the same run, "
+             f"{ceilings.get('copy_gbps')} GB/s"
+             + ("" if results.get("complete") else "; the run did not finish"),
+             "",
+             f"{'config':<14} {'batch':>5} {'context':>7}  {'layout':<10} {'attend':<6} {'tokens/s':>9} "
+             f"{'ms/step':>8} {'attention':>9} {'vs SDPA':>8} {'roofline':>8}"]
+    for r in results.get("records", []):
+        head = (f"{r['config']:<14} {r['batch']:>5} {r['context']:>7}  {r['layout']:<10} {r['attend']:<6} ")
+        if r.get("status") != "ok":
+            lines.append(head + f"{r.get('status')}: {r.get('reason', '')}")
+            continue
+        lines.append(head + f"{r['tokens_per_s']:>9.4g} {r['ms_per_step']:>8.3g} "
+                     f"{100 * r['attention_share']:>8.0f}% {_cell(r.get('vs_sdpa'), '{:.3g}x'):>8} "
+                     f"{_cell(r.get('fraction_of_roofline'), '{:.0%}'):>8}")
+    lines.append("(attention: its share of the step; vs SDPA: tokens/s over SDPA's on the same cache layout; "
+                 "roofline: the step's roofline time over the measured one)")
+    for g in results.get("greedy", []):
+        head = (f"greedy, {g['config']}: {g['batch']} prompts of {g['prompt_len']} tokens, {g['new_tokens']} new "
+                f"tokens each, {g['other']} against {g['reference']}: ")
+        lines.append(head + (g.get("note", "") if g.get("status") == "ok" else f"failed: {g.get('reason', '')}"))
+    return "\n".join(lines)
+
+
+def describe_decoder_run(folder=None) -> str:
+    """What the lesson prints: the newest committed decoder run as :func:`decoder_table`, with its file's name, or
+    :data:`NO_DECODER_RUN`."""
+    import json
+
+    path = committed_decoder_results(folder)
+    if path is None:
+        return NO_DECODER_RUN
+    return f"{path.name}:\n" + decoder_table(json.loads(path.read_text()))
