@@ -20,6 +20,10 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 
+#ifndef WB_DECODE_PREFETCH
+#define WB_DECODE_PREFETCH 0  // 1: the next trip's loads are issued before this trip's arithmetic (see the loop)
+#endif
+
 namespace wb {
 
 constexpr float kNegBig = -1.0e30f;  // a finite minus infinity: masked scores, empty states
@@ -117,9 +121,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
     const T* k_base = static_cast<const T*>(p.k_pages);
     const T* v_base = static_cast<const T*>(p.v_pages);
     const int* table = p.block_table + (size_t)b * p.pages_per_seq;
-    for (int key0 = start + warp * KEYS_PER_WARP; key0 < stop; key0 += KEYS_PER_STEP * KEYS_IN_FLIGHT) {
-        // issue every load of KEYS_IN_FLIGHT steps before using any of them
-        uint4 k_raw[KEYS_IN_FLIGHT], v_raw[KEYS_IN_FLIGHT];
+    constexpr int STRIDE = KEYS_PER_STEP * KEYS_IN_FLIGHT;  // keys the block covers per trip round the loop
+    // the loads of KEYS_IN_FLIGHT steps from key0 on, issued together (zeros past the split's end)
+    auto load = [&](int key0, uint4 (&k_raw)[KEYS_IN_FLIGHT], uint4 (&v_raw)[KEYS_IN_FLIGHT]) {
 #pragma unroll
         for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
             const int key = key0 + s * KEYS_PER_STEP + key_lane;
@@ -131,6 +135,17 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
                 v_raw[s] = *reinterpret_cast<const uint4*>(v_base + offset);
             }
         }
+    };
+    uint4 k_raw[KEYS_IN_FLIGHT], v_raw[KEYS_IN_FLIGHT];
+    int key0 = start + warp * KEYS_PER_WARP;
+    load(key0, k_raw, v_raw);
+    for (; key0 < stop; key0 += STRIDE) {
+#if WB_DECODE_PREFETCH
+        // the next trip's loads go out before this trip's arithmetic, so memory is never idle while a warp computes
+        // (twice the registers for the raw data)
+        uint4 k_next[KEYS_IN_FLIGHT], v_next[KEYS_IN_FLIGHT];
+        load(key0 + STRIDE, k_next, v_next);
+#endif
 #pragma unroll
         for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
             const bool valid = key0 + s * KEYS_PER_STEP + key_lane < stop;
@@ -156,6 +171,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
                 m[r] = new_max;
             }
         }
+#if WB_DECODE_PREFETCH
+#pragma unroll
+        for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
+            k_raw[s] = k_next[s];
+            v_raw[s] = v_next[s];
+        }
+#else
+        load(key0 + STRIDE, k_raw, v_raw);
+#endif
     }
 
     // merge the states of the warp's KEYS_PER_WARP key lanes (same columns, different keys): xor over key bits
@@ -247,8 +271,15 @@ __global__ void decode_merge_kernel(const float* part_out, const float* part_lse
 
 // The launcher's choices, in one list: (head dim, query rows per block)
 #define WB_FOR_EACH_DECODE_VARIANT(X) X(64, 1) X(64, 2) X(64, 4) X(128, 1) X(128, 2) X(128, 4)
-constexpr int kDecodeWarps = 4;  // warps per block of the split kernel
-constexpr int kKeysInFlight = 4;  // key steps whose loads a lane issues before using the first
+// The launch configuration; a tuning run (tune.py) builds other values with -D flags.
+#ifndef WB_DECODE_WARPS
+#define WB_DECODE_WARPS 4
+#endif
+#ifndef WB_KEYS_IN_FLIGHT
+#define WB_KEYS_IN_FLIGHT 4
+#endif
+constexpr int kDecodeWarps = WB_DECODE_WARPS;  // warps per block of the split kernel
+constexpr int kKeysInFlight = WB_KEYS_IN_FLIGHT;  // key steps whose loads a lane issues before using the first
 
 #ifdef WB_KERNEL_ONLY
 // Without torch (the compile check): instantiate every kernel the launcher can choose.

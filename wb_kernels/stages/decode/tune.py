@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""Build, check and time the CUDA C++ decode kernel's launch variants and numbers of splits on one GPU, in one run.
+
+A variant is a build of ``flash_decode.cu`` with other values of its three knobs (``-D`` flags):
+
+- ``WB_DECODE_WARPS``: warps per block of the split kernel (each warp walks its own keys);
+- ``WB_KEYS_IN_FLIGHT``: key steps whose K and V loads a lane issues before it uses the first;
+- ``WB_DECODE_PREFETCH``: 1 issues the next trip's loads before this trip's arithmetic (twice the registers).
+
+For each variant, each decode workload (fp16, H = 32, the bar shapes of lesson 07 and a few around them) and each
+number of splits, the bare extension call (``flash_decode_forward``: split kernel + merge kernel + its buffers) is
+checked against PyTorch in float32 and timed with CUDA events, the L2 cache flushed before every call. In the same
+run: SDPA (default backend, and FLASH forced) and a copy of K and V, the ceiling the decode benchmark uses. The
+table printed and the JSON written say, per workload, the fastest (variant, splits) and what
+``choose_num_splits`` would pick at 2, 4 and 8 blocks per SM, so that the launcher's defaults come from measurements
+(this folder's NOTES.md quotes them).
+
+A second, small measurement: SDPA in a decode loop, where the cache grows by one key per step. Each new length is a
+new shape; the time per call is measured with the host clock (what a decoder waits for), with PyTorch picking the
+backend and with FLASH forced.
+
+    python -m wb_kernels.stages.decode.tune --json results/decode/tune_h100.json
+    python -m wb_kernels.stages.decode.tune --quick      # two variants, the two bar shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import wb_kernels  # noqa: F401  (first: chooses the backend)
+from wb_kernels.stages.decode import build
+from wb_kernels.stages.decode.splitkv import choose_num_splits
+
+
+@dataclass(frozen=True)
+class Variant:
+    warps: int
+    keys_in_flight: int
+    prefetch: int
+
+    @property
+    def name(self) -> str:
+        return f"w{self.warps}_k{self.keys_in_flight}" + ("_pf" if self.prefetch else "")
+
+    @property
+    def flags(self) -> list:
+        return [f"-DWB_DECODE_WARPS={self.warps}", f"-DWB_KEYS_IN_FLIGHT={self.keys_in_flight}",
+                f"-DWB_DECODE_PREFETCH={self.prefetch}"]
+
+
+DEFAULT = Variant(4, 4, 0)  # what flash_decode.cu builds without flags
+VARIANTS = (DEFAULT, Variant(4, 2, 0), Variant(4, 8, 0), Variant(4, 2, 1), Variant(4, 4, 1), Variant(8, 2, 0),
+            Variant(8, 4, 0), Variant(8, 2, 1))
+# (B, H, Hk, Lk, D): the two bar shapes first
+WORKLOADS = ((8, 32, 8, 8192, 128), (1, 32, 8, 32768, 128), (1, 32, 32, 32768, 128), (1, 32, 1, 32768, 128),
+             (64, 32, 8, 4096, 128), (8, 32, 8, 8192, 64), (1, 32, 8, 4096, 128), (16, 32, 8, 1024, 64))
+SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
+FLUSH_BYTES = 256 * 2**20  # more than the H100's 50 MB L2
+
+
+def _build_in_subprocess(variant: Variant) -> subprocess.Popen:
+    code = ("import wb_kernels; from wb_kernels.stages.decode import build; "
+            f"build.build(build.package_source(), flags={variant.flags!r})")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def build_all(variants) -> dict:
+    """Every variant's extension, compiled side by side (one nvcc per variant), then loaded here from the cache."""
+    started = time.time()
+    jobs = {v: _build_in_subprocess(v) for v in variants}
+    failed = {}
+    for variant, job in jobs.items():
+        output, _ = job.communicate()
+        if job.returncode != 0:
+            failed[variant.name] = output[-2000:]
+    print(f"built {len(variants) - len(failed)} of {len(variants)} variants in {time.time() - started:.0f} s",
+          file=sys.stderr)
+    return {v: build.build(build.package_source(), flags=v.flags) for v in variants if v.name not in failed}, failed
+
+
+def _keys_per_split(length: int, splits: int) -> tuple:
+    step = build.KEYS_PER_STEP
+    keys = max(step, -(-max(1, -(-length // splits)) // step) * step)
+    return keys, max(1, -(-length // keys))
+
+
+def time_call(call, flush, reps: int) -> float:
+    """Median milliseconds of `call` over `reps` CUDA-event-timed calls, L2 flushed before each."""
+    import torch
+
+    call()
+    times = []
+    for _ in range(reps):
+        flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(variants, workloads, reps: int) -> list:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    extensions, failed = build_all(variants)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    flush = scratch.zero_
+    rows = []
+    for B, H, Hk, L, D in workloads:
+        gen = torch.Generator(device="cuda").manual_seed(B + Hk + L + D)
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.float16, generator=gen)
+        k = torch.randn(B, Hk, L, D, device="cuda", dtype=torch.float16, generator=gen)
+        v = torch.randn(B, Hk, L, D, device="cuda", dtype=torch.float16, generator=gen)
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        table = torch.arange(B, dtype=torch.int32, device="cuda")[:, None].contiguous()
+        scale = D ** -0.5
+        expected = F.scaled_dot_product_attention(q[:, :, None].float(), k.float(), v.float(), enable_gqa=True)[:, :, 0]
+        kv_bytes = 2 * k.numel() * k.element_size()
+        shape = dict(B=B, H=H, Hk=Hk, Lk=L, D=D, kv_bytes=kv_bytes)
+        group = H // Hk
+        rows_per_block = 1 if group == 1 else 2 if group == 2 else 4
+        chunks = -(-group // rows_per_block)
+        heuristic = {bps: choose_num_splits(B, Hk, L, sms, row_chunks=chunks, blocks_per_sm=bps) for bps in (2, 4, 8)}
+
+        target = torch.empty_like(k)
+
+        def copy():
+            target.copy_(k)
+            target.copy_(v)
+
+        baselines = {"copy": time_call(copy, flush, reps)}
+        qs = q[:, :, None]
+        baselines["sdpa"] = time_call(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True), flush, reps)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            baselines["sdpa-flash"] = time_call(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True),
+                                                flush, reps)
+        copy_gbps = 2 * kv_bytes / (baselines["copy"] / 1e3) / 1e9
+        print(f"B{B} H{H} Hk{Hk} Lk{L} D{D}: copy {copy_gbps:.0f} GB/s, sdpa {baselines['sdpa']:.4f} ms, "
+              f"sdpa-flash {baselines['sdpa-flash']:.4f} ms; choose_num_splits at 2/4/8 blocks per SM: "
+              f"{heuristic[2]}/{heuristic[4]}/{heuristic[8]}", file=sys.stderr)
+        for variant, ext in extensions.items():
+            for splits in SPLITS:
+                keys, used = _keys_per_split(L, splits)
+                if used != splits and splits != 1:
+                    continue  # rounding to whole steps gave fewer splits: measured under their own count
+
+                def call():
+                    return ext.flash_decode_forward(q, k, v, table, lens, keys, used, scale)
+
+                out = call()[0]
+                err = float((out.float() - expected).abs().max())
+                ms = time_call(call, flush, reps)
+                rows.append(dict(shape, variant=variant.name, **asdict(variant), splits=used, keys_per_split=keys,
+                                 median_ms=round(ms, 5), gbps=round(kv_bytes / (ms / 1e3) / 1e9, 1),
+                                 fraction_of_copy=round(baselines["copy"] / (2 * ms), 4),
+                                 max_err_vs_fp32=err, ok=err < 2e-2,
+                                 baselines_ms={n: round(t, 5) for n, t in baselines.items()},
+                                 heuristic_splits=heuristic))
+        best = min((r for r in rows if r["Lk"] == L and r["B"] == B and r["Hk"] == Hk and r["D"] == D),
+                   key=lambda r: r["median_ms"])
+        print(f"   best: {best['variant']} splits {best['splits']}: {best['median_ms']:.4f} ms, "
+              f"{best['fraction_of_copy']:.0%} of copy; vs sdpa {baselines['sdpa'] / best['median_ms']:.2f}x",
+              file=sys.stderr)
+    return rows, failed
+
+
+def sdpa_growing_cache(steps: int = 40) -> list:
+    """SDPA with a cache that grows by one key per call, as in a decode loop: host-clock ms per call."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = []
+    for B, H, Hk, D, start in ((1, 32, 8, 64, 1024), (16, 32, 8, 64, 1024)):
+        q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.float16)
+        k = torch.randn(B, Hk, start + 2 * steps, D, device="cuda", dtype=torch.float16)
+        v = torch.randn_like(k)
+        for name, backends in (("sdpa", None), ("sdpa-flash", [SDPBackend.FLASH_ATTENTION])):
+            for growing in (False, True):
+                times = []
+                for step in range(steps):
+                    length = start + (step if growing else 0)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    if backends is None:
+                        F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
+                    else:
+                        with sdpa_kernel(backends):
+                            F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                out.append(dict(B=B, H=H, Hk=Hk, D=D, start=start, backend=name, growing=growing, steps=steps,
+                                median_ms=round(statistics.median(times[1:]), 4), max_ms=round(max(times[1:]), 4)))
+                print(f"sdpa growing={growing} {name} B{B}: median {out[-1]['median_ms']} ms per call "
+                      f"(max {out[-1]['max_ms']})", file=sys.stderr)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, default=None, help="where to write the results (default: print only)")
+    parser.add_argument("--quick", action="store_true", help="the default and one other variant, the bar shapes")
+    parser.add_argument("--reps", type=int, default=50, help="timed calls per point (median)")
+    args = parser.parse_args(argv)
+    if not wb_kernels.BACKEND.is_gpu:
+        print("tune.py times the CUDA C++ kernel: it needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import torch
+
+    from wb_kernels.bench.results import environment
+
+    variants = VARIANTS[:2] if args.quick else VARIANTS
+    workloads = WORKLOADS[:2] if args.quick else WORKLOADS
+    rows, failed = measure(variants, workloads, args.reps)
+    growing = sdpa_growing_cache()
+    result = dict(kind="decode_tune", environment=environment(), command=" ".join(["python -m wb_kernels.stages.decode.tune"] + (argv or sys.argv[1:])),
+                  sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                  notes=dict(timing="bare extension call (split + merge kernels, buffers), CUDA events, median of "
+                                    f"{args.reps}, L2 flushed before each call",
+                             fraction_of_copy="(K and V bytes / time) over the copy's (read + write bytes / time)"),
+                  failed_builds=failed, records=rows, sdpa_growing_cache=growing)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
