@@ -27,9 +27,9 @@ _CPP_DECLARATION = (
     "std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, "
     "torch::Tensor block_table, torch::Tensor seq_lens, int64_t keys_per_split, int64_t num_splits, double scale);"
 )
-# keys a block of the split kernel reads per step at D = 128 (4 warps x 2 keys) times the steps in flight; splits are
-# rounded up to a multiple of it so that no block ends with a step of idle lanes
-KEYS_PER_STEP = 4 * 2 * 4
+# keys a block of the split kernel reads per trip round its loop at D = 64 (8 warps x 4 keys x 2 steps in flight;
+# at D = 128 a trip is half of it); splits are rounded up to a multiple of it so that no block ends with idle lanes
+KEYS_PER_STEP = 8 * 4 * 2
 
 package_source = SOURCE.package_source
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["DecoderConfig", "TINY", "LLAMA_1B", "LLAMA_1B_D128", "Decoder", "KVCache", "gather_pages",
            "sdpa_attend", "wb_attend", "float64_attend", "time_decode", "decode_step_roofline", "draw_decode_roofline"]
@@ -189,6 +190,10 @@ def _keys_to_read(k_cache, cache_seqlens, block_table, max_seqlen=None, equal_le
     return max(lengths), min(lengths) == max(lengths)
 
 
+# SDPA's backends for a decode step, in PyTorch's order of preference (see sdpa_attend)
+_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 # region: sdpa_attend
 def sdpa_attend(q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqlen=None, equal_lengths=False):
     """Decode attention with PyTorch's SDPA: the baseline every decode kernel is timed against.
@@ -196,6 +201,13 @@ def sdpa_attend(q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seq
     A paged cache is first gathered through the block table into a contiguous copy; keys at or beyond a
     sequence's length are masked (or, when all lengths are equal and known on the host, sliced off).
     """
+    # Not cuDNN's backend, which PyTorch picks by default on recent GPUs: it plans a new execution graph for every
+    # new key length, that is, on every decode step (about 60 ms per step on an H100, in tune.py's measurement).
+    with sdpa_kernel(_DECODE_SDPA_BACKENDS):
+        return _sdpa_attend(q, k_cache, v_cache, cache_seqlens, block_table, max_seqlen, equal_lengths)
+
+
+def _sdpa_attend(q, k_cache, v_cache, cache_seqlens, block_table, max_seqlen, equal_lengths):
     num_keys, all_equal = _keys_to_read(k_cache, cache_seqlens, block_table, max_seqlen, equal_lengths)
     if block_table is not None:
         k, v = gather_pages(k_cache, block_table, num_keys), gather_pages(v_cache, block_table, num_keys)

@@ -21,7 +21,10 @@
 #include <cstdint>
 
 #ifndef WB_DECODE_PREFETCH
-#define WB_DECODE_PREFETCH 0  // 1: the next trip's loads are issued before this trip's arithmetic (see the loop)
+#define WB_DECODE_PREFETCH 1  // 1: the next trip's loads are issued before this trip's arithmetic (see the loop)
+#endif
+#ifndef WB_DECODE_CHUNKED_SOFTMAX
+#define WB_DECODE_CHUNKED_SOFTMAX 1  // 1: one online-softmax rescale per trip of KEYS_IN_FLIGHT keys, not per key
 #endif
 
 namespace wb {
@@ -146,6 +149,52 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
         uint4 k_next[KEYS_IN_FLIGHT], v_next[KEYS_IN_FLIGHT];
         load(key0 + STRIDE, k_next, v_next);
 #endif
+#if WB_DECODE_CHUNKED_SOFTMAX
+        // The online softmax once per trip rather than once per key: the trip's KEYS_IN_FLIGHT scores per row first,
+        // then one rescale of the state by their maximum, then their weights added. The per-key form (below) pays
+        // 8 multiplies per row and key to rescale acc, and an extra exp2.
+        float kx[KEYS_IN_FLIGHT][8], score[KEYS_IN_FLIGHT][ROWS];
+        bool valid[KEYS_IN_FLIGHT];
+#pragma unroll
+        for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
+            valid[s] = key0 + s * KEYS_PER_STEP + key_lane < stop;
+            to_float8<T>(k_raw[s], kx[s]);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) dot = fmaf(q[r][i], kx[s][i], dot);
+                // the D / 8 lanes of one key hold partial dot products: add them up (lanes of a key are adjacent)
+#pragma unroll
+                for (int offset = LANES_PER_KEY / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+                score[s][r] = valid[s] ? dot : kNegBig;  // a NaN score stays NaN (see the header)
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            float new_max = m[r];
+#pragma unroll
+            for (int s = 0; s < KEYS_IN_FLIGHT; ++s) new_max = fmaxf(new_max, score[s][r]);
+            const float alpha = exp2f(m[r] - new_max);  // 1 when the maximum did not move
+            l[r] *= alpha;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[r][i] *= alpha;
+            m[r] = new_max;
+        }
+#pragma unroll
+        for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
+            float vx[8];
+            to_float8<T>(v_raw[s], vx);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                // a key past the split's end weighs 0 (exp2 of kNegBig - m would be 1 while m is still kNegBig)
+                const float weight = valid[s] ? exp2f(score[s][r] - m[r]) : 0.f;
+                l[r] += weight;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(weight, vx[i], acc[r][i]);
+            }
+        }
+#else
 #pragma unroll
         for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
             const bool valid = key0 + s * KEYS_PER_STEP + key_lane < stop;
@@ -171,6 +220,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
                 m[r] = new_max;
             }
         }
+#endif
 #if WB_DECODE_PREFETCH
 #pragma unroll
         for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
@@ -273,10 +323,10 @@ __global__ void decode_merge_kernel(const float* part_out, const float* part_lse
 #define WB_FOR_EACH_DECODE_VARIANT(X) X(64, 1) X(64, 2) X(64, 4) X(128, 1) X(128, 2) X(128, 4)
 // The launch configuration; a tuning run (tune.py) builds other values with -D flags.
 #ifndef WB_DECODE_WARPS
-#define WB_DECODE_WARPS 4
+#define WB_DECODE_WARPS 8
 #endif
 #ifndef WB_KEYS_IN_FLIGHT
-#define WB_KEYS_IN_FLIGHT 4
+#define WB_KEYS_IN_FLIGHT 2
 #endif
 constexpr int kDecodeWarps = WB_DECODE_WARPS;  // warps per block of the split kernel
 constexpr int kKeysInFlight = WB_KEYS_IN_FLIGHT;  // key steps whose loads a lane issues before using the first
