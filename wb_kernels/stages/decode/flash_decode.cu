@@ -289,28 +289,51 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
 
 // region: decode_merge_kernel
 // One block per (sequence, query head), one thread per column: out = sum_s exp(lse_s - lse) out_s / sum_s ...
+// The splits' weights are computed once, by one thread per split, into shared memory (num_splits floats, dynamic);
+// then each column sums over the splits with independent loads, so a long sequence's 32 or 64 splits cost a few
+// memory round trips, not one per split.
 template <typename T, int D>
 __global__ void decode_merge_kernel(const float* part_out, const float* part_lse, T* out, float* lse, int rows,
                                     int num_splits) {
-    const int row = blockIdx.x;
+    extern __shared__ float s_weight[];  // [num_splits]: first each split's LSE, then its weight
+    __shared__ float s_top[D / 32];
+    __shared__ int s_poisoned[D / 32];
+    const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float top = kNegBig;
     bool poisoned = false;  // a split made this row NaN (see the file's header)
-    for (int s = 0; s < num_splits; ++s) {
-        top = fmaxf(top, part_lse[(size_t)s * rows + row]);
-        poisoned |= is_nan(part_lse[(size_t)s * rows + row]);
+    for (int s = threadIdx.x; s < num_splits; s += D) {
+        const float lse_s = part_lse[(size_t)s * rows + row];
+        s_weight[s] = lse_s;
+        top = fmaxf(top, lse_s);
+        poisoned |= is_nan(lse_s);
     }
-    if (poisoned) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+    poisoned = __any_sync(0xffffffffu, poisoned);
+    if (lane == 0) {
+        s_top[warp] = top;
+        s_poisoned[warp] = poisoned;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < D / 32; ++w) {
+        top = fmaxf(top, s_top[w]);
+        poisoned |= s_poisoned[w] != 0;
+    }
+    if (poisoned) {  // the same in every thread of the block
         out[(size_t)row * D + threadIdx.x] = from_float<T>(__int_as_float(0x7fc00000));
         if (threadIdx.x == 0) lse[row] = __int_as_float(0x7fc00000);
         return;
     }
+    for (int s = threadIdx.x; s < num_splits; s += D)
+        s_weight[s] = s_weight[s] <= kNegHalf ? 0.f : __expf(s_weight[s] - top);  // an empty split weighs 0
+    __syncthreads();
     float total = 0.f, value = 0.f;
+#pragma unroll 8
     for (int s = 0; s < num_splits; ++s) {
-        const float lse_s = part_lse[(size_t)s * rows + row];
-        if (lse_s <= kNegHalf) continue;  // an empty split
-        const float weight = __expf(lse_s - top);
+        const float weight = s_weight[s];
         total += weight;
-        value += weight * part_out[((size_t)s * rows + row) * D + threadIdx.x];
+        value += weight * part_out[((size_t)s * rows + row) * D + threadIdx.x];  // an empty split's output is 0
     }
     out[(size_t)row * D + threadIdx.x] = from_float<T>(total > 0.f ? value / total : 0.f);
     if (threadIdx.x == 0) lse[row] = total > 0.f ? top + logf(total) : -INFINITY;
@@ -355,8 +378,8 @@ void launch_decode(const DecodeParams& params, T* out, float* lse, cudaStream_t 
     const dim3 grid(params.num_splits, params.B * params.Hk, (group + ROWS - 1) / ROWS);
     decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight><<<grid, kDecodeWarps * 32, 0, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    decode_merge_kernel<T, D><<<params.B * params.H, D, 0, stream>>>(params.part_out, params.part_lse, out, lse,
-                                                                     params.B * params.H, params.num_splits);
+    decode_merge_kernel<T, D><<<params.B * params.H, D, params.num_splits * sizeof(float), stream>>>(
+        params.part_out, params.part_lse, out, lse, params.B * params.H, params.num_splits);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -395,6 +418,8 @@ std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k
     TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && seq_lens.numel() == B,
                 "flash_decode: block_table (B, pages) and seq_lens (B,)");
     TORCH_CHECK(num_splits >= 1 && keys_per_split >= 1, "flash_decode: need num_splits >= 1, keys_per_split >= 1");
+    // the merge kernel keeps one float per split in shared memory (48 KB without opting in to more)
+    TORCH_CHECK(num_splits <= 12288, "flash_decode: at most 12288 splits, got ", num_splits);
     const c10::cuda::CUDAGuard guard(q.device());
     auto out = torch::empty_like(q);
     auto lse = torch::empty({B, H}, q.options().dtype(torch::kFloat32));
