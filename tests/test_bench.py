@@ -674,3 +674,11 @@ def test_ncu_traffic_refuses_bad_arguments(argv, message, capsys):
         ncu_traffic.main(argv)
     assert stopped.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_git_commit_told_by_the_environment_wins(tmp_path, monkeypatch):
+    """A copy of the tree run elsewhere is told its commit (WB_GIT_COMMIT): a stale .git there must not name it."""
+    monkeypatch.setenv("WB_GIT_COMMIT", "abc1234")
+    assert results_file.git_commit(tmp_path) == "abc1234"
+    monkeypatch.delenv("WB_GIT_COMMIT")
+    assert results_file.git_commit(tmp_path) is None

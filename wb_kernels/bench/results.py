@@ -104,7 +104,14 @@ _RUN_OUTPUTS = ("results", "figures", "notebooks", "logs", "gpu-out")
 def git_commit(root=REPO_ROOT) -> Optional[str]:
     """The short commit of the tree at `root` that is running, with ``+dirty`` when files that git tracks (or
     new ones it does not ignore) differ from it outside the folders a run writes to; None when `root` is not the
-    top of a git checkout (a copy without .git, or one inside some other repository)."""
+    top of a git checkout (a copy without .git, or one inside some other repository).
+
+    ``WB_GIT_COMMIT`` in the environment overrides it: a machine that gets a copy of the files, whose .git (if
+    any) is not the one they were committed in, is told the commit by whoever copied them.
+    """
+    if os.environ.get("WB_GIT_COMMIT"):
+        return os.environ["WB_GIT_COMMIT"]
+
     def git(*args):
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=20)
 
