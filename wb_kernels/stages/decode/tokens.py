@@ -84,7 +84,9 @@ NOTES = {
             "read after the run. tokens_per_s = batch * steps / time; attention_share = the attention calls' time "
             "over the steps' time",
     "attends": "sdpa: decoder.sdpa_attend (a paged cache is first gathered into a contiguous copy, then PyTorch's "
-               "scaled_dot_product_attention); wb: decoder.wb_attend, wb.decode (on a GPU in float16/bfloat16, the "
+               "scaled_dot_product_attention with its FLASH, EFFICIENT and MATH backends: cuDNN's re-plans for every new key "
+               "length, that is on every decode step, about 60 ms per call on an H100, see tune_*.json's "
+               "sdpa_growing_cache); wb: decoder.wb_attend, wb.decode (on a GPU in float16/bfloat16, the "
                "CUDA C++ kernel of flash_decode.cu), with the host's longest length as max_seqlen",
     "layouts": "contiguous: (B, Hk, capacity, D) per layer; paged: pools of page_size keys, the pages of the "
                "sequences handed out in a shuffled order",
