@@ -420,11 +420,30 @@ def test_committed_results_readers(tmp_path):
     assert slider.committed_decode_results(tmp_path) is None
     (tmp_path / "bench_a.json").write_text("{}")
     newest = tmp_path / "bench_b.json"
-    newest.write_text(json.dumps({"environment": {"gpu": "Some GPU", "date": "2027-01-02T03:04:05Z"},
-                                  "records": [{"contender": "decode", "B": 1, "Hk": 8, "Lk": 1024, "median_ms": 0.01}]}))
+    view = dict(H=32, Hk=8, D=128, dtype="float16", B=1, Lk=1024, status="ok")
+    newest.write_text(json.dumps({"environment": {"gpu": "Some GPU", "date": "2027-01-02T03:04:05Z"}, "records": [
+        dict(view, contender="wb.decode", layout="contiguous", gbps=1234.0, fraction_of_copy=0.5),
+        dict(view, contender="copy", layout="contiguous", gbps=2468.0)]}))
     assert slider.committed_decode_results(tmp_path) == newest
-    lines = slider.describe_decode_results(json.loads(newest.read_text()))
-    assert lines == ["Some GPU, 2027-01-02", "  contender=decode, B=1, Hk=8, Lk=1024, median_ms=0.01"]
+    table = slider.describe_decode_results(json.loads(newest.read_text()), "bench_b.json")
+    assert "Some GPU" in table and "bench_b.json" in table
+    row = next(line for line in table.splitlines() if line.startswith("| 1 | 1024 |"))
+    assert "2468" in row and "1234" in row  # the copy ceiling and wb.decode's GB/s
+
+    assert slider.committed_tune_results(tmp_path) is None
+    tune = dict(B=1, H=32, Hk=8, Lk=4096, D=128, heuristic_splits={"2": 16}, baselines_ms={"sdpa": 0.02})
+    (tmp_path / "tune_x.json").write_text(json.dumps({"environment": {"gpu": "Some GPU"}, "records": [
+        dict(tune, variant="v1", splits=8, median_ms=0.04, fraction_of_copy=0.25),
+        dict(tune, variant="v1", splits=16, median_ms=0.025, fraction_of_copy=0.4),
+        dict(tune, variant="v1", splits=32, median_ms=0.02, fraction_of_copy=0.5),
+        dict(tune, variant="v2", splits=16, median_ms=0.01, fraction_of_copy=1.0)]}))
+    found = slider.committed_tune_results(tmp_path)
+    lines = slider.describe_tune_run(json.loads(found.read_text()))
+    assert "variant v1" in lines[0]
+    # v1 at the heuristic's 16 splits (0.025 ms, 40%), its fastest at 32 splits; v2 is another build, not shown
+    assert lines[2].split()[:5] == ["B1", "H32", "Hk8", "Lk4096", "D128"]
+    assert " 16 " in lines[2] and "0.0250" in lines[2] and "40%" in lines[2] and "0.80x" in lines[2]
+    assert "32 splits: 50%" in lines[2] and len(lines) == 3
     gpu = slider.committed_gpu()
     if gpu is not None:  # the committed benchmark run names its GPU and what it measured there
         assert gpu["sm_count"] > 0 and gpu["copy_gbps"] > 0 and gpu["gpu"]

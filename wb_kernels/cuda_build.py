@@ -176,6 +176,14 @@ def extension_name(source: str, flags: list, prefix: str) -> str:
     return f"wb_{prefix}_{digest[:16]}"
 
 
+def _shown(path: Path) -> str:
+    """`path` as a message shows it: under the home folder as ~/..., so that a lesson's output names no machine."""
+    try:
+        return "~/" + str(Path(path).relative_to(Path.home()))
+    except ValueError:
+        return str(path)
+
+
 def _cache_root() -> Path:
     root = os.environ.get("WB_CUDA_CACHE")
     path = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "wb_kernels" / "cuda"
@@ -259,7 +267,7 @@ def build_extension(source: str, *, file_name: str, declarations: str, functions
     if cold:
         # nvcc gives no sign of life for a minute or more: say what is happening, and when it is over
         print(f"building {display_name} for this GPU (the first time takes a minute or more; later runs load it "
-              f"from {build_dir.parent} in milliseconds) ...", file=sys.stderr, flush=True)
+              f"from {_shown(build_dir.parent)} in milliseconds) ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
     cuda_source = prepare_build_directory(build_dir, source, file_name)
     with _file_lock(_cache_root() / f"{name}.lock"):

@@ -336,17 +336,49 @@ def committed_decode_results(folder=None):
     return found[-1] if found else None
 
 
-def describe_decode_results(results: dict) -> list:
-    """Lines that say what a decode results file holds: its GPU and date, then one line per record (whatever
-    fields the file gives: shape, contender, time)."""
+def describe_decode_results(results: dict, source: str | None = None) -> str:
+    """A decode results file as the README shows it (Markdown): its GPU, date and commit, then wb.decode, its kernel
+    path, the fastest SDPA backend and FlexAttention at the README's view (H = 32, Hk = 8, D = 128, fp16), and the
+    per-call overhead rows. The whole file holds every workload."""
+    from ...bench.results import decode_readme_table
+
+    return decode_readme_table(results, source=source)
+
+
+def committed_tune_results(folder=None):
+    """The committed tuning run of the CUDA decode kernel (``results/decode/tune_<gpu>.json``), or None."""
+    from ...bench import REPO_ROOT
+
+    folder = Path(folder) if folder is not None else REPO_ROOT / "results" / "decode"
+    found = sorted(folder.glob("tune_*.json"))
+    return found[-1] if found else None
+
+
+def describe_tune_run(results: dict, variant: str | None = None) -> list:
+    """Lines from tune.py's file: per workload, `variant` (default: the first one the file names, the kernel's
+    default build) at the number of splits ``choose_num_splits`` picks (2 blocks per SM) and at its fastest number of
+    splits, as a fraction of the copy ceiling and against SDPA measured in the same run."""
+    records = results["records"]
+    variant = variant or records[0]["variant"]
     env = results.get("environment") or {}
-    gpu = env.get("gpu") or results.get("gpu") or results.get("device") or "an unnamed GPU"
-    date = str(env.get("date") or results.get("date") or "no date")[:10]
-    lines = [f"{gpu}, {date}"]
-    shown = ("contender", "stage", "B", "H", "Hk", "Lk", "D", "dtype", "paged", "num_splits", "median_ms",
-             "gbps", "status")
-    for record in results.get("records", []):
-        lines.append("  " + ", ".join(f"{key}={record[key]}" for key in shown if key in record))
+    lines = [f"{env.get('gpu', 'a GPU')}, {str(env.get('date', ''))[:10]}, commit {env.get('git_commit')}: "
+             f"variant {variant}; the bare extension call (split + merge kernels), L2 flushed before each call",
+             f"{'workload':26s} {'splits':>6s} {'ms':>8s} {'of copy':>8s} {'vs SDPA':>8s}   fastest splits"]
+    shapes = list(dict.fromkeys((r["B"], r["H"], r["Hk"], r["Lk"], r["D"]) for r in records))
+    for shape in shapes:
+        rows = [r for r in records if (r["B"], r["H"], r["Hk"], r["Lk"], r["D"]) == shape and r["variant"] == variant]
+        if not rows:
+            continue
+        picked = rows[0]["heuristic_splits"]["2"]
+        # the measured number of splits nearest to the heuristic's pick (the sweep has powers of two)
+        at_pick = min(rows, key=lambda r: (abs(math.log2(r["splits"]) - math.log2(picked)), r["median_ms"]))
+        best = min(rows, key=lambda r: r["median_ms"])
+        sdpa = rows[0]["baselines_ms"]["sdpa"]
+        B, H, Hk, Lk, D = shape
+        lines.append(f"B{B} H{H} Hk{Hk} Lk{Lk} D{D}".ljust(26)
+                     + f" {at_pick['splits']:>6d} {at_pick['median_ms']:8.4f} {at_pick['fraction_of_copy']:8.0%} "
+                       f"{sdpa / at_pick['median_ms']:7.2f}x   {best['splits']} splits: {best['fraction_of_copy']:.0%}"
+                       f" of copy (choose_num_splits: {picked})")
     return lines
 
 
