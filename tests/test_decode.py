@@ -503,3 +503,22 @@ def test_random_decode_problems_match_the_reference(problem):
     else:
         out = wb.decode(q, kp, vp, lens, block_table=table, num_splits=p["num_splits"])
         assert check_decode(np.asarray(out, dtype=np.float32), q, kc, vc, lens).passed
+
+
+def test_committed_tuning_runs_name_their_gpu_and_every_variant_matched():
+    """tune.py's files (results/decode/tune_*.json and history/): the GPU, date and commit, and every timed point's
+    output within its check of PyTorch in float32, with SDPA and the copy timed in the same run."""
+    import json
+
+    from wb_kernels.bench import REPO_ROOT
+
+    paths = sorted((REPO_ROOT / "results" / "decode").rglob("tune_*.json"))
+    for path in paths:
+        results = json.loads(path.read_text())
+        assert results["kind"] == "decode_tune", path
+        env = results["environment"]
+        assert env["gpu"] and env["date"] and env["git_commit"] and "+dirty" not in env["git_commit"], path
+        assert results["records"], path
+        for r in results["records"]:
+            assert r["ok"] and r["max_err_vs_fp32"] < 2e-2, (path, r["variant"], r["splits"])
+            assert r["baselines_ms"]["sdpa"] > 0 and r["baselines_ms"]["copy"] > 0
