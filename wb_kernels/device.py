@@ -15,8 +15,21 @@ from .backend import BACKEND
 __all__ = ["is_torch", "to_work", "empty", "zeros", "kernel_view", "like_input"]
 
 
+_TORCH_TYPES: set = set()
+_OTHER_TYPES: set = set()
+
+
 def is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
+    """Whether x is a torch object, without importing torch. Answered per type once, then from a set: the API
+    asks it about every argument of every call, and a string test each time was a visible part of a call's cost."""
+    kind = type(x)
+    if kind in _TORCH_TYPES:
+        return True
+    if kind in _OTHER_TYPES:
+        return False
+    found = kind.__module__.startswith("torch")
+    (_TORCH_TYPES if found else _OTHER_TYPES).add(kind)
+    return found
 
 
 def to_work(x, dtype=np.float32):
