@@ -9,6 +9,7 @@ even from kernels compiled with fast math, which may assume that no value is eve
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -385,8 +386,10 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
         key_padding_mask = _contiguous(key_padding_mask)
     # a stage whose kernel handles NaN/Inf itself needs no pass here (that pass waits for the GPU: see Stage)
     non_finite = check_finite and not spec.non_finite_in_kernel and _may_hold_non_finite(q, k)
-    with warnings.catch_warnings():
-        if non_finite or BACKEND.is_simulator:
+    quiet = non_finite or BACKEND.is_simulator
+    # (no warnings filter on a GPU's ordinary call: saving and restoring the filters costs microseconds per call)
+    with warnings.catch_warnings() if quiet else contextlib.nullcontext():
+        if quiet:
             # NumPy arithmetic (the reference, and every kernel on the simulator) warns about NaN/Inf that
             # are the right answer here; a GPU computes the same silently
             warnings.simplefilter("ignore", RuntimeWarning)
