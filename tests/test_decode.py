@@ -417,19 +417,6 @@ def test_committed_results_readers(tmp_path):
 
     from wb_kernels.stages.decode import slider
 
-    assert slider.committed_decode_results(tmp_path) is None
-    (tmp_path / "bench_a.json").write_text("{}")
-    newest = tmp_path / "bench_b.json"
-    view = dict(H=32, Hk=8, D=128, dtype="float16", B=1, Lk=1024, status="ok")
-    newest.write_text(json.dumps({"environment": {"gpu": "Some GPU", "date": "2027-01-02T03:04:05Z"}, "records": [
-        dict(view, contender="wb.decode", layout="contiguous", gbps=1234.0, fraction_of_copy=0.5),
-        dict(view, contender="copy", layout="contiguous", gbps=2468.0)]}))
-    assert slider.committed_decode_results(tmp_path) == newest
-    table = slider.describe_decode_results(json.loads(newest.read_text()), "bench_b.json")
-    assert "Some GPU" in table and "bench_b.json" in table
-    row = next(line for line in table.splitlines() if line.startswith("| 1 | 1024 |"))
-    assert "2468" in row and "1234" in row  # the copy ceiling and wb.decode's GB/s
-
     assert slider.committed_tune_results(tmp_path) is None
     tune = dict(B=1, H=32, Hk=8, Lk=4096, D=128, heuristic_splits={"2": 16}, baselines_ms={"sdpa": 0.02})
     (tmp_path / "tune_x.json").write_text(json.dumps({"environment": {"gpu": "Some GPU"}, "records": [

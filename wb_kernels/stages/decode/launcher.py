@@ -150,6 +150,17 @@ def _identity_table(batch: int, device):
     return _IDENTITY_TABLES[key]
 
 
+def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
+    """``(keys_per_split, num_splits)`` the CUDA kernel runs for `num_splits` asked: each split a whole number of
+    the kernel's trips round its loop (``build.KEYS_PER_STEP``), and as many splits as that takes to cover
+    `max_len` keys (rounding up may leave fewer than asked)."""
+    from . import build
+
+    step = build.KEYS_PER_STEP
+    keys_per_split = max(step, -(-max(1, -(-max_len // num_splits)) // step) * step)
+    return keys_per_split, (max(1, -(-max_len // keys_per_split)) if max_len else 1)
+
+
 def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, num_splits=None,
                         max_seqlen=None):
     """The CUDA C++ split-KV kernel: q (B, H, D) -> ``(out (B, H, D) in q's dtype, lse (B, H) float32)``."""
@@ -166,9 +177,7 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
         group = H // Hk
         rows = 1 if group == 1 else 2 if group == 2 else 4  # query heads per block, as flash_decode.cu's launch_rows
         num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=-(-group // rows))
-    step = build.KEYS_PER_STEP
-    keys_per_split = max(step, -(-max(1, -(-max_len // num_splits)) // step) * step)
-    num_splits = max(1, -(-max_len // keys_per_split)) if max_len else 1  # rounding up may leave trailing splits empty
+    keys_per_split, num_splits = cuda_split_plan(max_len, num_splits)
     lens = cache_seqlens if is_torch(cache_seqlens) else torch.from_numpy(np.asarray(cache_seqlens))
     table = table if is_torch(table) else torch.from_numpy(np.asarray(table))
     scale = float(D) ** -0.5 if scale is None else float(scale)

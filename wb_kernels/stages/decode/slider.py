@@ -19,8 +19,8 @@ from .splitkv import MIN_KEYS_PER_SPLIT, choose_num_splits, split_bounds
 
 __all__ = ["attention_cost", "committed_gpu", "draw_roofline", "split_weights", "draw_split_weights",
            "row_chunks", "splits_table", "draw_splits_heatmap", "sm_wave", "draw_split_choice", "random_sequence_lengths",
-           "cache_memory", "draw_cache_memory", "draw_page_pool", "committed_decode_results",
-           "describe_decode_results", "committed_decoder_results", "decoder_table", "describe_decoder_run",
+           "cache_memory", "draw_cache_memory", "draw_page_pool", "committed_tune_results",
+           "describe_tune_run", "committed_decoder_results", "decoder_table", "describe_decoder_run",
            "NO_DECODER_RUN", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
            "WORKLOAD_KV_HEADS", "WORKLOAD_LENGTHS"]
 
@@ -325,24 +325,6 @@ def draw_page_pool(block_table, seq_lens, num_pages: int, page_size: int):
 
 
 # ---------------------------------------------------------------- committed measurements
-
-
-def committed_decode_results(folder=None):
-    """The newest committed decode benchmark (``results/decode/bench_*.json``), or None while none is committed."""
-    from ...bench import REPO_ROOT
-
-    folder = Path(folder) if folder is not None else REPO_ROOT / "results" / "decode"
-    found = sorted(folder.glob("bench_*.json"))
-    return found[-1] if found else None
-
-
-def describe_decode_results(results: dict, source: str | None = None) -> str:
-    """A decode results file as the README shows it (Markdown): its GPU, date and commit, then wb.decode, its kernel
-    path, the fastest SDPA backend and FlexAttention at the README's view (H = 32, Hk = 8, D = 128, fp16), and the
-    per-call overhead rows. The whole file holds every workload."""
-    from ...bench.results import decode_readme_table
-
-    return decode_readme_table(results, source=source)
 
 
 def committed_tune_results(folder=None):

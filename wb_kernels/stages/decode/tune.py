@@ -35,7 +35,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import wb_kernels  # noqa: F401  (first: chooses the backend)
+from wb_kernels import timing
 from wb_kernels.stages.decode import build
+from wb_kernels.stages.decode.launcher import cuda_split_plan
 from wb_kernels.stages.decode.splitkv import choose_num_splits
 
 
@@ -65,7 +67,6 @@ VARIANTS = (DEFAULT, Variant(4, 4, 0, 0), Variant(8, 2, 1, 0), Variant(8, 4, 0, 
 WORKLOADS = ((8, 32, 8, 8192, 128), (1, 32, 8, 32768, 128), (1, 32, 32, 32768, 128), (1, 32, 1, 32768, 128),
              (64, 32, 8, 4096, 128), (8, 32, 8, 8192, 64), (1, 32, 8, 4096, 128), (16, 32, 8, 1024, 64))
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
-FLUSH_BYTES = 256 * 2**20  # more than the H100's 50 MB L2
 
 
 def _build_in_subprocess(variant: Variant) -> subprocess.Popen:
@@ -88,27 +89,9 @@ def build_all(variants) -> dict:
     return {v: build.build(build.package_source(), flags=v.flags) for v in variants if v.name not in failed}, failed
 
 
-def _keys_per_split(length: int, splits: int) -> tuple:
-    step = build.KEYS_PER_STEP
-    keys = max(step, -(-max(1, -(-length // splits)) // step) * step)
-    return keys, max(1, -(-length // keys))
-
-
-def time_call(call, flush, reps: int) -> float:
-    """Median milliseconds of `call` over `reps` CUDA-event-timed calls, L2 flushed before each."""
-    import torch
-
-    call()
-    times = []
-    for _ in range(reps):
-        flush()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_call(call, reps: int) -> float:
+    """Median milliseconds of `call`: the package's CUDA-event timer, the L2 cache flushed before each call."""
+    return timing.time_call(call, warmup=1, repeats=reps, flush_l2=True, device="cuda").median_ms
 
 
 def measure(variants, workloads, reps: int) -> list:
@@ -118,8 +101,6 @@ def measure(variants, workloads, reps: int) -> list:
 
     extensions, failed = build_all(variants)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    flush = scratch.zero_
     rows = []
     for B, H, Hk, L, D in workloads:
         gen = torch.Generator(device="cuda").manual_seed(B + Hk + L + D)
@@ -143,19 +124,19 @@ def measure(variants, workloads, reps: int) -> list:
             target.copy_(k)
             target.copy_(v)
 
-        baselines = {"copy": time_call(copy, flush, reps)}
+        baselines = {"copy": time_call(copy, reps)}
         qs = q[:, :, None]
-        baselines["sdpa"] = time_call(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True), flush, reps)
+        baselines["sdpa"] = time_call(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True), reps)
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             baselines["sdpa-flash"] = time_call(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True),
-                                                flush, reps)
+                                                reps)
         copy_gbps = 2 * kv_bytes / (baselines["copy"] / 1e3) / 1e9
         print(f"B{B} H{H} Hk{Hk} Lk{L} D{D}: copy {copy_gbps:.0f} GB/s, sdpa {baselines['sdpa']:.4f} ms, "
               f"sdpa-flash {baselines['sdpa-flash']:.4f} ms; choose_num_splits at 2/4/8 blocks per SM: "
               f"{heuristic[2]}/{heuristic[4]}/{heuristic[8]}", file=sys.stderr)
         for variant, ext in extensions.items():
             for splits in SPLITS:
-                keys, used = _keys_per_split(L, splits)
+                keys, used = cuda_split_plan(L, splits)
                 if used != splits and splits != 1:
                     continue  # rounding to whole steps gave fewer splits: measured under their own count
 
@@ -164,7 +145,7 @@ def measure(variants, workloads, reps: int) -> list:
 
                 out = call()[0]
                 err = float((out.float() - expected).abs().max())
-                ms = time_call(call, flush, reps)
+                ms = time_call(call, reps)
                 rows.append(dict(shape, variant=variant.name, **asdict(variant), splits=used, keys_per_split=keys,
                                  median_ms=round(ms, 5), gbps=round(kv_bytes / (ms / 1e3) / 1e9, 1),
                                  fraction_of_copy=round(baselines["copy"] / (2 * ms), 4),
