@@ -181,13 +181,13 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, stage: str =
     if stage == "reference":
         out, lse = reference_decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale)
     else:
-        from .stages.decode.launcher import cuda_decode_forward, decode_forward, uses_cuda_kernel
+        from .stages.decode.launcher import decode_forward, uses_cuda_kernel
 
         if uses_cuda_kernel(q):
-            # The decode step's path on a GPU, kept short (it runs once per layer and token): the kernel handles
-            # NaN/Inf itself, warns about nothing, and returns tensors on q's device in q's dtype.
-            out, lse = cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
-                                           num_splits=num_splits, max_seqlen=max_seqlen)
+            # The decode step's path on a GPU, kept short (it runs once per layer and token): the CUDA kernel
+            # handles NaN/Inf itself, warns about nothing, and returns tensors on q's device in q's dtype.
+            out, lse = decode_forward(q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
+                                      num_splits=num_splits, max_seqlen=max_seqlen)
             return (out, lse) if return_lse else out
         with warnings.catch_warnings():
             # the simulator computes in NumPy, which warns about NaN/Inf that are the right answer here (as in
