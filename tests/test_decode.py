@@ -509,3 +509,47 @@ def test_committed_tuning_runs_name_their_gpu_and_every_variant_matched():
         for r in results["records"]:
             assert r["ok"] and r["max_err_vs_fp32"] < 2e-2, (path, r["variant"], r["splits"])
             assert r["baselines_ms"]["sdpa"] > 0 and r["baselines_ms"]["copy"] > 0
+
+
+# ---------------------------------------------------------------- validated once per signature
+
+
+def test_cuda_signature_covers_only_cuda_tensors():
+    """The API remembers validated signatures only for CUDA tensors (whose values it never reads); NumPy arrays and
+    CPU tensors are checked on every call, as their lengths are read and checked on the host."""
+    import torch
+
+    from wb_kernels.device import ValidatedCalls, cuda_signature
+
+    assert cuda_signature(np.zeros(3), None) is None
+    assert cuda_signature(torch.zeros(3)) is None
+    remembered = ValidatedCalls(limit=2)
+    assert remembered.get(None) is None and remembered.remember(None, "x") == "x" and remembered.passed == {}
+    for key in ("a", "b", "c"):
+        remembered.remember(key, key.upper())
+    assert remembered.passed == {"c": "C"}  # past the limit it starts again rather than growing
+    if ON_GPU:
+        x = torch.zeros(3, device="cuda")
+        assert cuda_signature(x, None) == ((x.shape, x.dtype, x.device), None)
+
+
+@gpu_only
+def test_wb_decode_checks_a_signature_once_and_still_refuses_bad_inputs(monkeypatch):
+    import torch
+
+    import wb_kernels.decoding as decoding
+
+    calls = []
+    original = decoding.validate_decode
+    monkeypatch.setattr(decoding, "validate_decode", lambda *a, **k: calls.append(1) or original(*a, **k))
+    q = torch.randn(2, 8, 64, dtype=torch.float16, device="cuda")
+    k = torch.randn(2, 2, 40, 64, dtype=torch.float16, device="cuda")
+    lens = torch.tensor([40, 17], dtype=torch.int32, device="cuda")
+    first = wb.decode(q, k, k, lens, scale=0.5)
+    assert torch.equal(wb.decode(q, k, k, lens, scale=0.5), first) and len(calls) == 1
+    wb.decode(q, k, k, lens, scale=0.25)  # another option: another signature, checked
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="Hk must divide H"):
+        wb.decode(q, k[:, :1].expand(2, 3, 40, 64).contiguous(), k[:, :1].expand(2, 3, 40, 64).contiguous(), lens)
+    with pytest.raises(ValueError, match="Hk must divide H"):  # a failed signature is not remembered
+        wb.decode(q, k[:, :1].expand(2, 3, 40, 64).contiguous(), k[:, :1].expand(2, 3, 40, 64).contiguous(), lens)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backend import BACKEND
-from .device import is_torch, like_input
+from .device import ValidatedCalls, cuda_signature, is_torch, like_input
 from .reference import CAUSAL_ALIGNMENTS, attention_mask, causal_offset
 from .stages import available_stages, get_stage
 
@@ -28,6 +28,9 @@ __all__ = ["attention", "validate", "validate_inputs", "require_array", "Inputs"
            "SIMULATOR_MAX_SECONDS"]
 
 # Sizes the simulator would need longer than this for are refused (override: WB_SIM_MAX_SECONDS).
+# CUDA inputs' signatures that passed validate, and its Stage: a signature checked once is not checked again (the
+# checks cost more than a small kernel's launch; see device.ValidatedCalls)
+_VALIDATED = ValidatedCalls()
 SIMULATOR_MAX_SECONDS = float(os.environ.get("WB_SIM_MAX_SECONDS", "120"))
 
 
@@ -378,7 +381,15 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     take minutes for), MemoryError (a stage's Lq x Lk
     buffers would not fit: the message says how much they need and suggests the flash stages).
     """
-    spec = validate(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    key = cuda_signature(q, k, v, key_padding_mask)
+    if key is not None and isinstance(scale, (float, int, type(None))) and isinstance(causal, (bool, str)):
+        key = (key, stage, causal, scale)  # CUDA inputs: the checks read shapes, dtypes and devices only
+    else:
+        key = None
+    spec = _VALIDATED.get(key)
+    if spec is None:
+        spec = _VALIDATED.remember(key, validate(q, k, v, stage=stage, causal=causal,
+                                                 key_padding_mask=key_padding_mask, scale=scale))
     causal, scale = _check_causal(causal), _check_scale(scale)
     caller_q = q
     q, k, v = (_contiguous(x) for x in (q, k, v))

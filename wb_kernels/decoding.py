@@ -24,11 +24,12 @@ import warnings
 import numpy as np
 
 from .api import _check_scale, _dtype_name, _numpy64, require_array
-from .device import is_torch, like_input
+from .device import ValidatedCalls, cuda_signature, is_torch, like_input
 
 __all__ = ["decode", "validate_decode", "DECODE_STAGES", "reference_decode"]
 
 DECODE_STAGES = ("reference", "decode")
+_VALIDATED = ValidatedCalls()  # CUDA inputs' signatures that passed validate_decode (see decode)
 
 
 def _host(x) -> np.ndarray:
@@ -170,7 +171,16 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, stage: str =
     caller knows on the host (a decoder does), so the splits cover the keys there are rather than the cache's whole
     capacity; default: the capacity (reading the lengths off the GPU would cost a synchronisation per step).
     """
-    validate_decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table, stage=stage, scale=scale)
+    # CUDA inputs throughout: the checks depend on shapes, dtypes and devices only, so a signature that passed once
+    # passes again (a decoder calls with the same ones for every layer of every step); anything else is checked
+    key = cuda_signature(q, k_cache, v_cache, cache_seqlens, block_table)
+    if key is not None and isinstance(scale, (float, int, type(None))):
+        key = (key, stage, scale)
+    else:
+        key = None
+    if _VALIDATED.get(key) is None:
+        _VALIDATED.remember(key, validate_decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                                                 stage=stage, scale=scale))
     if max_seqlen is not None:
         if not isinstance(max_seqlen, (int, np.integer)) or max_seqlen < 0:
             raise ValueError(f"max_seqlen: expected a non-negative int, got {max_seqlen!r}")

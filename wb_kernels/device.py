@@ -12,7 +12,7 @@ import numpy as np
 
 from .backend import BACKEND
 
-__all__ = ["is_torch", "to_work", "empty", "zeros", "kernel_view", "like_input"]
+__all__ = ["is_torch", "cuda_signature", "ValidatedCalls", "to_work", "empty", "zeros", "kernel_view", "like_input"]
 
 
 _TORCH_TYPES: set = set()
@@ -30,6 +30,43 @@ def is_torch(x) -> bool:
     found = kind.__module__.startswith("torch")
     (_TORCH_TYPES if found else _OTHER_TYPES).add(kind)
     return found
+
+
+def cuda_signature(*arrays):
+    """What the API's checks of `arrays` depend on, ``(shape, dtype, device)`` of each (None stays None), when every
+    one of them is a CUDA torch tensor or None; otherwise None.
+
+    With CUDA tensors, the entry points check shapes, dtypes and devices only (never values: reading them would stall
+    the host), so two calls with one signature pass or fail the same checks; :class:`ValidatedCalls` uses that.
+    """
+    key = []
+    for x in arrays:
+        if x is None:
+            key.append(None)
+        elif type(x) in _TORCH_TYPES and x.is_cuda:
+            key.append((x.shape, x.dtype, x.device))
+        else:
+            return None
+    return tuple(key)
+
+
+class ValidatedCalls:
+    """The signatures (:func:`cuda_signature` plus the call's options) whose checks passed, with what the checks
+    returned, so that a decoder's thousands of identical calls are checked once, not once per call (the checks
+    cost several times a decode kernel's launch). Bounded: past `limit` signatures it starts again."""
+
+    def __init__(self, limit: int = 1024):
+        self.limit, self.passed = limit, {}
+
+    def get(self, key):
+        return self.passed.get(key) if key is not None else None
+
+    def remember(self, key, result):
+        if key is not None:
+            if len(self.passed) >= self.limit:
+                self.passed.clear()
+            self.passed[key] = result
+        return result
 
 
 def to_work(x, dtype=np.float32):

@@ -133,21 +133,26 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, num_spl
 
 def uses_cuda_kernel(q) -> bool:
     """Whether wb.decode runs the CUDA C++ kernel (flash_decode.cu) for this q: a GPU, 16-bit data, D 64 or 128."""
-    return (BACKEND.is_gpu and is_torch(q) and q.is_cuda and str(q.dtype) in ("torch.float16", "torch.bfloat16")
-            and q.shape[-1] in (64, 128))
+    if not (BACKEND.is_gpu and is_torch(q) and q.is_cuda):
+        return False
+    import torch
+
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
 
 
 _IDENTITY_TABLES: dict = {}
 
 
-def _identity_table(batch: int, device):
-    """contiguous_as_paged on the GPU, made once per (batch, device): no allocation or copy per decode step."""
-    key = (batch, str(device))
-    if key not in _IDENTITY_TABLES:
+def _identity_table(batch: int, device_index: int):
+    """contiguous_as_paged on GPU `device_index`, made once per (batch, GPU): no allocation or copy per decode step."""
+    key = (batch, device_index)
+    table = _IDENTITY_TABLES.get(key)
+    if table is None:
         import torch
 
-        _IDENTITY_TABLES[key] = torch.arange(batch, dtype=torch.int32, device=device)[:, None].contiguous()
-    return _IDENTITY_TABLES[key]
+        device = torch.device("cuda", device_index)
+        table = _IDENTITY_TABLES[key] = torch.arange(batch, dtype=torch.int32, device=device)[:, None].contiguous()
+    return table
 
 
 def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
@@ -161,29 +166,57 @@ def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
     return keys_per_split, (max(1, -(-max_len // keys_per_split)) if max_len else 1)
 
 
+_PLANS: dict = {}  # (device, B, H, Hk, max_len, num_splits asked, D) -> (keys_per_split, num_splits, scale)
+_EXTENSION = None
+
+
+def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, num_splits, D: int) -> tuple:
+    """What the CUDA kernel runs for a problem: ``(keys_per_split, num_splits, default scale)``. Worked out once per
+    problem shape and remembered: a decoder asks the same question for every layer of every step."""
+    key = (device_index, B, H, Hk, max_len, num_splits, D)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if num_splits is None:
+            group = H // Hk
+            rows = 1 if group == 1 else 2 if group == 2 else 4  # query heads per block, as flash_decode.cu's launch_rows
+            num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=-(-group // rows))
+        if len(_PLANS) > 4096:  # a long run over many lengths: start again rather than grow without bound
+            _PLANS.clear()
+        plan = _PLANS[key] = (*cuda_split_plan(max_len, num_splits), float(D) ** -0.5)
+    return plan
+
+
 def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, num_splits=None,
                         max_seqlen=None):
-    """The CUDA C++ split-KV kernel: q (B, H, D) -> ``(out (B, H, D) in q's dtype, lse (B, H) float32)``."""
+    """The CUDA C++ split-KV kernel: q (B, H, D) -> ``(out (B, H, D) in q's dtype, lse (B, H) float32)``.
+
+    Kept short, as it runs once per layer and token: the plan comes from :func:`_cuda_launch_plan`'s memory, and the
+    extension makes the inputs contiguous, int32 and on q's device itself (where that costs next to nothing).
+    """
+    global _EXTENSION
+    if _EXTENSION is None:
+        from . import build
+
+        _EXTENSION = build.extension()
+    B, H, D = q.shape
+    device_index = q.get_device()
+    table = block_table if block_table is not None else _identity_table(B, device_index)
+    capacity = table.shape[1] * k_cache.shape[2]
+    max_len = capacity if max_seqlen is None else min(capacity, int(max_seqlen))
+    keys_per_split, num_splits, default_scale = _cuda_launch_plan(device_index, B, H, k_cache.shape[1], max_len,
+                                                                  num_splits, D)
+    if not is_torch(cache_seqlens):
+        cache_seqlens = _torch_from_host(cache_seqlens)
+    if not is_torch(table):
+        table = _torch_from_host(table)
+    return _EXTENSION.flash_decode_forward(q, k_cache, v_cache, table, cache_seqlens, keys_per_split, num_splits,
+                                           default_scale if scale is None else float(scale))
+
+
+def _torch_from_host(x):
     import torch
 
-    from . import build
-
-    B, H, D = q.shape
-    Hk = k_cache.shape[1]
-    table = block_table if block_table is not None else _identity_table(B, q.device)
-    capacity = table.shape[1] * k_cache.shape[2]
-    max_len = min(capacity, capacity if max_seqlen is None else int(max_seqlen))
-    if num_splits is None:
-        group = H // Hk
-        rows = 1 if group == 1 else 2 if group == 2 else 4  # query heads per block, as flash_decode.cu's launch_rows
-        num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=-(-group // rows))
-    keys_per_split, num_splits = cuda_split_plan(max_len, num_splits)
-    lens = cache_seqlens if is_torch(cache_seqlens) else torch.from_numpy(np.asarray(cache_seqlens))
-    table = table if is_torch(table) else torch.from_numpy(np.asarray(table))
-    scale = float(D) ** -0.5 if scale is None else float(scale)
-    return build.extension().flash_decode_forward(
-        q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), table.to(q.device, torch.int32).contiguous(),
-        lens.to(q.device, torch.int32).contiguous(), keys_per_split, num_splits, scale)
+    return torch.from_numpy(np.ascontiguousarray(x))
 
 
 def decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, num_splits=None,

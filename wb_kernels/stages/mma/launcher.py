@@ -49,13 +49,26 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=
         # that row NaN, as 0 * (q . k) is NaN in the reference.
         q, scale = q * 0, 1.0
     if key_padding_mask is None:
-        keep = torch.empty(0, dtype=torch.uint8, device=q.device)
+        keep = _no_mask(q.device)
     else:
         keep = torch.as_tensor(key_padding_mask).to(device=q.device, dtype=torch.uint8).contiguous()
     out, lse = module.flash_mma_forward(q.contiguous(), k.contiguous(), v.contiguous(), keep, offset is not None,
                                         offset or 0, scale, variant.num_warps, variant.row_tiles, variant.block_n,
                                         variant.q_in_registers)
     return out, lse
+
+
+_NO_MASKS: dict = {}
+
+
+def _no_mask(device):
+    """The empty mask tensor that says "no key padding", made once per device rather than on every call."""
+    mask = _NO_MASKS.get(device)
+    if mask is None:
+        import torch
+
+        mask = _NO_MASKS[device] = torch.empty(0, dtype=torch.uint8, device=device)
+    return mask
 
 
 STAGE = Stage(
