@@ -65,7 +65,8 @@ def test_mma_preset_covers_the_rungs_workloads():
     """The mma rung's issue: fp16 and bf16, D 64 and 128, L 512..16384 at 16k tokens and 16 heads, causal and
     not, against wmma, SDPA's default, FLASH and cuDNN, and FlexAttention; plus the small public problem."""
     (sweep,) = bench.PRESETS["mma"]
-    assert set(sweep.contenders) == {"wmma", "mma", "sdpa-flash", "sdpa-cudnn", "sdpa", "flex"}
+    assert set(sweep.contenders) == {"wmma", "mma", "sdpa-flash", "sdpa-cudnn", "sdpa", "flex", "flashinfer-fa2",
+                                     "flashinfer-fa3"}
     expected = {bench.Config(bench.TOKENS // L, 16, L, D, dtype, causal) for dtype in ("float16", "bfloat16")
                 for D in (64, 128) for L in bench.LADDER_LENGTHS for causal in (False, True)}
     expected |= {bench.Config(1, 16, 512, 64, "float16", causal) for causal in (False, True)}
@@ -327,7 +328,7 @@ def test_readme_table_lists_the_public_configurations():
     assert "Test GPU" in lines[0] and "results/x.json" in lines[0]
     header = [line for line in lines if line.startswith("| B |")][0]
     present = [c for c in ("wmma", "sdpa") if c in wb.available_stages() or c == "sdpa"]
-    assert header == "| B | H | L | D | causal | " + " | ".join(present) + " |"
+    assert header == "| B | H | L | D | causal | " + " | ".join(present) + " | wmma ×best peer |"
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| B |")]
     assert len(rows) == 2 * len(bench.PUBLIC_CONFIGS)
     assert rows[0].startswith("| 1 | 16 | 512 | 64 | no | ")
@@ -344,7 +345,7 @@ def test_readme_table_shows_the_mma_rung_and_flex_when_the_file_has_them():
                                "status": "ok", "kind": "baseline", "median_ms": 1.0, "tflops": 1.0})
     def contender_columns(table):
         header = [line for line in table.splitlines() if line.startswith("| B |")][0]
-        return header.strip("| ").split(" | ")[5:]
+        return [c for c in header.strip("| ").split(" | ")[5:] if not c.endswith("×best peer")]
 
     lines = bench.readme_table(results).splitlines()
     columns = contender_columns("\n".join(lines))
@@ -354,6 +355,8 @@ def test_readme_table_shows_the_mma_rung_and_flex_when_the_file_has_them():
     assert len(rows) == 2 * len(shapes)
     flex_cell = rows[0].strip("| ").split(" | ")[5 + columns.index("flex")]
     assert flex_cell.startswith("1.5 (")
+    # the highest rung against the fastest baseline of the row, whichever the file timed (sdpa-cudnn too): 1.0 / 1.2
+    assert "mma ×best peer" in lines[2] and rows[0].endswith(" | 0.83 (sdpa) |")
     # without flex and mma in the file, the table is the one it was before they existed
     assert contender_columns(bench.readme_table(_public_results())) == ["wmma", "sdpa"]
 

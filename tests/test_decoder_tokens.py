@@ -52,7 +52,11 @@ def test_smoke_run_writes_a_complete_file(smoke):
 
     rows = results["records"]
     assert {(r["layout"], r["attend"]) for r in rows} == {(layout, attend) for layout in ("contiguous", "paged")
-                                                          for attend in ("sdpa", "wb")}
+                                                          for attend in ("sdpa", "wb")} | {("paged", "flashinfer")}
+    # FlashInfer needs a CUDA GPU: on the CPU its row is there, skipped, and says why
+    missing = [r for r in rows if r["attend"] == "flashinfer"]
+    assert [r["status"] for r in missing] == ["skipped"] and "flashinfer" in missing[0]["reason"]
+    rows = [r for r in rows if r["attend"] != "flashinfer"]
     for r in rows:
         assert r["status"] == "ok", r
         missing = [field for field in ROW_FIELDS if field not in r]
@@ -73,8 +77,9 @@ def test_smoke_run_writes_a_complete_file(smoke):
                                                 rel=1e-2)
 
     greedy = results["greedy"]
-    assert [g["other"] for g in greedy] == ["wb, contiguous", "wb, paged"]
-    for g in greedy:
+    assert [g["other"] for g in greedy] == ["wb, contiguous", "wb, paged", "flashinfer, paged"]
+    assert greedy[-1]["status"] == "skipped" and "flashinfer" in greedy[-1]["reason"]
+    for g in greedy[:-1]:
         missing = [field for field in GREEDY_FIELDS if field not in g]
         assert not missing, missing
         # float32 on the CPU: the simulator's kernel and SDPA agree to rounding, and TINY has no near tie here
@@ -230,8 +235,11 @@ def test_decoder_table_shows_every_row_and_the_greedy_verdicts(smoke):
                    "roofline"):
         assert column in header
     rows = [line for line in lines if line.startswith("tiny ")]
-    assert len(rows) == 5 and rows[-1].endswith("skipped: does not fit: test")
-    wb_rows = [row.split() for row in rows[:4] if row.split()[4] == "wb"]
-    assert len(wb_rows) == 2 and all(cells[-2].endswith("x") and cells[-1].endswith("%") for cells in wb_rows)
-    assert sum(line.startswith("greedy, tiny") for line in lines) == 2
+    assert len(rows) == 6 and rows[-1].endswith("skipped: does not fit: test")
+    assert sum("flashinfer" in row and "skipped: flashinfer" in row for row in rows) == 1  # no GPU here: why
+    wb_rows = [row.split() for row in rows if row.split()[4] == "wb"]
+    # vs SDPA, vs FlashInfer (none to compare with here: a dash), roofline
+    assert len(wb_rows) == 2 and all(cells[-3].endswith("x") and cells[-2] == "–" and cells[-1].endswith("%")
+                                     for cells in wb_rows)
+    assert sum(line.startswith("greedy, tiny") for line in lines) == 3
     assert "smoke run" in lines[0]

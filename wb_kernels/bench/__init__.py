@@ -30,8 +30,8 @@ from .cli import main
 from .measure import Contender, TimingPolicy, contenders, measure_ceilings, plan, run
 from .pitfalls import honesty_demos
 from .results import (README_END, README_START, REPO_ROOT, RESULTS_DIR, SCHEMA_VERSION, add_speedups,
-                      committed_results, default_output, environment, load_results, readme_table, save_results,
-                      update_readme)
+                      committed_results, decode_readme_table, default_output, environment, load_results,
+                      readme_table, save_results, update_readme)
 from .sweeps import (BASELINES, LADDER_LENGTHS, PRESETS, PUBLIC_CONFIGS, TOKENS, Config, Refused, Sweep,
                      attention_flops, minimum_bytes, record_key)
 
@@ -43,7 +43,8 @@ __all__ = [
     "Contender", "contenders", "TimingPolicy", "measure_ceilings", "plan", "run",
     # the results file (results.py)
     "SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "environment", "load_results",
-    "save_results", "add_speedups", "default_output", "committed_results", "readme_table", "update_readme",
+    "save_results", "add_speedups", "default_output", "committed_results", "readme_table",
+    "decode_readme_table", "update_readme",
     # the demonstrations (pitfalls.py) and the command line (cli.py)
     "honesty_demos", "main",
 ]

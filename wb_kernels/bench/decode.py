@@ -18,6 +18,9 @@ On each, every contender below is checked, then timed, in the same run:
   it makes, K and V repeated to H heads, is at most 1 GiB); a backend that refuses is a row with its reason. SDPA
   has no paged cache: it reads the contiguous one, also for a paged workload;
 - FlexAttention, compiled once per shape outside the timing, at the shapes the figure draws;
+- FlashInfer (where installed: ``pip install .[contenders]``), the attention vLLM and SGLang serve with: its batch
+  decode on the same paged pools as ``wb.decode``, with its CUDA-core kernel (``flashinfer``) and its tensor-core one
+  (``flashinfer-tc``), planned once outside the timing (:mod:`wb_kernels.bench.flashinfer`);
 - ``copy``: the ceiling (:func:`copy_prepare` says how it is counted).
 
 The metric is GB/s of K and V read once, ``2 * B * Hk * Lk * D * itemsize`` bytes over the CUDA-event median (L2
@@ -42,6 +45,7 @@ from typing import Callable, Optional
 from .measure import (TimingPolicy, _device, _flex_problem, _free_device_memory, _is_out_of_memory, _short,
                       _torch_reference, finish_results, measure_ceilings, open_results, sdpa_call, store_record,
                       time_into)
+from . import flashinfer
 from .results import _new_results, _sig, save_results
 from .sweeps import DECODE_BAR, DECODE_PAGE_SIZE, DECODE_PRESETS, DecodeWorkload, decode_record_key
 
@@ -74,6 +78,11 @@ DECODE_NOTES = {
              "which)",
     "vs_best_sdpa": "the fastest SDPA backend on the same workload (whose output passed the check): its median / "
                     "this one's (>1: faster)",
+    "vs_best_peer": "the same against the fastest peer on the same workload, any layout (SDPA's backends, "
+                    "FlexAttention, FlashInfer; outputs that passed the check): its median / this one's (>1: faster)",
+    "flashinfer": "flashinfer.BatchDecodeWithPagedKVCacheWrapper on the paged pools (its 'HND' layout: the pools "
+                  "wb.decode reads), planned once per workload outside the timing (plan builds its kernels on first "
+                  "use); flashinfer: its CUDA-core decode kernel; flashinfer-tc: use_tensor_cores=True",
     "flex": "torch.compile(flex_attention, dynamic=False, fullgraph=True) with enable_gqa=True, compiled once per "
             "shape before the check and the timing; timed at the figure's shapes only (B=1 and 8, Hk=8, fp16, "
             "D=128), as each shape costs a compilation",
@@ -324,6 +333,14 @@ def decode_contenders() -> dict:
     table["flex"] = DecodeContender("flex", "baseline", "flex_attention(q (B, H, 1, D), k, v, enable_gqa=True), "
                                     "compiled for the shape", _flex_prepare, needs_gpu=True,
                                     unavailable=_flex_problem())
+    # FlashInfer's batch decode on the same paged pools (HND layout) as wb.decode: its CUDA-core kernel, and its
+    # tensor-core one (use_tensor_cores=True, which its documentation recommends for large GQA groups)
+    for name, tensor_cores in (("flashinfer", False), ("flashinfer-tc", True)):
+        table[name] = DecodeContender(name, "baseline", "flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "
+                                      f"'HND', use_tensor_cores={tensor_cores}).run(q, (k_pages, v_pages)), planned "
+                                      "once outside the timing: the paged cache that wb.decode reads",
+                                      flashinfer.decode_prepare(tensor_cores), layouts=("paged",), needs_gpu=True,
+                                      unavailable=flashinfer.problem())
     table["copy"] = DecodeContender("copy", "ceiling", "dst.copy_(k); dst.copy_(v): the ceiling, counted as read + "
                                     "write", copy_prepare)
     return table
@@ -350,6 +367,10 @@ def refusal(contender: DecodeContender, workload: DecodeWorkload, on_cuda: bool)
         return f"{contender.name} {NEEDS_GPU}"
     if contender.kind == "stage":
         return _stage_refusal(workload)
+    if contender.name.startswith("flashinfer") and (workload.dtype not in ("float16", "bfloat16")
+                                                    or workload.D not in (64, 128, 256)):
+        return (f"flashinfer's decode kernels take float16 and bfloat16 at D 64, 128 or 256, not {workload.dtype} "
+                f"at D {workload.D}")
     if contender.name == "sdpa-math":
         math_cache = workload.kv_bytes * workload.H // workload.Hk
         if math_cache > MATH_MAX_BYTES:
@@ -511,7 +532,9 @@ def measure_one(contender: DecodeContender, workload: DecodeWorkload, layout: st
 
 def add_decode_ratios(results: dict) -> dict:
     """For every timed record: ``fraction_of_copy`` (its gbps over the copy's on the same workload) and
-    ``vs_best_sdpa`` (the fastest SDPA backend whose output passed the check: its median / this one's)."""
+    ``vs_best_sdpa`` (the fastest SDPA backend whose output passed the check: its median / this one's); for the
+    stages also ``vs_best_peer`` (the same against the fastest baseline of any kind and layout: SDPA, FlexAttention,
+    FlashInfer)."""
     groups = {}
     for r in results["records"]:
         if r.get("status") == "ok":
@@ -520,11 +543,16 @@ def add_decode_ratios(results: dict) -> dict:
         copy = next((r for r in group if r["kind"] == "ceiling"), None)
         sdpa = [r for r in group if r["contender"].startswith("sdpa") and not r.get("check_failed")]
         best = min(sdpa, key=lambda r: r["median_ms"]) if sdpa else None
+        peers = [r for r in group if r["kind"] == "baseline" and not r.get("check_failed")]
+        best_peer = min(peers, key=lambda r: r["median_ms"]) if peers else None
         for r in group:
             if copy is not None:
                 r["fraction_of_copy"] = _sig(r["gbps"] / copy["gbps"], 3)
             if best is not None and r["kind"] != "ceiling":
                 r["vs_best_sdpa"] = {"backend": best["contender"], "ratio": _sig(best["median_ms"] / r["median_ms"], 3)}
+            if best_peer is not None and r["kind"] == "stage":
+                r["vs_best_peer"] = {"peer": best_peer["contender"], "layout": best_peer["layout"],
+                                     "ratio": _sig(best_peer["median_ms"] / r["median_ms"], 3)}
     return results
 
 

@@ -25,10 +25,14 @@ FIGURE_NAMES = ("bench_latency", "bench_throughput", "bench_memory", "bench_spee
                 "bench_dashboard")
 _DTYPE_ORDER = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 _BASELINE_STYLE = {"sdpa": "-", "sdpa-flash": "--", "sdpa-efficient": "-.", "sdpa-cudnn": ":", "sdpa-math": "--",
-                   "torch-eager": ":", "flex": "-.", "flash_attn": "-", "vllm": "-."}
+                   "torch-eager": ":", "flex": "-.", "flash_attn": "-", "vllm": "-.", "flashinfer-fa2": "--",
+                   "flashinfer-fa3": "-", "flashinfer": "--", "flashinfer-tc": "-"}
 _BASELINE_COLORS = {"sdpa": STAGE_COLORS.get("sdpa", "#9467bd"), "sdpa-flash": "#8c564b", "sdpa-efficient": "#e377c2",
                     "sdpa-cudnn": "#17becf", "sdpa-math": "#c49c94", "torch-eager": STAGE_COLORS.get("torch", "#bcbd22"),
-                    "flex": "#e7ba52", "flash_attn": "#000000", "vllm": "#aec7e8"}
+                    "flex": "#e7ba52", "flash_attn": "#000000", "vllm": "#aec7e8",
+                    # FlashInfer (vLLM's and SGLang's attention): one green, two line styles for its two kernels
+                    "flashinfer-fa2": "#31a354", "flashinfer-fa3": "#31a354", "flashinfer": "#31a354",
+                    "flashinfer-tc": "#31a354"}
 
 
 def _color(name: str) -> str:

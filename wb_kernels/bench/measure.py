@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..stages import available_stages
+from . import flashinfer
 from .results import _new_results, _sig, add_speedups, environment, load_results, save_results
 from .sweeps import _ITEMSIZE, BASELINES, Config, Refused, attention_flops, minimum_bytes, record_key
 
@@ -182,6 +183,12 @@ def _baselines() -> dict:
         "flash_attn": Contender("flash_attn", "baseline", _flash_attn_prepare, dtypes=("float16", "bfloat16"),
                                 needs_gpu=True),
         "vllm": Contender("vllm", "baseline", _vllm_prepare, dtypes=("float16", "bfloat16"), needs_gpu=True),
+        # FlashInfer's batched prefill (what vLLM and SGLang serve with), its FA2 and FA3 kernels: fp16 and bf16, the
+        # head dims its prebuilt choices cover (each dtype, head dim and mask is a kernel built on first use)
+        "flashinfer-fa2": Contender("flashinfer-fa2", "baseline", flashinfer.prefill_prepare("fa2"),
+                                    dtypes=("float16", "bfloat16"), head_dims=(64, 128, 256), needs_gpu=True),
+        "flashinfer-fa3": Contender("flashinfer-fa3", "baseline", flashinfer.prefill_prepare("fa3"),
+                                    dtypes=("float16", "bfloat16"), head_dims=(64, 128, 256), needs_gpu=True),
     }
 
 
@@ -208,7 +215,8 @@ def contenders() -> dict:
     """{name: Contender}: the package's stages (ladder order), then the baselines."""
     found = {name: _stage_contender(stage) for name, stage in available_stages().items()}
     problems = {"flex": _flex_problem(), "flash_attn": _import_problem("flash_attn"),
-                "vllm": _import_problem("vllm.vllm_flash_attn")}
+                "vllm": _import_problem("vllm.vllm_flash_attn"), "flashinfer-fa2": flashinfer.problem(),
+                "flashinfer-fa3": flashinfer.fa3_problem()}
     for name, contender in _baselines().items():
         found[name] = replace(contender, unavailable=problems.get(name))
     return found

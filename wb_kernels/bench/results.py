@@ -37,7 +37,7 @@ README_START = "<!-- perf-table:start -->"
 README_END = "<!-- perf-table:end -->"
 # The baselines the README's table sets beside the stages: PyTorch's default and its FlashAttention-2 backend,
 # FlexAttention (what a PyTorch user compiles instead), and the flash-attn package itself.
-README_BASELINES = ("sdpa", "sdpa-flash", "flex", "flash_attn")
+README_BASELINES = ("sdpa", "sdpa-flash", "flex", "flash_attn", "flashinfer-fa2", "flashinfer-fa3")
 README_DECODE_START = "<!-- perf-table-decode:start -->"
 README_DECODE_END = "<!-- perf-table-decode:end -->"
 # The decode table's rows: the bar's setting (GQA with 4 query heads per KV head, fp16, D = 128) at every B and Lk.
@@ -90,7 +90,7 @@ def environment() -> dict:
                    sm_count=props.multi_processor_count, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                    cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
                    driver=_nvidia_smi("driver_version"), triton=_version("triton"), flash_attn=_version("flash-attn"),
-                   vllm=_version("vllm"))
+                   vllm=_version("vllm"), flashinfer=_version("flashinfer-python"))
     else:
         env.update(gpu=None, cuda=torch.version.cuda, driver=None)
     env["git_commit"] = git_commit()
@@ -220,21 +220,43 @@ def readme_table(results: dict, source: str | None = None) -> str:
                if any(by_key.get(record_key(c, config), {}).get("status") == "ok" for config in public)]
     public = [config for config in public
               if any(by_key.get(record_key(c, config), {}).get("status") == "ok" for c in present)]
+    top = next((name for name in reversed(present) if name not in BASELINES), None)  # the highest rung shown
     lines = [_measured_on(env, source) + ". Median of CUDA-event timings with the L2 cache "
-             "flushed, fp16, ms (TFLOP/s); a dash: not run or does not support the configuration.",
-             "", "| B | H | L | D | causal | " + " | ".join(present) + " |",
-             "|---:|---:|---:|---:|:---:|" + "---:|" * len(present)]
+             "flushed, fp16, ms (TFLOP/s); a dash: not run or does not support the configuration."
+             + (f" ×best peer: the fastest baseline's time on the row (any the file timed: SDPA's backends, "
+                f"FlexAttention, FlashInfer, ...) over {top}'s, and which it was (>1: {top} is faster)." if top else ""),
+             "", "| B | H | L | D | causal | " + " | ".join(present) + (f" | {top} ×best peer" if top else "") + " |",
+             "|---:|---:|---:|---:|:---:|" + "---:|" * (len(present) + (1 if top else 0))]
     for config in public:
         cells = []
         for name in present:
             r = by_key.get(record_key(name, config))
             cells.append(f"{r['median_ms']:.3g} ({r['tflops']:.0f}){' †' if r.get('check_failed') else ''}"
                          if r and r.get("status") == "ok" else "–")
+        if top:
+            cells.append(_best_peer_cell(results["records"], config, top))
         lines.append(f"| {config.B} | {config.H} | {config.L} | {config.D} | {'yes' if config.causal else 'no'} | "
                      + " | ".join(cells) + " |")
     if any("†" in line for line in lines):
         lines += ["", "† outside the check tolerance (2x PyTorch's error in the same precision); timed anyway."]
     return "\n".join(lines)
+
+
+def best_peer(records, config: Config, name: str) -> Optional[tuple]:
+    """(the fastest baseline on `config` whose output passed the check, its median over `name`'s) from one results
+    file's records, or None when either was not timed there."""
+    ok = [r for r in records if r.get("status") == "ok" and r["key"].split("|", 1)[1] == record_key("", config)[1:]]
+    ours = next((r for r in ok if r["contender"] == name), None)
+    peers = [r for r in ok if r.get("kind") == "baseline" and not r.get("check_failed")]
+    if ours is None or not peers:
+        return None
+    peer = min(peers, key=lambda r: r["median_ms"])
+    return peer["contender"], peer["median_ms"] / ours["median_ms"]
+
+
+def _best_peer_cell(records, config: Config, name: str) -> str:
+    found = best_peer(records, config, name)
+    return "–" if found is None else f"{found[1]:.2f} ({found[0]})"
 
 
 def _measured_on(env: dict, source: Optional[str]) -> str:
@@ -249,8 +271,18 @@ def _gbps_cell(r: Optional[dict], with_backend: bool = False) -> str:
     fraction = r.get("fraction_of_copy")
     text = f"{r['gbps']:.0f}" + (f" ({fraction:.2f})" if fraction is not None else "")
     if with_backend:
-        text += f" {r['contender'].replace('sdpa-', '').replace('sdpa', 'default')}"
+        names = {"flashinfer": "CUDA cores", "flashinfer-tc": "tensor cores"}
+        text += " " + names.get(r["contender"], r["contender"].replace("sdpa-", "").replace("sdpa", "default"))
     return text + (" †" if r.get("check_failed") else "")
+
+
+def _peer_cell(*ours) -> str:
+    """wb.decode's ×best peer (its faster layout): "ratio (peer)", or a dash."""
+    timed = [r for r in ours if r and r.get("status") == "ok" and r.get("vs_best_peer")]
+    if not timed:
+        return "–"
+    fastest = max(timed, key=lambda r: r["vs_best_peer"]["ratio"])
+    return f"{fastest['vs_best_peer']['ratio']:.2f} ({fastest['vs_best_peer']['peer']})"
 
 
 def decode_readme_table(results: dict, source: str | None = None) -> str:
@@ -274,11 +306,14 @@ def decode_readme_table(results: dict, source: str | None = None) -> str:
              "writes. wb.decode: the user's call, validation included; decode_forward: its launcher and kernels "
              "alone; paged: pages of 16 keys with a shuffled block table (SDPA and FlexAttention read the same "
              "numbers contiguous). ×SDPA: the fastest SDPA backend's time over wb.decode's (>1: wb.decode is "
-             "faster). Bold: the bar's shapes. A dash: not run or refused (the file says why); other Hk, bf16 and "
-             "D = 64 are in the file.",
+             "faster). FlashInfer, paged: the faster of FlashInfer's two decode kernels (CUDA cores, tensor cores: "
+             "flashinfer, flashinfer-tc) on the same paged cache as wb.decode, paged. ×best peer: the fastest peer's "
+             "time (SDPA's backends, FlexAttention, FlashInfer, any layout) over wb.decode's (the faster of its two "
+             "layouts), and which peer. Bold: the bar's shapes. A dash: not run or refused (the file says why); "
+             "other Hk, bf16 and D = 64 are in the file.",
              "", "| B | Lk | copy GB/s | wb.decode | decode_forward | wb.decode, paged | best SDPA | ×SDPA | "
-                 "×SDPA, paged | flex |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "×SDPA, paged | flex | FlashInfer, paged | ×best peer |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for B, Lk in shapes:
         def get(name, layout="contiguous"):
             return by.get((name, layout, B, Lk))
@@ -291,10 +326,14 @@ def decode_readme_table(results: dict, source: str | None = None) -> str:
         best = next((r["vs_best_sdpa"]["backend"] for r in records
                      if (r["B"], r["Lk"]) == (B, Lk) and r.get("vs_best_sdpa")), None)
         copy = get("copy")
+        timed = [r for r in (get("flashinfer", "paged"), get("flashinfer-tc", "paged"))
+                 if r and r.get("status") == "ok"]
+        flashinfer = max(timed, key=lambda r: r["gbps"]) if timed else None
         cells = [f"{copy['gbps']:.0f}" if copy and copy.get("status") == "ok" else "–", _gbps_cell(ours),
                  _gbps_cell(get("decode_forward")), _gbps_cell(paged),
                  _gbps_cell(get(best), with_backend=True) if best else "–", ratio(ours), ratio(paged),
-                 _gbps_cell(get("flex"))]
+                 _gbps_cell(get("flex")), _gbps_cell(flashinfer, with_backend=True) if flashinfer else "–",
+                 _peer_cell(ours, paged)]
         shape = [f"**{B}**", f"**{Lk}**"] if (B, Lk) in bar else [str(B), str(Lk)]
         lines.append("| " + " | ".join(shape + cells) + " |")
     if any("†" in line for line in lines[2:]):

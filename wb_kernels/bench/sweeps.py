@@ -83,7 +83,7 @@ def _preset_sweeps() -> dict:
     mma_configs = tuple(c for D in (64, 128)
                         for c in _tokens_configs(LADDER_LENGTHS, D, ("float16", "bfloat16"), (False, True)))
     every_baseline = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "torch-eager", "flex",
-                      "flash_attn", "vllm")
+                      "flash_attn", "vllm", "flashinfer-fa2", "flashinfer-fa3")
     return {
         "smoke": [Sweep("smoke", ("reference", "naive", "tiled", "flash", "sdpa", "sdpa-math", "torch-eager"),
                         (Config(1, 1, 32, 16, "float32", False), Config(1, 1, 33, 16, "float32", True)))],
@@ -92,7 +92,8 @@ def _preset_sweeps() -> dict:
         "tensor-cores": [Sweep("tensor-cores", ("wmma", "sdpa", "sdpa-flash", "sdpa-cudnn", "flash_attn"),
                                tensor_configs)],
         "public": [Sweep("public", ("mma", "wmma", "flash", "tiled", "naive") + every_baseline, public_configs)],
-        "mma": [Sweep("mma", ("wmma", "mma", "sdpa-flash", "sdpa-cudnn", "sdpa", "flex"),
+        "mma": [Sweep("mma", ("wmma", "mma", "sdpa-flash", "sdpa-cudnn", "sdpa", "flex", "flashinfer-fa2",
+                              "flashinfer-fa3"),
                       mma_configs + small_public)],
     }
 
@@ -105,8 +106,8 @@ PRESET_HELP = {
     "tensor-cores": "wmma vs SDPA default/FLASH/cuDNN, flash_attn: fp16/bf16, D=128, L=512..16384, "
                     "causal and not",
     "public": "every stage and baseline at the configurations other projects report (fp16)",
-    "mma": "mma vs wmma, SDPA default/FLASH/cuDNN, FlexAttention: fp16/bf16, D=64/128, L=512..16384, B*L=16k, "
-           "H=16, causal and not; and B=1 H=16 L=512 D=64 fp16",
+    "mma": "mma vs wmma, SDPA default/FLASH/cuDNN, FlexAttention, FlashInfer fa2/fa3 (where installed): fp16/bf16, "
+           "D=64/128, L=512..16384, B*L=16k, H=16, causal and not; and B=1 H=16 L=512 D=64 fp16",
     "honesty": "the honest-benchmarking demonstrations of lesson 08 (GPU only)",
     "all": "public + ladder + flash-fp32 + tensor-cores + mma + honesty (the committed GPU run)",
     "decode": "one new token per sequence against a KV cache: wb.decode and its kernel alone vs SDPA's backends "
@@ -144,6 +145,9 @@ BASELINE_HELP = {
             "causal through a block mask; needs a CUDA GPU and triton",
     "flash_attn": "flash_attn.flash_attn_func, when the flash-attn package is installed",
     "vllm": "vLLM's flash_attn_varlen_func, when vllm is installed",
+    "flashinfer-fa2": "FlashInfer's batched ragged prefill (BatchPrefillWithRaggedKVCacheWrapper), backend fa2, planned "
+                      "once outside the timing; when flashinfer is installed (pip install .[contenders]) on a GPU",
+    "flashinfer-fa3": "the same with backend fa3 (FlashAttention-3's Hopper kernels); sm_90 only",
 }
 BASELINES = tuple(BASELINE_HELP)
 

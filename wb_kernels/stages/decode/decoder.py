@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["DecoderConfig", "TINY", "LLAMA_1B", "LLAMA_1B_D128", "Decoder", "KVCache", "gather_pages",
-           "sdpa_attend", "wb_attend", "float64_attend", "time_decode", "decode_step_roofline", "draw_decode_roofline"]
+           "sdpa_attend", "wb_attend", "FlashInferAttend", "float64_attend", "time_decode", "decode_step_roofline", "draw_decode_roofline"]
 
 
 @dataclass(frozen=True)
@@ -238,6 +238,38 @@ def wb_attend(q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqle
 
     out = wb.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table, stage=stage, max_seqlen=max_seqlen)
     return out.to(q.dtype)
+
+
+class FlashInferAttend:
+    """Decode attention by FlashInfer's paged decode (``wb_kernels.bench.flashinfer.PagedDecode``), the attention the
+    vLLM and SGLang serving engines run: the third attention of lesson 07's tokens per second, next to SDPA and this
+    series' kernel. Needs flashinfer on a CUDA GPU (``pip install .[contenders]``) and a paged cache.
+
+    As a serving engine does, it plans once per decode step (when the lengths change) and reuses the plan in every
+    layer. The lengths it plans with are the host's: every sequence at `max_seqlen` when the decoder says they are
+    equal, otherwise read from the GPU once per step (a synchronisation an engine avoids by keeping them on the host).
+    """
+
+    def __init__(self, *, use_tensor_cores: bool = False):
+        self.use_tensor_cores = use_tensor_cores
+        self._decode = None
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqlen=None, equal_lengths=False):
+        from ...bench import flashinfer
+
+        if block_table is None:
+            raise ValueError("FlashInferAttend reads a paged cache (its batch decode takes pages and a block table); "
+                             "this cache is contiguous")
+        why = flashinfer.problem()
+        if why is not None:
+            raise RuntimeError(why)
+        if self._decode is None:
+            self._decode = flashinfer.PagedDecode(q.device, use_tensor_cores=self.use_tensor_cores)
+        batch, n_heads, head_dim = q.shape
+        lengths = [int(max_seqlen)] * batch if equal_lengths and max_seqlen is not None else cache_seqlens.tolist()
+        self._decode.plan(block_table, lengths, num_heads=n_heads, kv_heads=k_cache.shape[1], head_dim=head_dim,
+                          page_size=k_cache.shape[2], dtype=q.dtype)
+        return self._decode.run(q.contiguous(), k_cache, v_cache)
 
 
 def float64_attend(q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqlen=None, equal_lengths=False):

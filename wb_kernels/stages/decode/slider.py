@@ -407,22 +407,25 @@ def decoder_table(results: dict) -> str:
              f"{ceilings.get('copy_gbps')} GB/s"
              + ("" if results.get("complete") else "; the run did not finish"),
              "",
-             f"{'config':<14} {'batch':>5} {'context':>7}  {'layout':<10} {'attend':<6} {'tokens/s':>9} "
-             f"{'ms/step':>8} {'attention':>9} {'vs SDPA':>8} {'roofline':>8}"]
+             f"{'config':<14} {'batch':>5} {'context':>7}  {'layout':<10} {'attend':<10} {'tokens/s':>9} "
+             f"{'ms/step':>8} {'attention':>9} {'vs SDPA':>8} {'vs FI':>7} {'roofline':>8}"]
     for r in results.get("records", []):
-        head = (f"{r['config']:<14} {r['batch']:>5} {r['context']:>7}  {r['layout']:<10} {r['attend']:<6} ")
+        head = (f"{r['config']:<14} {r['batch']:>5} {r['context']:>7}  {r['layout']:<10} {r['attend']:<10} ")
         if r.get("status") != "ok":
             lines.append(head + f"{r.get('status')}: {r.get('reason', '')}")
             continue
         lines.append(head + f"{r['tokens_per_s']:>9.4g} {r['ms_per_step']:>8.3g} "
                      f"{100 * r['attention_share']:>8.0f}% {_cell(r.get('vs_sdpa'), '{:.3g}x'):>8} "
+                     f"{_cell(r.get('vs_flashinfer'), '{:.3g}x'):>7} "
                      f"{_cell(r.get('fraction_of_roofline'), '{:.0%}'):>8}")
-    lines.append("(attention: its share of the step; vs SDPA: tokens/s over SDPA's on the same cache layout; "
-                 "roofline: the step's roofline time over the measured one)")
+    lines.append("(attention: its share of the step; vs SDPA: tokens/s over SDPA's on the same cache layout; vs FI: "
+                 "wb's tokens/s over FlashInfer's on the same paged cache; roofline: the step's roofline time over the "
+                 "measured one)")
     for g in results.get("greedy", []):
         head = (f"greedy, {g['config']}: {g['batch']} prompts of {g['prompt_len']} tokens, {g['new_tokens']} new "
                 f"tokens each, {g['other']} against {g['reference']}: ")
-        lines.append(head + (g.get("note", "") if g.get("status") == "ok" else f"failed: {g.get('reason', '')}"))
+        lines.append(head + (g.get("note", "") if g.get("status") == "ok"
+                             else f"{g.get('status')}: {g.get('reason', '')}"))
     return "\n".join(lines)
 
 

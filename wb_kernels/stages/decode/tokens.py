@@ -1,5 +1,5 @@
-"""Tokens per second of lesson 07's LLaMA-shaped decoder, with its attention by SDPA and by ``wb.decode``
-(lesson 07_decode reads the committed file).
+"""Tokens per second of lesson 07's LLaMA-shaped decoder, with its attention by SDPA, by ``wb.decode`` and by
+FlashInfer's paged decode where it is installed (lesson 07_decode reads the committed file).
 
     python -m wb_kernels.stages.decode.tokens          # on a GPU: results/decode/decoder_<gpu>.json (h100, h200, ...)
     python -m wb_kernels.stages.decode.tokens --json results/decode/decoder_h100.json --configs llama_1b
@@ -7,15 +7,16 @@
 
 On a GPU, by default: ``LLAMA_1B`` and ``LLAMA_1B_D128`` in float16, batch 1 and 16, prompts (the context) of 1024
 and 8192 tokens. Each combination is timed by :func:`~.decoder.time_decode` (64 greedy decode steps after 3
-untimed ones, CUDA events) four times: attention by ``sdpa_attend`` and by ``wb_attend``, each on a contiguous
-cache and on a paged one (pages of 16 keys, shuffled). A row records tokens/s, ms per step, the attention's ms per
+untimed ones, CUDA events) five times: attention by ``sdpa_attend`` and by ``wb_attend``, each on a contiguous
+cache and on a paged one (pages of 16 keys, shuffled), and by ``FlashInferAttend`` on the paged one (where
+flashinfer is installed; elsewhere the row says why it is missing). A row records tokens/s, ms per step, the attention's ms per
 step and its share of the step; wb's tokens/s over SDPA's on the same cache layout (and, for the paged cache, over
 SDPA's on the contiguous one); and the step's roofline (:func:`~.decoder.decode_step_roofline`) at the copy
 bandwidth and fp16 matmul peak measured in the same run (:func:`wb_kernels.bench.measure_ceilings`, the decode
 benchmark's ceilings), with the fraction of it the step reached.
 
 Then a greedy check per model: the same random prompts generate tokens with SDPA (contiguous cache) and with
-``wb_attend`` (contiguous, then paged), the two runs in lockstep (:func:`compare_greedy`). The file says whether the
+``wb_attend`` (contiguous, then paged), then FlashInfer (paged), each pair of runs in lockstep (:func:`compare_greedy`). The file says whether the
 tokens are identical, how far the two runs' logits differed while their contexts were the same (and whether that
 is within rounding), and, if the tokens differ, the first step where they do, SDPA's margin between its top two
 logits there and the logit difference there. The weights are random, so near ties between the two largest logits
@@ -43,8 +44,10 @@ __all__ = ["CONFIGS", "Settings", "GPU_SETTINGS", "SMOKE_SETTINGS", "ATTENDS", "
            "run_tokens", "default_output", "main"]
 
 CONFIGS = {"tiny": dec.TINY, "llama_1b": dec.LLAMA_1B, "llama_1b_d128": dec.LLAMA_1B_D128}
-ATTENDS = {"sdpa": dec.sdpa_attend, "wb": dec.wb_attend}
+ATTENDS = {"sdpa": dec.sdpa_attend, "wb": dec.wb_attend, "flashinfer": dec.FlashInferAttend()}
 LAYOUTS = ("contiguous", "paged")
+# FlashInfer's batch decode reads a paged cache only: it runs on that layout, beside SDPA and wb on both
+ATTEND_LAYOUTS = {"flashinfer": ("paged",)}
 KIND = "decoder_tokens"  # the results file's "kind": not a decode-kernel benchmark (those are "decode")
 
 # Upper bounds of the settings: with them no single row can run for long, whatever the command line says.
@@ -87,11 +90,15 @@ NOTES = {
                "scaled_dot_product_attention with its FLASH, EFFICIENT and MATH backends: cuDNN's re-plans for every new key "
                "length, that is on every decode step, about 60 ms per call on an H100, see tune_*.json's "
                "sdpa_growing_cache); wb: decoder.wb_attend, wb.decode (on a GPU in float16/bfloat16, the "
-               "CUDA C++ kernel of flash_decode.cu), with the host's longest length as max_seqlen",
+               "CUDA C++ kernel of flash_decode.cu), with the host's longest length as max_seqlen; flashinfer: "
+               "decoder.FlashInferAttend, FlashInfer's BatchDecodeWithPagedKVCacheWrapper (the attention vLLM and "
+               "SGLang serve with) on the paged cache only, planned once per step and reused by every layer, as "
+               "serving engines do; where flashinfer is not installed its rows say so",
     "layouts": "contiguous: (B, Hk, capacity, D) per layer; paged: pools of page_size keys, the pages of the "
                "sequences handed out in a shuffled order",
     "vs_sdpa": "this row's tokens_per_s over SDPA's on the same model, batch, context and layout (>1: faster); "
-               "vs_sdpa_contiguous: over SDPA's on the contiguous cache",
+               "vs_sdpa_contiguous: over SDPA's on the contiguous cache; vs_flashinfer (wb's paged rows): over "
+               "FlashInfer's on the same paged cache",
     "roofline": "decode_step_roofline at the mean context of the timed steps (context + (steps + 1) / 2): every "
                 "weight and the whole KV cache read once per step at the copy bandwidth of this run's ceilings, or "
                 "the matmul FLOPs at its fp16 peak when that is longer; fraction_of_roofline = its step time over "
@@ -147,7 +154,7 @@ def _plan(settings: Settings) -> list:
             for name in settings.configs
             for batch, context in sorted(((b, c) for b in settings.batches for c in settings.contexts),
                                          key=lambda bc: (bc[0] * bc[1], bc))
-            for layout in LAYOUTS for attend in ATTENDS]
+            for layout in LAYOUTS for attend in ATTENDS if layout in ATTEND_LAYOUTS.get(attend, LAYOUTS)]
 
 
 def estimate_seconds(settings: Settings) -> float:
@@ -339,13 +346,22 @@ def _ceilings(settings: Settings) -> dict:
             "note": "a host memory copy (a smoke run on the CPU): the rooflines' fractions mean nothing here"}
 
 
+def _attend_problem(attend_name: str) -> str | None:
+    """Why an attention cannot run here (FlashInfer not installed, no GPU), or None."""
+    if attend_name != "flashinfer":
+        return None
+    from ...bench.flashinfer import problem
+
+    return problem()
+
+
 def _row(config_name, settings, model, batch, context, layout, attend_name, ceilings) -> dict:
     config = CONFIGS[config_name]
     row = {"key": f"{config_name}|{settings.dtype}|B{batch}|L{context}|{layout}|{attend_name}", "kind": "decoder",
            "config": config_name, "dtype": settings.dtype, "batch": batch, "context": context, "layout": layout,
            "page_size": settings.page_size if layout == "paged" else None, "attend": attend_name,
            "steps": settings.steps, "warmup": settings.warmup}
-    why = _fits(config, settings, batch, context, layout == "paged")
+    why = _fits(config, settings, batch, context, layout == "paged") or _attend_problem(attend_name)
     if why is not None:
         return {**row, "status": "skipped", "reason": why}
     try:
@@ -376,7 +392,8 @@ def _row(config_name, settings, model, batch, context, layout, attend_name, ceil
 
 def add_ratios(results: dict) -> dict:
     """Each timed row's tokens/s over SDPA's on the same model, batch, context and layout (``vs_sdpa``), and over
-    SDPA's on the contiguous cache (``vs_sdpa_contiguous``)."""
+    SDPA's on the contiguous cache (``vs_sdpa_contiguous``); wb's paged rows also over FlashInfer's (``vs_flashinfer``,
+    both reading the same paged cache)."""
     ok = {r["key"]: r for r in results["records"] if r.get("status") == "ok"}
     for r in ok.values():
         base = f"{r['config']}|{r['dtype']}|B{r['batch']}|L{r['context']}"
@@ -386,23 +403,35 @@ def add_ratios(results: dict) -> dict:
             sdpa = ok.get(f"{base}|{layout}|sdpa")
             if sdpa is not None:
                 r[field] = _round(r["tokens_per_s"] / sdpa["tokens_per_s"], 3)
+        flashinfer = ok.get(f"{base}|paged|flashinfer")
+        if r["attend"] == "wb" and r["layout"] == "paged" and flashinfer is not None:
+            r["vs_flashinfer"] = _round(r["tokens_per_s"] / flashinfer["tokens_per_s"], 3)
     return results
 
 
+# The greedy check's attentions against SDPA on the contiguous cache: wb on both layouts, FlashInfer on the paged one
+GREEDY_OTHERS = (("wb", "contiguous"), ("wb", "paged"), ("flashinfer", "paged"))
+
+
 def _greedy(config_name, settings, model) -> list:
-    """The greedy check of one model: wb_attend on each layout against SDPA on the contiguous cache."""
+    """The greedy check of one model: each of :data:`GREEDY_OTHERS` against SDPA on the contiguous cache."""
     generator = torch.Generator().manual_seed(settings.seed + 1)
     prompt = torch.randint(0, CONFIGS[config_name].vocab_size, (settings.greedy_batch, settings.greedy_prompt),
                            generator=generator).to(model.device)
     records = []
-    for layout in LAYOUTS:
+    for attend_name, layout in GREEDY_OTHERS:
         record = {"config": config_name, "dtype": settings.dtype, "batch": settings.greedy_batch,
                   "prompt_len": settings.greedy_prompt, "new_tokens": settings.greedy_tokens,
-                  "reference": "sdpa, contiguous", "other": f"wb, {layout}",
+                  "reference": "sdpa, contiguous", "other": f"{attend_name}, {layout}",
                   "page_size": settings.page_size if layout == "paged" else None}
+        why = _attend_problem(attend_name)
+        if why is not None:
+            record.update(status="skipped", reason=why)
+            records.append(record)
+            continue
         try:
             record.update(status="ok", **compare_greedy(model, prompt, settings.greedy_tokens, dec.sdpa_attend,
-                                                        dec.wb_attend, other_paged=layout == "paged",
+                                                        ATTENDS[attend_name], other_paged=layout == "paged",
                                                         page_size=settings.page_size))
             record["note"] = _greedy_note(record)
         except Exception as error:  # noqa: BLE001 - recorded, the run goes on
