@@ -346,12 +346,14 @@ def _ceilings(settings: Settings) -> dict:
             "note": "a host memory copy (a smoke run on the CPU): the rooflines' fractions mean nothing here"}
 
 
-def _attend_problem(attend_name: str) -> str | None:
-    """Why an attention cannot run here (FlashInfer not installed, no GPU), or None."""
+def _attend_problem(attend_name: str, settings: Settings) -> str | None:
+    """Why an attention cannot run in this run (FlashInfer: not installed, or the run is not on a CUDA GPU), or None."""
     if attend_name != "flashinfer":
         return None
     from ...bench.flashinfer import problem
 
+    if settings.device != "cuda":
+        return f"flashinfer runs on a CUDA GPU; this run is on the {settings.device}"
     return problem()
 
 
@@ -361,7 +363,7 @@ def _row(config_name, settings, model, batch, context, layout, attend_name, ceil
            "config": config_name, "dtype": settings.dtype, "batch": batch, "context": context, "layout": layout,
            "page_size": settings.page_size if layout == "paged" else None, "attend": attend_name,
            "steps": settings.steps, "warmup": settings.warmup}
-    why = _fits(config, settings, batch, context, layout == "paged") or _attend_problem(attend_name)
+    why = _fits(config, settings, batch, context, layout == "paged") or _attend_problem(attend_name, settings)
     if why is not None:
         return {**row, "status": "skipped", "reason": why}
     try:
@@ -424,7 +426,7 @@ def _greedy(config_name, settings, model) -> list:
                   "prompt_len": settings.greedy_prompt, "new_tokens": settings.greedy_tokens,
                   "reference": "sdpa, contiguous", "other": f"{attend_name}, {layout}",
                   "page_size": settings.page_size if layout == "paged" else None}
-        why = _attend_problem(attend_name)
+        why = _attend_problem(attend_name, settings)
         if why is not None:
             record.update(status="skipped", reason=why)
             records.append(record)
