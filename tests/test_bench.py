@@ -343,6 +343,8 @@ def test_readme_table_shows_the_mma_rung_and_flex_when_the_file_has_them():
     results = _public_results(timed, shapes)
     results["records"].append({"key": "sdpa-cudnn|float16|B1|H16|L512|D64|full", "contender": "sdpa-cudnn",
                                "status": "ok", "kind": "baseline", "median_ms": 1.0, "tflops": 1.0})
+    bench.add_speedups(results)  # as the benchmark derives them after every record it stores
+
     def contender_columns(table):
         header = [line for line in table.splitlines() if line.startswith("| B |")][0]
         return [c for c in header.strip("| ").split(" | ")[5:] if not c.endswith("×best peer")]

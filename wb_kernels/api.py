@@ -27,10 +27,10 @@ from .stages import available_stages, get_stage
 __all__ = ["attention", "validate", "validate_inputs", "require_array", "Inputs", "propagate_non_finite",
            "SIMULATOR_MAX_SECONDS"]
 
-# Sizes the simulator would need longer than this for are refused (override: WB_SIM_MAX_SECONDS).
 # CUDA inputs' signatures that passed validate, and its Stage: a signature checked once is not checked again (the
 # checks cost more than a small kernel's launch; see device.ValidatedCalls)
 _VALIDATED = ValidatedCalls()
+# Sizes the simulator would need longer than this for are refused (override: WB_SIM_MAX_SECONDS).
 SIMULATOR_MAX_SECONDS = float(os.environ.get("WB_SIM_MAX_SECONDS", "120"))
 
 

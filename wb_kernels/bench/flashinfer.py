@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-__all__ = ["problem", "fa3_problem", "version", "WORKSPACE_BYTES", "prefill_prepare", "decode_prepare", "PagedDecode"]
+__all__ = ["problem", "fa3_problem", "WORKSPACE_BYTES", "prefill_prepare", "decode_prepare", "PagedDecode"]
 
 WORKSPACE_BYTES = 128 * 2**20  # the size FlashInfer's documentation recommends for a wrapper's workspace
 
@@ -58,15 +58,6 @@ def fa3_problem() -> Optional[str]:
     if major != 9:
         return f"flashinfer's fa3 backend runs on Hopper (sm_90); this GPU is sm_{major}{minor}"
     return None
-
-
-def version() -> Optional[str]:
-    """FlashInfer's version where it is importable (recorded with every results file), else None."""
-    if problem() is not None:
-        return None
-    import flashinfer
-
-    return getattr(flashinfer, "__version__", "unknown")
 
 
 _WORKSPACES: dict = {}
@@ -137,9 +128,9 @@ class PagedDecode:
         """Plan for sequences of `lengths` keys (host ints) whose pages are the rows of `block_table`."""
         import torch
 
-        key = (tuple(lengths), block_table.data_ptr(), tuple(block_table.shape), num_heads, kv_heads, head_dim,
-               page_size, dtype)
-        if key == self.planned:
+        # the table itself, not its address: holding it keeps its memory from being reused by another table
+        key = (block_table, tuple(lengths), num_heads, kv_heads, head_dim, page_size, dtype)
+        if self.planned is not None and key[0] is self.planned[0] and key[1:] == self.planned[1:]:
             return
         pages = [-(-n // page_size) for n in lengths]
         device = block_table.device

@@ -234,7 +234,7 @@ def readme_table(results: dict, source: str | None = None) -> str:
             cells.append(f"{r['median_ms']:.3g} ({r['tflops']:.0f}){' †' if r.get('check_failed') else ''}"
                          if r and r.get("status") == "ok" else "–")
         if top:
-            cells.append(_best_peer_cell(results["records"], config, top))
+            cells.append(_best_peer_cell(by_key, config, top))
         lines.append(f"| {config.B} | {config.H} | {config.L} | {config.D} | {'yes' if config.causal else 'no'} | "
                      + " | ".join(cells) + " |")
     if any("†" in line for line in lines):
@@ -242,20 +242,23 @@ def readme_table(results: dict, source: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def best_peer(records, config: Config, name: str) -> Optional[tuple]:
-    """(the fastest baseline on `config` whose output passed the check, its median over `name`'s) from one results
-    file's records, or None when either was not timed there."""
-    ok = [r for r in records if r.get("status") == "ok" and r["key"].split("|", 1)[1] == record_key("", config)[1:]]
-    ours = next((r for r in ok if r["contender"] == name), None)
-    peers = [r for r in ok if r.get("kind") == "baseline" and not r.get("check_failed")]
-    if ours is None or not peers:
+def best_peer(by_key: dict, config: Config, name: str) -> Optional[tuple]:
+    """(the fastest baseline on `config` whose output passed the check, its median over `name`'s), from `name`'s
+    record's ``speedup_vs`` (:func:`add_speedups`); None when `name` or no such baseline was timed there."""
+    ours = by_key.get(record_key(name, config))
+    if not ours or ours.get("status") != "ok":
         return None
-    peer = min(peers, key=lambda r: r["median_ms"])
-    return peer["contender"], peer["median_ms"] / ours["median_ms"]
+    ratios = {peer: ratio for peer, ratio in (ours.get("speedup_vs") or {}).items()
+              if (by_key.get(record_key(peer, config)) or {}).get("kind") == "baseline"
+              and not by_key[record_key(peer, config)].get("check_failed")}
+    if not ratios:
+        return None
+    peer = min(ratios, key=ratios.get)
+    return peer, ratios[peer]
 
 
-def _best_peer_cell(records, config: Config, name: str) -> str:
-    found = best_peer(records, config, name)
+def _best_peer_cell(by_key: dict, config: Config, name: str) -> str:
+    found = best_peer(by_key, config, name)
     return "–" if found is None else f"{found[1]:.2f} ({found[0]})"
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from ...backend import BACKEND
 from ...device import empty, is_torch, kernel_view, to_work
+from . import build
 from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, NEG_HALF, config_for, get_partial_kernel,
                      merge_kernel)
 from .splitkv import choose_num_splits, split_bounds
@@ -159,31 +160,20 @@ def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
     """``(keys_per_split, num_splits)`` the CUDA kernel runs for `num_splits` asked: each split a whole number of
     the kernel's trips round its loop (``build.KEYS_PER_STEP``), and as many splits as that takes to cover
     `max_len` keys (rounding up may leave fewer than asked)."""
-    from . import build
-
     step = build.KEYS_PER_STEP
     keys_per_split = max(step, -(-max(1, -(-max_len // num_splits)) // step) * step)
     return keys_per_split, (max(1, -(-max_len // keys_per_split)) if max_len else 1)
 
 
-_PLANS: dict = {}  # (device, B, H, Hk, max_len, num_splits asked, D) -> (keys_per_split, num_splits, scale)
-_EXTENSION = None
-
-
+@functools.lru_cache(maxsize=4096)
 def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, num_splits, D: int) -> tuple:
     """What the CUDA kernel runs for a problem: ``(keys_per_split, num_splits, default scale)``. Worked out once per
     problem shape and remembered: a decoder asks the same question for every layer of every step."""
-    key = (device_index, B, H, Hk, max_len, num_splits, D)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if num_splits is None:
-            group = H // Hk
-            rows = 1 if group == 1 else 2 if group == 2 else 4  # query heads per block, as flash_decode.cu's launch_rows
-            num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=-(-group // rows))
-        if len(_PLANS) > 4096:  # a long run over many lengths: start again rather than grow without bound
-            _PLANS.clear()
-        plan = _PLANS[key] = (*cuda_split_plan(max_len, num_splits), float(D) ** -0.5)
-    return plan
+    if num_splits is None:
+        group = H // Hk
+        rows = 1 if group == 1 else 2 if group == 2 else 4  # query heads per block, as flash_decode.cu's launch_rows
+        num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=-(-group // rows))
+    return (*cuda_split_plan(max_len, num_splits), float(D) ** -0.5)
 
 
 def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, num_splits=None,
@@ -193,11 +183,6 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     Kept short, as it runs once per layer and token: the plan comes from :func:`_cuda_launch_plan`'s memory, and the
     extension makes the inputs contiguous, int32 and on q's device itself (where that costs next to nothing).
     """
-    global _EXTENSION
-    if _EXTENSION is None:
-        from . import build
-
-        _EXTENSION = build.extension()
     B, H, D = q.shape
     device_index = q.get_device()
     table = block_table if block_table is not None else _identity_table(B, device_index)
@@ -209,8 +194,8 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
         cache_seqlens = _torch_from_host(cache_seqlens)
     if not is_torch(table):
         table = _torch_from_host(table)
-    return _EXTENSION.flash_decode_forward(q, k_cache, v_cache, table, cache_seqlens, keys_per_split, num_splits,
-                                           default_scale if scale is None else float(scale))
+    return build.extension().flash_decode_forward(q, k_cache, v_cache, table, cache_seqlens, keys_per_split,
+                                                  num_splits, default_scale if scale is None else float(scale))
 
 
 def _torch_from_host(x):
