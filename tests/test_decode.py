@@ -61,10 +61,32 @@ def test_choose_num_splits_fills_the_gpu_but_not_with_tiny_splits():
     assert splitkv.choose_num_splits(1, 8, 1024, 132) == 1024 // splitkv.MIN_KEYS_PER_SPLIT
     assert splitkv.choose_num_splits(64, 32, 8192, 132) == 1  # 2048 blocks already fill the GPU
     assert splitkv.choose_num_splits(1, 1, 10, 132) == 1
-    # MQA, 32 query heads in chunks of 4: 8 blocks per sequence already, so fewer splits
-    assert splitkv.choose_num_splits(8, 1, 32768, 132, row_chunks=8) == math.ceil(264 / 64)
+    # MQA, 32 query heads in chunks of 4: 8 blocks per sequence already, so fewer splits: 4 x 64 blocks, one wave
+    assert splitkv.choose_num_splits(8, 1, 32768, 132, row_chunks=8) == 4
     with pytest.raises(ValueError, match="batch"):
         splitkv.choose_num_splits(0, 8, 100, 132)
+
+
+def test_choose_num_splits_counts_whole_waves():
+    # B8 Hk8: 64 blocks unsplit, a wave of 264 on 132 SMs at 2 blocks each. 5 splits (320 blocks) would fill the
+    # GPU and leave 56 blocks for a second wave that runs alone: 4 splits (256 blocks) finish sooner
+    assert splitkv.choose_num_splits(8, 8, 8192, 132) == 4
+    # the same grid at 3 blocks per SM: 6 splits (384 blocks) fit one wave of 396
+    assert splitkv.choose_num_splits(8, 8, 8192, 132, blocks_per_sm=3) == 6
+    # each split rounded up to whole steps of the kernel's loop: 33 splits of 993 keys become 32 of 1024
+    assert splitkv.choose_num_splits(1, 8, 32768, 132, keys_step=64) == 32
+    # the cost the rule minimises, whole waves x (keys per split + a block's fixed cost), at every count it may pick
+    for B, Hk, Lk in ((1, 8, 32768), (8, 8, 8192), (3, 5, 7000), (64, 8, 4096), (2, 32, 1500)):
+        blocks, wave = B * Hk, 132 * 2
+        chosen = splitkv.choose_num_splits(B, Hk, Lk, 132)
+
+        def cost(splits):
+            keys = math.ceil(Lk / splits)
+            return math.ceil(blocks * math.ceil(Lk / keys) / wave) * (keys + 64)
+
+        allowed = range(1, max(1, min(64, Lk // splitkv.MIN_KEYS_PER_SPLIT)) + 1)
+        assert cost(chosen) == min(cost(s) for s in allowed), (B, Hk, Lk, chosen)
+        assert all(cost(s) > cost(chosen) for s in allowed if s < chosen)  # ties go to fewer splits
 
 
 # ---------------------------------------------------------------- the kernels, through wb.decode

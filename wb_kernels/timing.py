@@ -12,6 +12,7 @@ which NumPy reports its buffers to.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import tracemalloc
@@ -71,24 +72,72 @@ class Timing:
                 f"n={len(self.samples_ms)}, {self.device})")
 
 
-class _L2Flusher:
-    """Overwrites a buffer twice the size of the L2 cache, evicting whatever the last call left."""
+FLUSH_MODES = ("read", "write")
 
-    def __init__(self):
+
+class _L2Flusher:
+    """Streams a buffer twice the size of the L2 cache through it, evicting whatever the last call left.
+
+    mode "write" zeroes it, as most harnesses do (Triton's do_bench, NVBench's cold measurements): the cache is then
+    left full of dirty lines, and the timed call pays for writing them back to memory as it evicts them, up to the
+    L2's size in extra traffic (on an H100, 50 MB: about 15 us at its copy bandwidth, which a decode step of 50 us
+    feels and a prefill of milliseconds does not). mode "read" sums the buffer instead: the cache is left holding
+    clean lines, which the timed call evicts for free, so a call that only reads (a decode step) is charged for its
+    own traffic alone. Neither is what a model's layer sees (the previous layer leaves a little dirty data, not 50 MB):
+    the decode benchmark times with "read" and its tuning run records "write" beside it.
+    """
+
+    def __init__(self, mode: str = "write"):
         import torch
 
+        if mode not in FLUSH_MODES:
+            raise ValueError(f"flush mode {mode!r}: use one of {FLUSH_MODES}")
         l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
-        self.buffer = torch.empty(2 * l2_bytes // 4, dtype=torch.int32, device="cuda")
+        self.buffer = torch.zeros(2 * l2_bytes // 4, dtype=torch.int32, device="cuda")
+        self.mode = mode
 
     def __call__(self):
-        self.buffer.zero_()
+        if self.mode == "read":
+            self.buffer.sum()
+        else:
+            self.buffer.zero_()
+
+
+@functools.lru_cache(maxsize=None)
+def _sleep_cycles_per_us(device_index: int) -> float:
+    """GPU clock cycles per microsecond of ``torch.cuda._sleep``, measured once with CUDA events."""
+    import torch
+
+    cycles = 2_000_000
+    torch.cuda._sleep(cycles // 10)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) * 1e3)
+
+
+def hold_device(microseconds: float) -> None:
+    """Keep the current GPU busy for about `microseconds` with a sleeping kernel, so that the host can queue what
+    follows (an L2 flush, the events, a call's launches) before the GPU reaches it: the events then time the device's
+    work, not the host's launch latency (NVBench holds its launches behind a blocking kernel for the same reason)."""
+    import torch
+
+    if microseconds > 0:
+        torch.cuda._sleep(int(microseconds * _sleep_cycles_per_us(torch.cuda.current_device())))
 
 
 def time_call(fn, *args, warmup: int = 3, repeats: int = 20, flush_l2: bool = False, device: str = "auto",
-              **kwargs) -> Timing:
+              flush_mode: str = "write", hold_us: float = 0.0, **kwargs) -> Timing:
     """Time ``fn(*args, **kwargs)``: `warmup` untimed calls, then `repeats` timed ones.
 
     `device`: "cuda" (CUDA events), "cpu" (a host clock), or "auto": cuda when kernels run on a GPU.
+    On a GPU: `flush_l2` evicts the L2 cache before each timed call, by reading (`flush_mode` "read": a clean cache)
+    or overwriting ("write": a dirty one, see :class:`_L2Flusher`); `hold_us` > 0 first queues a sleeping kernel of
+    that length (:func:`hold_device`), so that the events time what the GPU does for the call, without the host's
+    time to launch it. Without it, a call whose host work outlasts the flush (a Python wrapper, several launches) is
+    charged for the GPU's wait; the host's per-call cost is then for a wall-clock measurement of back-to-back calls.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
@@ -100,9 +149,10 @@ def time_call(fn, *args, warmup: int = 3, repeats: int = 20, flush_l2: bool = Fa
     if device == "cuda" or (device == "auto" and on_gpu()):
         import torch
 
-        flush = _L2Flusher() if flush_l2 else None
+        flush = _L2Flusher(flush_mode) if flush_l2 else None
         torch.cuda.synchronize()
         for _ in range(repeats):
+            hold_device(hold_us)
             if flush is not None:
                 flush()
             start = torch.cuda.Event(enable_timing=True)

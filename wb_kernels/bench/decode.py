@@ -52,7 +52,7 @@ from .sweeps import DECODE_BAR, DECODE_PAGE_SIZE, DECODE_PRESETS, DecodeWorkload
 __all__ = ["DecodeContender", "DecodeInputs", "decode_contenders", "make_inputs", "add_pages", "paged_copy",
            "check_slice_indices", "memory_refusal", "plan_decode", "estimate_seconds", "per_call_seconds",
            "measure_overhead", "add_decode_ratios", "run_decode", "default_decode_output", "DECODE_NOTES",
-           "OVERHEAD_BAR", "NEEDS_GPU", "gpu_short_name"]
+           "OVERHEAD_BAR", "NEEDS_GPU", "gpu_short_name", "DECODE_TIMING"]
 
 NEEDS_GPU = "needs a CUDA GPU; this machine runs the CUDA simulator"
 MATH_MAX_BYTES = 2**30  # MATH's cache (K and V repeated to H heads) up to which it is timed
@@ -60,10 +60,23 @@ CHECK_ALL_HEADS = 2**24  # elements of K in the check's slice up to which every 
 CHECK_MAX = 2**26  # beyond this, the slice is one sequence
 MEMORY_SLACK = 2 * 2**30  # the check's float64 slice, the workspaces, the allocator's rounding
 OVERHEAD_BAR = 2.0  # the bar: per-call wall time at most twice SDPA's
+# How the decode presets time a call (bench.measure.TimingPolicy's fields). A decode step takes tens of microseconds,
+# as long as the host's work to launch it or the write-back of a dirty cache, so both are kept out of the timed window:
+# - the L2 flushed by reading a buffer twice its size, which leaves it clean ("write" zeroes one and leaves 50 MB of
+#   dirty lines, whose write-back the next call pays: on an H100 about 10 us more for SDPA at B1 H32 Hk8 Lk32768,
+#   0.055 -> 0.063 ms, and for every contender alike);
+# - a sleeping kernel of 300 us queued first, so that the flush, the events and the call's launches are all queued
+#   before the GPU reaches them: the events time the device's work. What the host costs per call is measured on its
+#   own, wall clock, back to back (the overhead rows).
+DECODE_TIMING = {"flush_mode": "read", "hold_us": 300.0}
 
 DECODE_NOTES = {
-    "metric": "gbps = K and V bytes read once, 2*B*Hk*Lk*D*itemsize, / the CUDA-event median (L2 flushed before "
-              "every repeat); q and the output are under 0.1% of it",
+    "metric": "gbps = K and V bytes read once, 2*B*Hk*Lk*D*itemsize, / the CUDA-event median; q and the output are "
+              "under 0.1% of it",
+    "timing": "device time: before every repeat a 300 us sleeping kernel is queued (so that the host's launches are "
+              "queued before the GPU reaches them and the events time the GPU's work, not the host's), then the L2 "
+              "is flushed by reading a buffer twice its size (a clean cache; zeroing one would leave 50 MB of dirty "
+              "lines for the timed call to write back). The host's cost per call: the overhead rows",
     "ceiling": "copy: dst.copy_(k); dst.copy_(v) on the same cache, its gbps counting what it reads and what it "
                "writes (2 * the K and V bytes / its median): the rate the device's memory sustains. "
                "fraction_of_copy = a contender's gbps / the copy's gbps on the same workload; a stream of reads "
@@ -717,7 +730,7 @@ def run_decode(workloads, out_path, *, presets=("decode",), policy: Optional[Tim
     from ..widgets import progress as show_progress
 
     started = time.monotonic()
-    policy = policy or TimingPolicy()
+    policy = policy or TimingPolicy(**DECODE_TIMING)
     table = table if table is not None else decode_contenders()
     on_cuda = _device() == "cuda"
     device = "cuda" if on_cuda else "cpu"

@@ -311,6 +311,8 @@ class TimingPolicy:
     max_repeats: int = 100
     warmup: int = 2
     flush_l2: bool = True
+    flush_mode: str = "write"  # how the L2 is flushed: "write" (zeroes, leaves it dirty) or "read" (clean); timing.py
+    hold_us: float = 0.0  # > 0: a sleeping kernel first, so that the events time the device's work (timing.hold_device)
     slow_call_ms: float = 1000.0  # calls slower than this get 2 repeats and no extra warm-up
     time_failed_checks: bool = False  # True: a stage that fails its check is timed too, and flagged
 
@@ -343,14 +345,15 @@ def timed(call, policy: TimingPolicy):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        estimate = time_call(call, warmup=0, repeats=1, flush_l2=policy.flush_l2).median_ms
+        how = dict(flush_l2=policy.flush_l2, flush_mode=policy.flush_mode, hold_us=policy.hold_us)
+        estimate = time_call(call, warmup=0, repeats=1, **how).median_ms
         if estimate >= policy.slow_call_ms:
             repeats, warmup = 2, 0
         else:
             wanted = math.ceil(policy.seconds * 1e3 / max(estimate, 1e-3))
             repeats = max(policy.min_repeats, min(policy.max_repeats, wanted))
             warmup = policy.warmup if estimate < 100 else 0
-        return time_call(call, warmup=warmup, repeats=repeats, flush_l2=policy.flush_l2)
+        return time_call(call, warmup=warmup, repeats=repeats, **how)
 
 
 def time_into(record: dict, call, policy: TimingPolicy):
@@ -367,6 +370,8 @@ def time_into(record: dict, call, policy: TimingPolicy):
                   iqr_ms=_sig(timing.iqr_ms), min_ms=_sig(timing.min_ms), max_ms=_sig(timing.max_ms),
                   samples_ms=[_sig(s, 4) for s in timing.samples_ms],
                   l2_flushed=policy.flush_l2 and timing.device == "cuda")
+    if timing.device == "cuda" and (policy.flush_l2 and policy.flush_mode != "write" or policy.hold_us):
+        record.update(l2_flush_mode=policy.flush_mode if policy.flush_l2 else None, hold_us=policy.hold_us)
     return timing
 
 

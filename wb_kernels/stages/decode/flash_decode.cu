@@ -393,7 +393,35 @@ void launch_rows(const DecodeParams& params, T* out, float* lse, cudaStream_t st
     return launch_decode<T, D, 4>(params, out, lse, stream);
 }
 
+template <typename T, int D>
+int split_kernel_occupancy(int group) {
+    int blocks = 0;
+    const int threads = kDecodeWarps * 32;
+    if (group == 1)
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, decode_split_kernel<T, D, 1, kDecodeWarps, kKeysInFlight>, threads, 0));
+    else if (group == 2)
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, decode_split_kernel<T, D, 2, kDecodeWarps, kKeysInFlight>, threads, 0));
+    else
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, decode_split_kernel<T, D, 4, kDecodeWarps, kKeysInFlight>, threads, 0));
+    return blocks;
+}
+
 }  // namespace wb
+
+// How many blocks of the split kernel that launch_rows picks for (dtype, D, group size) one SM holds at once, as the
+// CUDA runtime computes it from the kernel's registers, shared memory and threads (on the current GPU). The launcher
+// counts whole waves of them when it picks the number of splits (splitkv.choose_num_splits).
+int64_t flash_decode_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group) {
+    TORCH_CHECK(head_dim == 64 || head_dim == 128, "flash_decode: head dim must be 64 or 128, got ", head_dim);
+    TORCH_CHECK(group >= 1, "flash_decode: the group size must be >= 1, got ", group);
+    const int g = static_cast<int>(group);
+    if (bf16) return head_dim == 64 ? wb::split_kernel_occupancy<__nv_bfloat16, 64>(g)
+                                    : wb::split_kernel_occupancy<__nv_bfloat16, 128>(g);
+    return head_dim == 64 ? wb::split_kernel_occupancy<__half, 64>(g) : wb::split_kernel_occupancy<__half, 128>(g);
+}
 
 // Returns [out (B, H, D) in q's dtype, lse (B, H) float32]. The inputs were validated by wb.decode; the checks here
 // guard the raw pointers.

@@ -25,7 +25,7 @@ from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, NEG_HALF
                      merge_kernel)
 from .splitkv import choose_num_splits, split_bounds
 
-__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "uses_cuda_kernel", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES"]
+__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "cuda_blocks_per_sm", "uses_cuda_kernel", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES"]
 
 CAUSAL_MODES = {False: CAUSAL_NONE, True: CAUSAL_TOP_LEFT, "top_left": CAUSAL_TOP_LEFT,
                 "bottom_right": CAUSAL_BOTTOM_RIGHT}
@@ -165,14 +165,28 @@ def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
     return keys_per_split, (max(1, -(-max_len // keys_per_split)) if max_len else 1)
 
 
+@functools.lru_cache(maxsize=None)
+def cuda_blocks_per_sm(device_index: int, bf16: bool, D: int, group: int) -> int:
+    """Blocks of the CUDA split kernel for (dtype, D, group size) that one SM of GPU `device_index` holds at once: the
+    CUDA runtime's occupancy calculation from the kernel's registers, shared memory and threads (on an H100, 2 for
+    groups of 4 and more at 128 registers a thread, 3 for groups of 2, 4 without grouping). Asked once."""
+    import torch
+
+    with torch.cuda.device(device_index):
+        return int(build.extension().flash_decode_blocks_per_sm(bf16, D, group))
+
+
 @functools.lru_cache(maxsize=4096)
-def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, num_splits, D: int) -> tuple:
+def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, num_splits, D: int,
+                      bf16: bool) -> tuple:
     """What the CUDA kernel runs for a problem: ``(keys_per_split, num_splits, default scale)``. Worked out once per
     problem shape and remembered: a decoder asks the same question for every layer of every step."""
     if num_splits is None:
         group = H // Hk
         rows = 1 if group == 1 else 2 if group == 2 else 4  # query heads per block, as flash_decode.cu's launch_rows
-        num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=-(-group // rows))
+        num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=-(-group // rows),
+                                       blocks_per_sm=cuda_blocks_per_sm(device_index, bf16, D, group),
+                                       keys_step=build.KEYS_PER_STEP)
     return (*cuda_split_plan(max_len, num_splits), float(D) ** -0.5)
 
 
@@ -183,13 +197,15 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     Kept short, as it runs once per layer and token: the plan comes from :func:`_cuda_launch_plan`'s memory, and the
     extension makes the inputs contiguous, int32 and on q's device itself (where that costs next to nothing).
     """
+    import torch  # (already imported: the inputs are torch tensors; a dictionary lookup)
+
     B, H, D = q.shape
     device_index = q.get_device()
     table = block_table if block_table is not None else _identity_table(B, device_index)
     capacity = table.shape[1] * k_cache.shape[2]
     max_len = capacity if max_seqlen is None else min(capacity, int(max_seqlen))
     keys_per_split, num_splits, default_scale = _cuda_launch_plan(device_index, B, H, k_cache.shape[1], max_len,
-                                                                  num_splits, D)
+                                                                  num_splits, D, q.dtype == torch.bfloat16)
     if not is_torch(cache_seqlens):
         cache_seqlens = _torch_from_host(cache_seqlens)
     if not is_torch(table):

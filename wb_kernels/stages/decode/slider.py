@@ -338,21 +338,24 @@ def committed_tune_results(folder=None):
 
 def describe_tune_run(results: dict, variant: str | None = None) -> list:
     """Lines from tune.py's file: per workload, `variant` (default: the first one the file names, the kernel's
-    default build) at the number of splits ``choose_num_splits`` picks (2 blocks per SM) and at its fastest number of
-    splits, as a fraction of the copy ceiling and against SDPA measured in the same run."""
+    default build) at the number of splits the launcher picks (``choose_num_splits`` at the kernel's occupancy) and at
+    its fastest number of splits, as a fraction of the copy ceiling and against SDPA measured in the same run."""
     records = results["records"]
     variant = variant or records[0]["variant"]
     env = results.get("environment") or {}
     lines = [f"{env.get('gpu', 'a GPU')}, {str(env.get('date', ''))[:10]}, commit {env.get('git_commit')}: "
-             f"variant {variant}; the bare extension call (split + merge kernels), L2 flushed before each call",
+             f"variant {variant}; the bare extension call (split + merge kernels), "
+             + ("device time, L2 flushed clean before each call" if "device time" in results.get("notes", {}).get(
+                 "timing", "") else "L2 flushed before each call"),
              f"{'workload':26s} {'splits':>6s} {'ms':>8s} {'of copy':>8s} {'vs SDPA':>8s}   fastest splits"]
     shapes = list(dict.fromkeys((r["B"], r["H"], r["Hk"], r["Lk"], r["D"]) for r in records))
     for shape in shapes:
         rows = [r for r in records if (r["B"], r["H"], r["Hk"], r["Lk"], r["D"]) == shape and r["variant"] == variant]
         if not rows:
             continue
-        picked = rows[0]["heuristic_splits"]["2"]
-        # the measured number of splits nearest to the heuristic's pick (the sweep has powers of two)
+        # the launcher's pick, measured as it is (files from before 2026-11-23 hold the old rule's pick at 2 blocks
+        # per SM, and only powers of two: the nearest one measured stands for it)
+        picked = rows[0].get("launcher_splits", rows[0]["heuristic_splits"]["2"])
         at_pick = min(rows, key=lambda r: (abs(math.log2(r["splits"]) - math.log2(picked)), r["median_ms"]))
         best = min(rows, key=lambda r: r["median_ms"])
         sdpa = rows[0]["baselines_ms"]["sdpa"]

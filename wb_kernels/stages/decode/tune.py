@@ -9,10 +9,12 @@ A variant is a build of ``flash_decode.cu`` with other values of its three knobs
 
 For each variant, each decode workload (fp16, H = 32, the bar shapes of lesson 07 and a few around them) and each
 number of splits, the bare extension call (``flash_decode_forward``: split kernel + merge kernel + its buffers) is
-checked against PyTorch in float32 and timed with CUDA events, the L2 cache flushed before every call. In the same
+checked against PyTorch in float32 and timed with CUDA events as the decode benchmark times a call (device time,
+the L2 cache flushed clean before every call). In the same
 run: SDPA (default backend, and FLASH forced) and a copy of K and V, the ceiling the decode benchmark uses. The
 table printed and the JSON written say, per workload, the fastest (variant, splits) and what
-``choose_num_splits`` would pick at 2, 4 and 8 blocks per SM, so that the launcher's defaults come from measurements
+``choose_num_splits`` would pick at 2, 4 and 8 blocks per SM, and what the launcher picks (at the default build's
+occupancy, which the CUDA runtime computes), measured as it is, so that the launcher's defaults come from measurements
 (this folder's NOTES.md quotes them).
 
 A second, small measurement: SDPA in a decode loop, where the cache grows by one key per step. Each new length is a
@@ -36,8 +38,9 @@ from pathlib import Path
 
 import wb_kernels  # noqa: F401  (first: chooses the backend)
 from wb_kernels import timing
+from wb_kernels.bench.decode import DECODE_TIMING
 from wb_kernels.stages.decode import build
-from wb_kernels.stages.decode.launcher import cuda_split_plan
+from wb_kernels.stages.decode.launcher import cuda_blocks_per_sm, cuda_split_plan
 from wb_kernels.stages.decode.splitkv import choose_num_splits
 
 
@@ -89,9 +92,11 @@ def build_all(variants) -> dict:
     return {v: build.build(build.package_source(), flags=v.flags) for v in variants if v.name not in failed}, failed
 
 
-def time_call(call, reps: int) -> float:
-    """Median milliseconds of `call`: the package's CUDA-event timer, the L2 cache flushed before each call."""
-    return timing.time_call(call, warmup=1, repeats=reps, flush_l2=True, device="cuda").median_ms
+def time_call(call, reps: int, flush_mode: str = DECODE_TIMING["flush_mode"]) -> float:
+    """Median milliseconds of `call`: the package's CUDA-event timer as the decode benchmark runs it (device time, the
+    L2 cache flushed before each call, by reading unless `flush_mode` says "write")."""
+    return timing.time_call(call, warmup=1, repeats=reps, flush_l2=True, device="cuda", flush_mode=flush_mode,
+                            hold_us=DECODE_TIMING["hold_us"]).median_ms
 
 
 def measure(variants, workloads, reps: int) -> list:
@@ -116,7 +121,12 @@ def measure(variants, workloads, reps: int) -> list:
         group = H // Hk
         rows_per_block = 1 if group == 1 else 2 if group == 2 else 4
         chunks = -(-group // rows_per_block)
-        heuristic = {bps: choose_num_splits(B, Hk, L, sms, row_chunks=chunks, blocks_per_sm=bps) for bps in (2, 4, 8)}
+        heuristic = {bps: choose_num_splits(B, Hk, L, sms, row_chunks=chunks, blocks_per_sm=bps,
+                                            keys_step=build.KEYS_PER_STEP) for bps in (2, 4, 8)}
+        # what the launcher runs: the default build's own occupancy (the CUDA runtime's count of its blocks per SM)
+        occupancy = cuda_blocks_per_sm(torch.cuda.current_device(), False, D, group)
+        launcher_splits = choose_num_splits(B, Hk, L, sms, row_chunks=chunks, blocks_per_sm=occupancy,
+                                            keys_step=build.KEYS_PER_STEP)
 
         target = torch.empty_like(k)
 
@@ -130,12 +140,17 @@ def measure(variants, workloads, reps: int) -> list:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             baselines["sdpa-flash"] = time_call(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True),
                                                 reps)
+        # the same three with the L2 left dirty by the flush (zeroed, not read), as tuning runs before 2026-11-23 timed
+        baselines_write = {"copy": time_call(copy, reps, "write"),
+                           "sdpa": time_call(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True), reps,
+                                             "write")}
         copy_gbps = 2 * kv_bytes / (baselines["copy"] / 1e3) / 1e9
         print(f"B{B} H{H} Hk{Hk} Lk{L} D{D}: copy {copy_gbps:.0f} GB/s, sdpa {baselines['sdpa']:.4f} ms, "
               f"sdpa-flash {baselines['sdpa-flash']:.4f} ms; choose_num_splits at 2/4/8 blocks per SM: "
-              f"{heuristic[2]}/{heuristic[4]}/{heuristic[8]}", file=sys.stderr)
+              f"{heuristic[2]}/{heuristic[4]}/{heuristic[8]}; the launcher's ({occupancy} per SM): {launcher_splits}",
+              file=sys.stderr)
         for variant, ext in extensions.items():
-            for splits in SPLITS:
+            for splits in sorted(set(SPLITS) | {launcher_splits}):  # the launcher's pick measured as it is
                 keys, used = cuda_split_plan(L, splits)
                 if used != splits and splits != 1:
                     continue  # rounding to whole steps gave fewer splits: measured under their own count
@@ -146,12 +161,19 @@ def measure(variants, workloads, reps: int) -> list:
                 out = call()[0]
                 err = float((out.float() - expected).abs().max())
                 ms = time_call(call, reps)
+                dirty = {}
+                if variant == DEFAULT and used == launcher_splits:
+                    ms_write = time_call(call, reps, "write")
+                    dirty = dict(median_ms_write_flush=round(ms_write, 5),
+                                 fraction_of_copy_write_flush=round(baselines_write["copy"] / (2 * ms_write), 4),
+                                 baselines_ms_write_flush={n: round(t, 5) for n, t in baselines_write.items()})
                 rows.append(dict(shape, variant=variant.name, **asdict(variant), splits=used, keys_per_split=keys,
                                  median_ms=round(ms, 5), gbps=round(kv_bytes / (ms / 1e3) / 1e9, 1),
-                                 fraction_of_copy=round(baselines["copy"] / (2 * ms), 4),
+                                 fraction_of_copy=round(baselines["copy"] / (2 * ms), 4), **dirty,
                                  max_err_vs_fp32=err, ok=err < 2e-2,
                                  baselines_ms={n: round(t, 5) for n, t in baselines.items()},
-                                 heuristic_splits=heuristic))
+                                 heuristic_splits=heuristic, launcher_splits=launcher_splits,
+                                 launcher_blocks_per_sm=occupancy))
         best = min((r for r in rows if r["Lk"] == L and r["B"] == B and r["Hk"] == Hk and r["D"] == D),
                    key=lambda r: r["median_ms"])
         print(f"   best: {best['variant']} splits {best['splits']}: {best['median_ms']:.4f} ms, "
@@ -212,7 +234,12 @@ def main(argv=None) -> int:
     result = dict(kind="decode_tune", environment=environment(), command=" ".join(["python -m wb_kernels.stages.decode.tune"] + (argv or sys.argv[1:])),
                   sms=torch.cuda.get_device_properties(0).multi_processor_count,
                   notes=dict(timing="bare extension call (split + merge kernels, buffers), CUDA events, median of "
-                                    f"{args.reps}, L2 flushed before each call",
+                                    f"{args.reps}, device time as the decode benchmark measures it: a "
+                                    f"{DECODE_TIMING['hold_us']:.0f} us sleeping kernel, then the L2 flushed by "
+                                    "reading, before each call",
+                             write_flush="*_write_flush: the default variant at the launcher's number of splits and "
+                                         "the baselines with the L2 flushed by zeroing (left dirty), as tuning runs "
+                                         "before 2026-11-23 were timed",
                              fraction_of_copy="(K and V bytes / time) over the copy's (read + write bytes / time)"),
                   failed_builds=failed, records=rows, sdpa_growing_cache=growing)
     if args.json:
