@@ -9,7 +9,9 @@
 //   issued together), so each SM keeps tens of KB of requests outstanding, what HBM needs to reach full bandwidth;
 // - no shared memory on the way: each lane keeps its own online-softmax state (max, sum, 8 output columns) for the
 //   keys it saw; the states are merged once per block at the end (shuffles, then shared memory across warps);
-// - the splits of one sequence are merged by a second small kernel, exactly, through their log-sum-exps.
+// - the splits of one sequence are merged exactly, through their log-sum-exps, by the last of its blocks to finish
+//   (a counter per sequence and group, as the CUDA C++ Programming Guide's example of __threadfence sums an array
+//   in one launch), or, with WB_DECODE_FUSED_MERGE=0 or very many splits, by a second small kernel.
 // Scores are kept in log2 units (scale * log2(e) folded into q), so exp2f is one MUFU.EX2 instruction.
 // NaN and Inf give what PyTorch's SDPA gives, computed here, on the GPU, without a pass on the host: a score that is
 // NaN or +Inf turns its row's running sum into NaN (exp2(NaN) = NaN, exp2(Inf - Inf) = NaN), a query holding a NaN
@@ -22,6 +24,9 @@
 
 #ifndef WB_DECODE_PREFETCH
 #define WB_DECODE_PREFETCH 1  // 1: the next trip's loads are issued before this trip's arithmetic (see the loop)
+#endif
+#ifndef WB_DECODE_FUSED_MERGE
+#define WB_DECODE_FUSED_MERGE 1  // 1: the last block of a sequence's splits merges them (no second kernel)
 #endif
 #ifndef WB_DECODE_CHUNKED_SOFTMAX
 #define WB_DECODE_CHUNKED_SOFTMAX 1  // 1: one online-softmax rescale per trip of KEYS_IN_FLIGHT keys, not per key
@@ -44,6 +49,9 @@ struct DecodeParams {
     const int* seq_lens;  // (B,)
     float* part_out;  // (splits, B, H, D) float32, normalised per split
     float* part_lse;  // (splits, B, H) float32, natural log; kNegBig for an empty split
+    void* out;  // (B, H, D) in q's dtype: the merged output, written by the last block of each group when fused
+    float* lse;  // (B, H) float32
+    int* counters;  // (B * Hk * chunks) zeros: splits finished per group; nullptr: a second kernel merges
     int B, H, Hk, page_size, pages_per_seq, num_pages, keys_per_split, num_splits;
     float scale_log2;  // softmax scale * log2(e)
 };
@@ -72,6 +80,73 @@ template <> __device__ __forceinline__ void to_float8<__nv_bfloat16>(const uint4
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+// endregion
+
+// region: merge_splits
+// Merges the splits of `rows` consecutive query rows (row0 .. row0 + rows - 1 of the B * H) with the block's threads:
+// out = sum_s exp(lse_s - lse) out_s / sum_s exp(lse_s - lse), lse = log sum_s exp(lse_s). The splits' weights are
+// computed once into shared memory (`s_weight`, rows * num_splits floats), then every column sums the splits with
+// independent loads, so a long sequence's 32 or 64 splits cost a few memory round trips, not one per split. The
+// partial results are read with __ldcg (from L2, past the SM's L1): in the fused path other blocks wrote them during
+// this same launch, and L1 is not kept coherent with them.
+template <typename T, int D, int MAX_ROWS>
+__device__ __forceinline__ void merge_splits(const float* part_out, const float* part_lse, T* out, float* lse,
+                                             int total_rows, int row0, int rows, int num_splits, float* s_weight) {
+    __shared__ float s_top[MAX_ROWS];
+    __shared__ int s_poisoned[MAX_ROWS];  // a split made this row NaN (see the file's header)
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    for (int e = threadIdx.x; e < rows * num_splits; e += blockDim.x)
+        s_weight[e] = __ldcg(part_lse + (size_t)(e % num_splits) * total_rows + row0 + e / num_splits);
+    __syncthreads();
+    for (int r = warp; r < rows; r += warps) {  // a warp per row: its largest LSE, and whether any is NaN
+        float top = kNegBig;
+        bool poisoned = false;
+        for (int s = lane; s < num_splits; s += 32) {
+            top = fmaxf(top, s_weight[r * num_splits + s]);  // fmaxf passes over a NaN; poisoned catches it
+            poisoned |= is_nan(s_weight[r * num_splits + s]);
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+        poisoned = __any_sync(0xffffffffu, poisoned);
+        if (lane == 0) {
+            s_top[r] = top;
+            s_poisoned[r] = poisoned;
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < rows * num_splits; e += blockDim.x)  // an empty split weighs 0
+        s_weight[e] = s_weight[e] <= kNegHalf ? 0.f : __expf(s_weight[e] - s_top[e / num_splits]);
+    __syncthreads();
+    for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
+        const int r = e / D, d = e % D;
+        const size_t row = (size_t)row0 + r;
+        if (s_poisoned[r]) {
+            out[row * D + d] = from_float<T>(__int_as_float(0x7fc00000));
+            if (d == 0) lse[row] = __int_as_float(0x7fc00000);
+            continue;
+        }
+        const float* weight = s_weight + r * num_splits;
+        float total = 0.f, value = 0.f;
+#pragma unroll 8
+        for (int s = 0; s < num_splits; ++s) {
+            total += weight[s];
+            value += weight[s] * __ldcg(part_out + ((size_t)s * total_rows + row) * D + d);  // an empty split's is 0
+        }
+        out[row * D + d] = from_float<T>(total > 0.f ? value / total : 0.f);
+        if (d == 0) lse[row] = total > 0.f ? s_top[r] + logf(total) : -INFINITY;
+    }
+}
+// endregion
+
+// region: decode_merge_kernel
+// The second kernel, where the split kernel does not merge (WB_DECODE_FUSED_MERGE=0, or more splits than its shared
+// memory holds weights for): one block of D threads per query row.
+template <typename T, int D>
+__global__ void decode_merge_kernel(const float* part_out, const float* part_lse, T* out, float* lse, int rows,
+                                    int num_splits) {
+    extern __shared__ float s_weight[];  // [num_splits]
+    merge_splits<T, D, 1>(part_out, part_lse, out, lse, rows, blockIdx.x, 1, num_splits, s_weight);
+}
 // endregion
 
 // region: decode_split_kernel
@@ -284,61 +359,24 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
             p.part_lse[row] = poisoned ? __int_as_float(0x7fc00000)
                                        : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
     }
+    if (p.counters == nullptr) return;  // a second kernel merges the splits
+
+    // The last of the group's split blocks to finish merges them, in this launch: no second kernel to wait for, and
+    // the partial results are read back from L2 while they are still there. Every thread's writes are made visible
+    // to the whole GPU (__threadfence) before the block counts itself done, so the block that counts last sees them.
+    __threadfence();
+    __syncthreads();  // also: every thread is done with s_acc, which the merge reuses for the splits' weights
+    __shared__ bool s_last;
+    int* counter = p.counters + (size_t)blockIdx.y * gridDim.z + blockIdx.z;
+    if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == p.num_splits - 1;
+    __syncthreads();
+    if (!s_last) return;
+    merge_splits<T, D, ROWS>(p.part_out, p.part_lse, static_cast<T*>(p.out), p.lse, p.B * p.H, b * p.H + head0, rows,
+                             p.num_splits, &s_acc[0][0][0]);  // room for NUM_WARPS * D splits' weights per row
+    if (threadIdx.x == 0) *counter = 0;  // zero again for the next launch: the counters are kept across calls
 }
 // endregion
 
-// region: decode_merge_kernel
-// One block per (sequence, query head), one thread per column: out = sum_s exp(lse_s - lse) out_s / sum_s ...
-// The splits' weights are computed once, by one thread per split, into shared memory (num_splits floats, dynamic);
-// then each column sums over the splits with independent loads, so a long sequence's 32 or 64 splits cost a few
-// memory round trips, not one per split.
-template <typename T, int D>
-__global__ void decode_merge_kernel(const float* part_out, const float* part_lse, T* out, float* lse, int rows,
-                                    int num_splits) {
-    extern __shared__ float s_weight[];  // [num_splits]: first each split's LSE, then its weight
-    __shared__ float s_top[D / 32];
-    __shared__ int s_poisoned[D / 32];
-    const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float top = kNegBig;
-    bool poisoned = false;  // a split made this row NaN (see the file's header)
-    for (int s = threadIdx.x; s < num_splits; s += D) {
-        const float lse_s = part_lse[(size_t)s * rows + row];
-        s_weight[s] = lse_s;
-        top = fmaxf(top, lse_s);
-        poisoned |= is_nan(lse_s);
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
-    poisoned = __any_sync(0xffffffffu, poisoned);
-    if (lane == 0) {
-        s_top[warp] = top;
-        s_poisoned[warp] = poisoned;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < D / 32; ++w) {
-        top = fmaxf(top, s_top[w]);
-        poisoned |= s_poisoned[w] != 0;
-    }
-    if (poisoned) {  // the same in every thread of the block
-        out[(size_t)row * D + threadIdx.x] = from_float<T>(__int_as_float(0x7fc00000));
-        if (threadIdx.x == 0) lse[row] = __int_as_float(0x7fc00000);
-        return;
-    }
-    for (int s = threadIdx.x; s < num_splits; s += D)
-        s_weight[s] = s_weight[s] <= kNegHalf ? 0.f : __expf(s_weight[s] - top);  // an empty split weighs 0
-    __syncthreads();
-    float total = 0.f, value = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < num_splits; ++s) {
-        const float weight = s_weight[s];
-        total += weight;
-        value += weight * part_out[((size_t)s * rows + row) * D + threadIdx.x];  // an empty split's output is 0
-    }
-    out[(size_t)row * D + threadIdx.x] = from_float<T>(total > 0.f ? value / total : 0.f);
-    if (threadIdx.x == 0) lse[row] = total > 0.f ? top + logf(total) : -INFINITY;
-}
-// endregion
 
 }  // namespace wb
 
@@ -370,27 +408,47 @@ WB_INSTANTIATE_MERGE(__nv_bfloat16, 64) WB_INSTANTIATE_MERGE(__nv_bfloat16, 128)
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+
 namespace wb {
 
 template <typename T, int D, int ROWS>
-void launch_decode(const DecodeParams& params, T* out, float* lse, cudaStream_t stream) {
+void launch_decode(const DecodeParams& params, cudaStream_t stream) {
     const int group = params.H / params.Hk;
     const dim3 grid(params.num_splits, params.B * params.Hk, (group + ROWS - 1) / ROWS);
     decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight><<<grid, kDecodeWarps * 32, 0, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (params.counters != nullptr) return;  // merged by the split kernel's last blocks
     decode_merge_kernel<T, D><<<params.B * params.H, D, params.num_splits * sizeof(float), stream>>>(
-        params.part_out, params.part_lse, out, lse, params.B * params.H, params.num_splits);
+        params.part_out, params.part_lse, static_cast<T*>(params.out), params.lse, params.B * params.H,
+        params.num_splits);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // ROWS: query heads per block, the group size up to 4 (more rows would not fit in registers without spilling;
 // larger groups, as in MQA, take several blocks per KV head, which re-read the cache, mostly from L2)
 template <typename T, int D>
-void launch_rows(const DecodeParams& params, T* out, float* lse, cudaStream_t stream) {
+void launch_rows(const DecodeParams& params, cudaStream_t stream) {
     const int group = params.H / params.Hk;
-    if (group == 1) return launch_decode<T, D, 1>(params, out, lse, stream);
-    if (group == 2) return launch_decode<T, D, 2>(params, out, lse, stream);
-    return launch_decode<T, D, 4>(params, out, lse, stream);
+    if (group == 1) return launch_decode<T, D, 1>(params, stream);
+    if (group == 2) return launch_decode<T, D, 2>(params, stream);
+    return launch_decode<T, D, 4>(params, stream);
+}
+
+// The fused merge's counters, one per (sequence, KV head, chunk of rows): zeros, which every launch leaves as zeros
+// (the last block of each group resets its own). Kept across calls, so a decode step costs no memset; one set per
+// device and stream, so that launches on two streams at once never share one; grown when a larger grid needs more.
+int* merge_counters(const torch::Tensor& q, cudaStream_t stream, int64_t needed) {
+    static std::mutex mutex;
+    static std::map<std::pair<int, cudaStream_t>, torch::Tensor> kept;
+    const std::lock_guard<std::mutex> lock(mutex);
+    torch::Tensor& counters = kept[{static_cast<int>(q.get_device()), stream}];
+    if (!counters.defined() || counters.numel() < needed)
+        counters = torch::zeros({std::max<int64_t>(needed, 4096)}, q.options().dtype(torch::kInt32));
+    return counters.data_ptr<int>();
 }
 
 template <typename T, int D>
@@ -475,16 +533,22 @@ std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k
     params.num_splits = static_cast<int>(num_splits);
     params.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
 
+    params.out = out.data_ptr();
+    params.lse = lse.data_ptr<float>();
+
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    float* lse_ptr = lse.data_ptr<float>();
+    // fused merge: the split kernel's s_acc holds the weights of up to kDecodeWarps * D splits per row
+    params.counters = nullptr;
+    if (WB_DECODE_FUSED_MERGE && num_splits <= kDecodeWarps * D) {
+        const int64_t group = H / Hk, rows = group == 1 ? 1 : group == 2 ? 2 : 4;  // as launch_rows picks
+        params.counters = wb::merge_counters(q, stream, B * Hk * ((group + rows - 1) / rows));
+    }
     if (is_half) {
-        auto* o = reinterpret_cast<__half*>(out.data_ptr());
-        if (D == 64) wb::launch_rows<__half, 64>(params, o, lse_ptr, stream);
-        else wb::launch_rows<__half, 128>(params, o, lse_ptr, stream);
+        if (D == 64) wb::launch_rows<__half, 64>(params, stream);
+        else wb::launch_rows<__half, 128>(params, stream);
     } else {
-        auto* o = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
-        if (D == 64) wb::launch_rows<__nv_bfloat16, 64>(params, o, lse_ptr, stream);
-        else wb::launch_rows<__nv_bfloat16, 128>(params, o, lse_ptr, stream);
+        if (D == 64) wb::launch_rows<__nv_bfloat16, 64>(params, stream);
+        else wb::launch_rows<__nv_bfloat16, 128>(params, stream);
     }
     return {out, lse};
 }

@@ -50,22 +50,25 @@ class Variant:
     keys_in_flight: int
     prefetch: int
     chunked: int  # 1: one online-softmax rescale per trip of keys_in_flight keys; 0: per key
+    fused: int = 1  # 1: the split kernel's last block per group merges the splits; 0: a second kernel does
 
     @property
     def name(self) -> str:
-        return f"w{self.warps}_k{self.keys_in_flight}" + ("_pf" if self.prefetch else "") + ("_ch" if self.chunked else "")
+        return (f"w{self.warps}_k{self.keys_in_flight}" + ("_pf" if self.prefetch else "")
+                + ("_ch" if self.chunked else "") + ("_fm" if self.fused else ""))
 
     @property
     def flags(self) -> list:
         return [f"-DWB_DECODE_WARPS={self.warps}", f"-DWB_KEYS_IN_FLIGHT={self.keys_in_flight}",
-                f"-DWB_DECODE_PREFETCH={self.prefetch}", f"-DWB_DECODE_CHUNKED_SOFTMAX={self.chunked}"]
+                f"-DWB_DECODE_PREFETCH={self.prefetch}", f"-DWB_DECODE_CHUNKED_SOFTMAX={self.chunked}",
+                f"-DWB_DECODE_FUSED_MERGE={self.fused}"]
 
 
 DEFAULT = Variant(8, 2, 1, 1)  # what flash_decode.cu builds without flags
-# the first version (4 warps, 4 steps in flight, per-key softmax), the best per-key one, and chunked ones around the
-# default
-VARIANTS = (DEFAULT, Variant(4, 4, 0, 0), Variant(8, 2, 1, 0), Variant(8, 4, 0, 1), Variant(8, 4, 1, 1),
-            Variant(4, 2, 1, 1), Variant(8, 8, 0, 1))
+# the previous default (a second kernel merges), the first version (4 warps, 4 steps in flight, per-key softmax,
+# separate merge), and fused ones around the default. (Names before 2026-11-24 had no _fm: all merged separately.)
+VARIANTS = (DEFAULT, Variant(8, 2, 1, 1, 0), Variant(4, 4, 0, 0, 0), Variant(8, 4, 1, 1), Variant(8, 4, 0, 1),
+            Variant(4, 2, 1, 1))
 # (B, H, Hk, Lk, D): the two bar shapes first
 WORKLOADS = ((8, 32, 8, 8192, 128), (1, 32, 8, 32768, 128), (1, 32, 32, 32768, 128), (1, 32, 1, 32768, 128),
              (64, 32, 8, 4096, 128), (8, 32, 8, 8192, 64), (1, 32, 8, 4096, 128), (16, 32, 8, 1024, 64))
