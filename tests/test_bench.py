@@ -425,11 +425,14 @@ def test_readme_table_is_up_to_date_with_the_committed_gpu_results():
                                f"--update-readme {path.relative_to(bench.REPO_ROOT)}")
 
 
+NOT_BENCHMARK_KINDS = ("decode_tune", "decode_timing_modes")  # results/ files with records of other shapes
+
+
 def test_committed_results_files_are_complete():
     for path in sorted((bench.REPO_ROOT / "results").rglob("*.json")):
         results = bench.load_results(path)
-        if not (isinstance(results, dict) and "records" in results) or results.get("kind") == "decode_tune":
-            continue  # not a benchmark file (e.g. a tuning log: the decode rung's tune.py writes kind "decode_tune")
+        if not (isinstance(results, dict) and "records" in results) or results.get("kind") in NOT_BENCHMARK_KINDS:
+            continue  # not a benchmark file (a tuning log of the decode rung's tune.py, a one-off measurement)
         assert results["schema"] == bench.SCHEMA_VERSION
         env = results["environment"]
         for key in ("date", "backend", "device", "torch", "numba", "cuda", "driver", "gpu"):

@@ -447,3 +447,27 @@ def test_committed_results_leave_decode_files_out(tmp_path, monkeypatch):
     assert results_file.committed_decode_results() is None
     bench.save_results(decode_file, tmp_path / "results" / "decode" / "bench_h100.json")
     assert results_file.committed_decode_results().name == "bench_h100.json"
+
+
+def test_decode_bar_lines_judge_each_bar_shape_as_its_record_says():
+    import copy
+
+    from wb_kernels.bench.results import committed_decode_results, decode_bar_lines
+    from wb_kernels.bench.sweeps import DECODE_BAR
+
+    path = committed_decode_results()
+    if path is None:
+        pytest.skip("no decode benchmark is committed")
+    results = copy.deepcopy(results_file.load_results(path))
+    ours = [r for r in results["records"] if r.get("contender") == "wb.decode"
+            and (r["B"], r["H"], r["Hk"], r["Lk"], r["D"], r["dtype"]) == DECODE_BAR[0]]
+    contiguous = next(r for r in ours if r["layout"] == "contiguous")
+    paged = next(r for r in ours if r["layout"] == "paged")
+    contiguous.update(status="ok", fraction_of_copy=0.5)
+    paged.update(status="skipped", reason="a reason")
+    lines = decode_bar_lines(results)
+    assert len(lines) == 1 + 2 * len(DECODE_BAR)
+    assert "50.0% of copy: bar missed by 20.0%" in lines[1] and "contiguous" in lines[1]
+    assert lines[2].endswith("not measured (a reason)")
+    contiguous["fraction_of_copy"] = 0.9
+    assert "goal met" in decode_bar_lines(results)[1]

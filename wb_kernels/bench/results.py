@@ -27,7 +27,7 @@ from .sweeps import BASELINES, PUBLIC_CONFIGS, Config, Refused, record_key
 __all__ = ["SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "README_BASELINES",
            "environment", "git_commit", "load_results", "save_results", "add_speedups", "default_output",
            "committed_results",
-           "readme_table", "decode_readme_table", "update_readme", "committed_decode_results",
+           "readme_table", "decode_readme_table", "decode_bar_lines", "update_readme", "committed_decode_results",
            "README_DECODE_START", "README_DECODE_END", "README_DECODE_VIEW"]
 
 SCHEMA_VERSION = 1
@@ -288,6 +288,17 @@ def _peer_cell(*ours) -> str:
     return f"{fastest['vs_best_peer']['ratio']:.2f} ({fastest['vs_best_peer']['peer']})"
 
 
+def _decode_timing_words(records) -> str:
+    """How a decode file's rows were timed, in the README's words (files from before 2026-11-24 name no mode)."""
+    timed = [r for r in records if r.get("status") == "ok" and r.get("median_ms") is not None]
+    if timed and all(r.get("hold_us") and r.get("l2_flush_mode") == "read" for r in timed):
+        return ("the median of CUDA-event timings of the device's work (a sleeping kernel queued before each "
+                "repeat, so that the host's launch work is not in the timed window: that is the per-call rows' "
+                "job) with the L2 cache flushed clean (a buffer twice its size read, not written: a read-only "
+                "call pays no write-back of the flush's dirty lines)")
+    return "the median of CUDA-event timings with the L2 cache flushed"
+
+
 def decode_readme_table(results: dict, source: str | None = None) -> str:
     """The README's decode table (Markdown) from a decode results file: at :data:`README_DECODE_VIEW`, one row per
     (B, Lk) the file timed, GB/s and fraction of the copy ceiling of wb.decode (contiguous and paged), of its kernel
@@ -304,9 +315,9 @@ def decode_readme_table(results: dict, source: str | None = None) -> str:
     lines = [_measured_on(results["environment"], source) + f", commit {results['environment'].get('git_commit')}. "
              f"Decode: one new query per sequence, H = {view['H']} query heads on Hk = {view['Hk']} KV heads, "
              f"D = {view['D']}, {view['dtype']}, every sequence Lk keys. GB/s: K and V read once "
-             "(2·B·Hk·Lk·D·2 bytes) over the median of CUDA-event timings with the L2 cache flushed; in "
+             f"(2·B·Hk·Lk·D·2 bytes) over {_decode_timing_words(records)}; in "
              "parentheses the fraction of the copy ceiling, a device-to-device copy of the same bytes in the same run counting what it reads and "
-             "writes. wb.decode: the user's call, validation included; decode_forward: its launcher and kernels "
+             "writes. wb.decode: the user's call (what it runs on the device; its host work is in the per-call rows below); decode_forward: its launcher and kernels "
              "alone; paged: pages of 16 keys with a shuffled block table (SDPA and FlexAttention read the same "
              "numbers contiguous). ×SDPA: the fastest SDPA backend's time over wb.decode's (>1: wb.decode is "
              "faster). FlashInfer, paged: the faster of FlashInfer's two decode kernels (CUDA cores, tensor cores: "
@@ -357,6 +368,31 @@ def decode_readme_table(results: dict, source: str | None = None) -> str:
                          + (f"{row['sdpa_per_call_us']:.1f} | {row['ratio_to_sdpa']:.2f}{verdict} |"
                             if row.get("sdpa_per_call_us") else "– | – |"))
     return "\n".join(lines)
+
+
+def decode_bar_lines(results: dict) -> list:
+    """Lines on lesson 07's bar from a decode benchmark file: at each bar shape (sweeps.DECODE_BAR) and layout,
+    wb.decode's fraction of the copy ceiling against the bar (DECODE_BAR_FRACTION) and the goal
+    (DECODE_GOAL_FRACTION), and its speed over the fastest SDPA backend of the same run."""
+    from .sweeps import DECODE_BAR, DECODE_BAR_FRACTION, DECODE_GOAL_FRACTION
+
+    lines = [f"{results['environment'].get('gpu')}, {str(results['environment'].get('date', ''))[:10]}: wb.decode "
+             f"as called; the bar {DECODE_BAR_FRACTION:.0%} of the copy ceiling, the goal {DECODE_GOAL_FRACTION:.0%} "
+             "and faster than every SDPA backend"]
+    for B, H, Hk, Lk, D, dtype in DECODE_BAR:
+        for layout in ("contiguous", "paged"):
+            r = next((r for r in results["records"] if r.get("contender") == "wb.decode" and r.get("layout") == layout
+                      and (r["B"], r["H"], r["Hk"], r["Lk"], r["D"], r["dtype"]) == (B, H, Hk, Lk, D, dtype)), None)
+            shape = f"B{B} H{H} Hk{Hk} Lk{Lk} D{D} {dtype}, {layout}:"
+            if r is None or r.get("status") != "ok" or r.get("fraction_of_copy") is None:
+                lines.append(f"{shape:45s} not measured" + (f" ({r.get('reason')})" if r and r.get("reason") else ""))
+                continue
+            fraction, sdpa = r["fraction_of_copy"], (r.get("vs_best_sdpa") or {})
+            verdict = ("goal met" if fraction >= DECODE_GOAL_FRACTION else "bar met" if fraction >= DECODE_BAR_FRACTION
+                       else f"bar missed by {DECODE_BAR_FRACTION - fraction:.1%}")
+            vs = f"{sdpa['ratio']:.2f}x the fastest SDPA ({sdpa['backend']})" if sdpa else "no SDPA in the run"
+            lines.append(f"{shape:45s} {fraction:6.1%} of copy: {verdict}; {vs}")
+    return lines
 
 
 def _readme_block(results: dict) -> tuple:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 __all__ = ["Config", "Sweep", "PRESETS", "PRESET_HELP", "GPU_PRESETS", "ALL_PRESETS", "PUBLIC_CONFIGS",
            "LADDER_LENGTHS", "TOKENS", "BASELINES", "BASELINE_HELP", "attention_flops", "minimum_bytes", "record_key",
-           "Refused", "DecodeWorkload", "DECODE_PRESETS", "DECODE_BAR", "DECODE_LENGTHS", "DECODE_LAYOUTS",
+           "Refused", "DecodeWorkload", "DECODE_PRESETS", "DECODE_BAR", "DECODE_BAR_FRACTION", "DECODE_GOAL_FRACTION", "DECODE_LENGTHS", "DECODE_LAYOUTS",
            "DECODE_PAGE_SIZE", "decode_kv_bytes", "decode_record_key"]
 
 # The configurations other public attention-kernel projects report (B, H, L, D), so that numbers
@@ -200,6 +200,8 @@ DECODE_LENGTHS = (1024, 4096, 8192, 32768, 131072)
 # The bar, (B, H, Hk, Lk, D, dtype): a batch of 8 at 8k keys and one long sequence of 32k, GQA with 4 query
 # heads per KV head, as Llama-3-8B's attention layers have (32 query heads, 8 KV heads, D = 128).
 DECODE_BAR = ((8, 32, 8, 8192, 128, "float16"), (1, 32, 8, 32768, 128, "float16"))
+DECODE_BAR_FRACTION = 0.70  # the decode rung's bar: wb.decode at this fraction of the copy ceiling at DECODE_BAR
+DECODE_GOAL_FRACTION = 0.85  # its goal (with: faster than every SDPA backend in the same run)
 
 
 def _decode_presets() -> dict:
