@@ -198,8 +198,10 @@ def test_overhead_rows_check_then_time_each_call():
 def test_refusals_name_their_reason():
     table = decode.decode_contenders()
     bf16 = DecodeWorkload(1, 32, 8, 1024, 128, "bfloat16")
-    why = decode.refusal(table["wb.decode"], bf16, on_cuda=True)
+    assert decode.refusal(table["wb.decode"], bf16, on_cuda=True) is None  # the CUDA kernel takes bfloat16
+    why = decode.refusal(table["wb.decode"], bf16, on_cuda=False)  # the numba kernel does not
     assert why.startswith("the decode stage takes") and "bfloat16" in why
+    assert "bfloat16" in decode.refusal(table["decode_forward"], DecodeWorkload(1, 32, 8, 1024, 32, "bfloat16"), True)
     assert decode.refusal(table["sdpa-flash"], bf16, on_cuda=True) is None
     small, big = DecodeWorkload(8, 32, 8, 8192, 128, "float16"), DecodeWorkload(8, 32, 8, 32768, 128, "float16")
     assert decode.refusal(table["sdpa-math"], small, on_cuda=True) is None  # 256 MiB of K and V, 1 GiB repeated

@@ -359,10 +359,14 @@ def decode_contenders() -> dict:
     return table
 
 
-def _stage_refusal(workload: DecodeWorkload) -> Optional[str]:
-    """Why the decode stage does not take this workload (dtype, head dim), or None."""
+def _stage_refusal(workload: DecodeWorkload, on_cuda: bool) -> Optional[str]:
+    """Why the decode stage does not take this workload (dtype, head dim), or None. On a GPU wb.decode runs the CUDA
+    kernel for its dtypes and head dims (bfloat16 too), whatever the numba stage's Stage.dtypes say."""
     from ..stages import get_stage
+    from ..stages.decode.launcher import CUDA_KERNEL_DTYPES, CUDA_KERNEL_HEAD_DIMS
 
+    if on_cuda and workload.dtype in CUDA_KERNEL_DTYPES and workload.D in CUDA_KERNEL_HEAD_DIMS:
+        return None
     stage = get_stage("decode")
     if workload.dtype not in stage.dtypes:
         return (f"the decode stage takes {', '.join(stage.dtypes)} (its Stage.dtypes), not {workload.dtype}: "
@@ -379,7 +383,7 @@ def refusal(contender: DecodeContender, workload: DecodeWorkload, on_cuda: bool)
     if contender.needs_gpu and not on_cuda:
         return f"{contender.name} {NEEDS_GPU}"
     if contender.kind == "stage":
-        return _stage_refusal(workload)
+        return _stage_refusal(workload, on_cuda)
     if contender.name.startswith("flashinfer") and (workload.dtype not in ("float16", "bfloat16")
                                                     or workload.D not in (64, 128, 256)):
         return (f"flashinfer's decode kernels take float16 and bfloat16 at D 64, 128 or 256, not {workload.dtype} "
@@ -688,7 +692,7 @@ def measure_overhead(seed: int = 0, policy: Optional[TimingPolicy] = None, *, de
     sdpa_us = rows[-1].get("per_call_us")
     for contender in ("wb.decode", "decode_forward"):
         name, problem = next(plan)
-        refused = _stage_refusal(workload)
+        refused = _stage_refusal(workload, device == "cuda")
         if refused:
             rows.append({"name": name, "problem": problem, "status": "skipped", "reason": refused})
             continue

@@ -25,7 +25,7 @@ from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, NEG_HALF
                      merge_kernel)
 from .splitkv import choose_num_splits, split_bounds
 
-__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "cuda_blocks_per_sm", "uses_cuda_kernel", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES"]
+__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "cuda_blocks_per_sm", "uses_cuda_kernel", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES"]
 
 CAUSAL_MODES = {False: CAUSAL_NONE, True: CAUSAL_TOP_LEFT, "top_left": CAUSAL_TOP_LEFT,
                 "bottom_right": CAUSAL_BOTTOM_RIGHT}
@@ -132,13 +132,15 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, num_spl
                             num_splits=num_splits, max_len=Lk)
 
 
+CUDA_KERNEL_DTYPES = ("float16", "bfloat16")  # what flash_decode.cu is built for
+CUDA_KERNEL_HEAD_DIMS = (64, 128)
+
+
 def uses_cuda_kernel(q) -> bool:
     """Whether wb.decode runs the CUDA C++ kernel (flash_decode.cu) for this q: a GPU, 16-bit data, D 64 or 128."""
     if not (BACKEND.is_gpu and is_torch(q) and q.is_cuda):
         return False
-    import torch
-
-    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
+    return str(q.dtype).removeprefix("torch.") in CUDA_KERNEL_DTYPES and q.shape[-1] in CUDA_KERNEL_HEAD_DIMS
 
 
 _IDENTITY_TABLES: dict = {}
