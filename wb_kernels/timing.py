@@ -80,8 +80,8 @@ class _L2Flusher:
 
     mode "write" zeroes it, as most harnesses do (Triton's do_bench, NVBench's cold measurements): the cache is then
     left full of dirty lines, and the timed call pays for writing them back to memory as it evicts them, up to the
-    L2's size in extra traffic (on an H100, 50 MB: about 15 us at its copy bandwidth, which a decode step of 50 us
-    feels and a prefill of milliseconds does not). mode "read" sums the buffer instead: the cache is left holding
+    L2's size in extra traffic (on an H100, 50 MB: up to about 15 us at its copy bandwidth, which a decode step of
+    60 us feels and a prefill of milliseconds does not). mode "read" sums the buffer instead: the cache is left holding
     clean lines, which the timed call evicts for free, so a call that only reads (a decode step) is charged for its
     own traffic alone. Neither is what a model's layer sees (the previous layer leaves a little dirty data, not 50 MB):
     the decode benchmark times with "read" and its tuning run records "write" beside it.
