@@ -73,7 +73,8 @@ DECODE_TIMING = {"flush_mode": "read", "hold_us": 300.0}
 DECODE_NOTES = {
     "metric": "gbps = K and V bytes read once, 2*B*Hk*Lk*D*itemsize, / the CUDA-event median; q and the output are "
               "under 0.1% of it",
-    "timing": "device time: before every repeat a 300 us sleeping kernel is queued (so that the host's launches are "
+    "timing": f"device time: before every repeat a {DECODE_TIMING['hold_us']:.0f} us sleeping kernel is queued (so "
+              "that the host's launches are "
               "queued before the GPU reaches them and the events time the GPU's work, not the host's), then the L2 "
               "is flushed by reading a buffer twice its size (a clean cache; zeroing one would leave 50 MB of dirty "
               "lines for the timed call to write back). The host's cost per call: the overhead rows",

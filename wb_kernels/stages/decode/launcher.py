@@ -25,7 +25,7 @@ from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, NEG_HALF
                      merge_kernel)
 from .splitkv import choose_num_splits, split_bounds
 
-__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "cuda_blocks_per_sm", "uses_cuda_kernel", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES"]
+__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "cuda_blocks_per_sm", "cuda_row_chunks", "uses_cuda_kernel", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES"]
 
 CAUSAL_MODES = {False: CAUSAL_NONE, True: CAUSAL_TOP_LEFT, "top_left": CAUSAL_TOP_LEFT,
                 "bottom_right": CAUSAL_BOTTOM_RIGHT}
@@ -178,6 +178,13 @@ def cuda_blocks_per_sm(device_index: int, bf16: bool, D: int, group: int) -> int
         return int(build.extension().flash_decode_blocks_per_sm(bf16, D, group))
 
 
+def cuda_row_chunks(group: int) -> int:
+    """Blocks per (sequence, KV head, split) of the CUDA kernel for a group of `group` query heads: flash_decode.cu's
+    launch_rows puts 1, 2 or (for larger groups) 4 query heads in a block."""
+    rows = 1 if group == 1 else 2 if group == 2 else 4
+    return -(-group // rows)
+
+
 @functools.lru_cache(maxsize=4096)
 def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, num_splits, D: int,
                       bf16: bool) -> tuple:
@@ -185,8 +192,7 @@ def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, 
     problem shape and remembered: a decoder asks the same question for every layer of every step."""
     if num_splits is None:
         group = H // Hk
-        rows = 1 if group == 1 else 2 if group == 2 else 4  # query heads per block, as flash_decode.cu's launch_rows
-        num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=-(-group // rows),
+        num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=cuda_row_chunks(group),
                                        blocks_per_sm=cuda_blocks_per_sm(device_index, bf16, D, group),
                                        keys_step=build.KEYS_PER_STEP)
     return (*cuda_split_plan(max_len, num_splits), float(D) ** -0.5)

@@ -353,7 +353,7 @@ def describe_tune_run(results: dict, variant: str | None = None) -> list:
         rows = [r for r in records if (r["B"], r["H"], r["Hk"], r["Lk"], r["D"]) == shape and r["variant"] == variant]
         if not rows:
             continue
-        # the launcher's pick, measured as it is (files from before 2026-11-23 hold the old rule's pick at 2 blocks
+        # the launcher's pick, measured as it is (files from before 2026-11-24 hold the old rule's pick at 2 blocks
         # per SM, and only powers of two: the nearest one measured stands for it)
         picked = rows[0].get("launcher_splits", rows[0]["heuristic_splits"]["2"])
         at_pick = min(rows, key=lambda r: (abs(math.log2(r["splits"]) - math.log2(picked)), r["median_ms"]))

@@ -40,7 +40,7 @@ import wb_kernels  # noqa: F401  (first: chooses the backend)
 from wb_kernels import timing
 from wb_kernels.bench.decode import DECODE_TIMING
 from wb_kernels.stages.decode import build
-from wb_kernels.stages.decode.launcher import cuda_blocks_per_sm, cuda_split_plan
+from wb_kernels.stages.decode.launcher import _cuda_launch_plan, cuda_blocks_per_sm, cuda_row_chunks, cuda_split_plan
 from wb_kernels.stages.decode.splitkv import choose_num_splits
 
 
@@ -122,14 +122,12 @@ def measure(variants, workloads, reps: int) -> list:
         kv_bytes = 2 * k.numel() * k.element_size()
         shape = dict(B=B, H=H, Hk=Hk, Lk=L, D=D, kv_bytes=kv_bytes)
         group = H // Hk
-        rows_per_block = 1 if group == 1 else 2 if group == 2 else 4
-        chunks = -(-group // rows_per_block)
-        heuristic = {bps: choose_num_splits(B, Hk, L, sms, row_chunks=chunks, blocks_per_sm=bps,
+        heuristic = {bps: choose_num_splits(B, Hk, L, sms, row_chunks=cuda_row_chunks(group), blocks_per_sm=bps,
                                             keys_step=build.KEYS_PER_STEP) for bps in (2, 4, 8)}
-        # what the launcher runs: the default build's own occupancy (the CUDA runtime's count of its blocks per SM)
-        occupancy = cuda_blocks_per_sm(torch.cuda.current_device(), False, D, group)
-        launcher_splits = choose_num_splits(B, Hk, L, sms, row_chunks=chunks, blocks_per_sm=occupancy,
-                                            keys_step=build.KEYS_PER_STEP)
+        # what the launcher runs (its plan, at the default build's occupancy: the CUDA runtime's blocks per SM)
+        device = torch.cuda.current_device()
+        occupancy = cuda_blocks_per_sm(device, False, D, group)
+        launcher_splits = _cuda_launch_plan(device, B, H, Hk, L, None, D, False)[1]
 
         target = torch.empty_like(k)
 
@@ -143,7 +141,7 @@ def measure(variants, workloads, reps: int) -> list:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             baselines["sdpa-flash"] = time_call(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True),
                                                 reps)
-        # the same three with the L2 left dirty by the flush (zeroed, not read), as tuning runs before 2026-11-23 timed
+        # the same three with the L2 left dirty by the flush (zeroed, not read), as tuning runs before 2026-11-24 timed
         baselines_write = {"copy": time_call(copy, reps, "write"),
                            "sdpa": time_call(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True), reps,
                                              "write")}
@@ -242,7 +240,7 @@ def main(argv=None) -> int:
                                     "reading, before each call",
                              write_flush="*_write_flush: the default variant at the launcher's number of splits and "
                                          "the baselines with the L2 flushed by zeroing (left dirty), as tuning runs "
-                                         "before 2026-11-23 were timed",
+                                         "before 2026-11-24 were timed",
                              fraction_of_copy="(K and V bytes / time) over the copy's (read + write bytes / time)"),
                   failed_builds=failed, records=rows, sdpa_growing_cache=growing)
     if args.json:
