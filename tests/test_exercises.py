@@ -9,6 +9,7 @@ not ship an answer.
 from __future__ import annotations
 
 import importlib
+import math
 import json
 import re
 from pathlib import Path
@@ -89,6 +90,7 @@ def test_grading_rules():
     exercise = Exercise("exercise 9", lambda: 2.0, "hint", rel=1e-3)
     assert grade(exercise, ...) == grade(exercise, None) == "not yet"
     assert grade(exercise, 2.001) == "correct" and grade(exercise, 2.01) == "wrong"
+    assert grade(Exercise("e", lambda: 3), 3.5) == "wrong"
     assert grade(exercise, True) == "wrong"  # a bool is not a number here
     assert grade(Exercise("e", lambda: "async"), "async") == "correct"
     with pytest.raises(TypeError, match="3 answers expected"):
@@ -216,3 +218,56 @@ def test_decode_merge_puzzle_solution_the_stub_and_two_traps(capsys):
 
     assert not _solved(check, without_the_max, capsys)
     assert not _solved(check, without_the_guard, capsys)
+
+
+# --- graders that test the idea: every plausible wrong answer is rejected (data in each exercises.py) ----------
+
+def _exercises(lesson_package):
+    return _modules(lesson_package)[0].EXERCISES
+
+
+@pytest.mark.parametrize("lesson, package", LESSONS, ids=[lesson for lesson, _ in LESSONS])
+def test_every_listed_wrong_answer_is_graded_wrong(lesson, package):
+    _needs_nvcc(package)
+    accepted = [f"{e.name}: {label} = {value!r}" for e in _exercises(package)
+                for label, value in e.wrong_answers().items() if grade(e, value) != "wrong"]
+    assert not accepted, "the grader accepts plausible wrong answers:\n" + "\n".join(accepted)
+
+
+@pytest.mark.parametrize("lesson, package", LESSONS, ids=[lesson for lesson, _ in LESSONS])
+def test_a_right_answer_rounded_to_three_figures_or_in_other_case_is_accepted(lesson, package):
+    _needs_nvcc(package)
+    for exercise in _exercises(package):
+        expected = exercise.expected()
+        if isinstance(expected, str):
+            assert grade(exercise, f" {expected.swapcase()} ") == "correct", exercise.name
+        elif isinstance(expected, float):
+            assert grade(exercise, float(f"{expected:.3g}")) == "correct", (exercise.name, expected)
+
+
+def test_three_figures_rule():
+    exercise = Exercise("e", lambda: math.log(65504.0))
+    assert grade(exercise, 11.1) == "correct" and grade(exercise, 11.0899) == "correct"
+    assert grade(exercise, 11.2) == "wrong"
+    assert grade(Exercise("e", lambda: 16257024), 16257024.0) == "correct"
+    assert grade(Exercise("e", lambda: 16257024), 16257000) == "wrong"  # a count is exact
+    assert grade(Exercise("e", lambda: "async"), "Async") == "correct"
+
+
+def _puzzle(package):
+    exercises, solutions = _modules(package)
+    assert hasattr(exercises, "PUZZLE"), f"{package}.exercises has no PUZZLE (grader + wrong answers as data)"
+    return exercises.PUZZLE, getattr(solutions, exercises.PUZZLE.solution)
+
+
+@pytest.mark.parametrize("lesson, package", LESSONS, ids=[lesson for lesson, _ in LESSONS])
+def test_each_puzzle_solves_with_its_solution_and_rejects_every_listed_wrong_answer(lesson, package):
+    from wb_kernels.exercises import puzzle_verdict
+
+    _needs_nvcc(package)
+    puzzle, solution = _puzzle(package)
+    assert len(puzzle.wrong) >= 2, "list the plausible wrong answers the grader must reject"
+    assert "solved ✓" in puzzle_verdict(puzzle, solution)
+    fooled = {label: line for label, build in puzzle.wrong.items()
+              if "✓" in (line := puzzle_verdict(puzzle, build()))}
+    assert not fooled, f"the grader passes wrong answers: {fooled}"

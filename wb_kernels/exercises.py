@@ -20,31 +20,66 @@ ship every exercise unanswered.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
-__all__ = ["Exercise", "grade", "check_answers", "check_puzzle"]
+__all__ = ["Exercise", "Puzzle", "THREE_FIGURES", "grade", "check_answers", "check_puzzle", "puzzle_verdict"]
+
+# A numeric answer rounded to three significant figures is within half a unit of the third figure: at most 0.5 %
+# from the exact value (1.005 -> 1.00). The default tolerance accepts exactly that much, and no more.
+THREE_FIGURES = 5e-3
 
 
 @dataclass(frozen=True)
 class Exercise:
-    """One question: what its answer must equal, and a hint for the learner."""
+    """One question: what its answer must equal, a hint for the learner, and the plausible wrong answers.
+
+    ``wrong`` lists, as data, the answers a learner who misses the question's point would give (label -> the
+    value, or a function computing it from the package); ``tests/test_exercises.py`` fails when the grader accepts
+    any of them, or when it rejects the right answer rounded to three significant figures."""
 
     name: str  # "exercise 1"; the lesson's variable is answer_1
     expected: Callable[[], object]  # computes the answer from the package when graded
     hint: str = ""
-    rel: float = 1e-6  # relative (and absolute) tolerance for numeric answers
+    # relative tolerance for a float answer; an int answer must be exact (a count is not rounded)
+    rel: float = THREE_FIGURES
+    wrong: Mapping[str, object] = field(default_factory=dict)
+
+    def wrong_answers(self) -> dict[str, object]:
+        """The plausible wrong answers, each computed (a value stored as a function is called)."""
+        return {label: value() if callable(value) else value for label, value in self.wrong.items()}
+
+
+@dataclass(frozen=True)
+class Puzzle:
+    """A lesson's coding puzzle: its grader (prints one line, "solved ✓" only when the answer is right) and the
+    plausible wrong answers as data (label -> a function building the answer the learner would pass), which
+    ``tests/test_exercises.py`` feeds to the grader: a grader that says "solved ✓" to one of them is a bug."""
+
+    check: Callable[[object], None]
+    solution: str  # the name of the worked answer in the rung's solutions.py
+    wrong: Mapping[str, Callable[[], object]]
 
 
 def _unanswered(given) -> bool:
     return given is None or given is ...
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def _matches(given, expected, rel: float) -> bool:
-    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
-        return (isinstance(given, (int, float)) and not isinstance(given, bool)
-                and math.isclose(given, expected, rel_tol=rel, abs_tol=rel))
+    if _is_number(expected):
+        if not _is_number(given):
+            return False
+        if isinstance(expected, numbers.Integral):
+            return given == expected
+        return math.isclose(given, expected, rel_tol=rel, abs_tol=0.0 if expected else 1e-12)
+    if isinstance(expected, str):  # "Async" and "async " are the same word
+        return isinstance(given, str) and given.strip().casefold() == expected.strip().casefold()
     return given == expected
 
 
@@ -71,6 +106,17 @@ def check_answers(exercises, *answers) -> None:
             wrong.append(exercise.name)
     if wrong:
         raise AssertionError(f"not right yet: {', '.join(wrong)} (the hints above say where to look)")
+
+
+def puzzle_verdict(puzzle: Puzzle, answer) -> str:
+    """Run ``puzzle.check(answer)`` and return the line it printed (for tests and tools, not for lessons)."""
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        puzzle.check(answer)
+    return buffer.getvalue()
 
 
 def check_puzzle(name: str, run: Callable, *, hint: str = "") -> None:
