@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 PORT   ?= 8888
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: lab test unit notebooks clean-venv
+.PHONY: lab test unit notebooks clean-venv status-cpu
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ unit: $(VENV)/.test
 
 notebooks: $(VENV)/.test
 	WB_FIGURES_DIR=$(CURDIR)/test-artifacts/figures $(BIN)/python -m pytest -q notebooks $(NBVAL_FLAGS)
+
+# `make test` timed from the start (installing included: after `make clean-venv` it is a first run) and counted,
+# into results/status/cpu.json, then the README's status block rendered from it (scripts/status.py).
+status-cpu:
+	@start=$$(date +%s); PYTEST_ADDOPTS="--junitxml=$(CURDIR)/test-artifacts/make-test.xml" $(MAKE) test; rc=$$?; \
+	$(BIN)/python scripts/status.py record cpu test-artifacts/make-test.xml --seconds $$(( $$(date +%s) - start )) \
+		--venv $(VENV) && $(BIN)/python scripts/status.py --update-readme; exit $$rc
 
 clean-venv:
 	rm -rf $(VENV)

@@ -87,7 +87,7 @@ if has tests; then
   # still says which tests failed (pytest's own summary only comes at the end). The property tests
   # have their own step, where hypothesis reports how many examples each ran.
   run_step tests "${TESTS_LIMIT:-420}" python3 -m pytest -v --tb=line -p no:cacheprovider "${workers[@]}" \
-    ${TESTS:-tests} --ignore=tests/test_properties.py -W ignore::numba.core.errors.NumbaPerformanceWarning
+    --junitxml=logs/tests.xml ${TESTS:-tests} --ignore=tests/test_properties.py -W ignore::numba.core.errors.NumbaPerformanceWarning
   grep -E "(FAILED|ERROR)( |$)" logs/tests.log | tee -a "$LOG" | head -n 40
 fi
 if has properties; then
@@ -98,7 +98,7 @@ if has properties; then
     prop_workers=(-n "${PROPERTIES_WORKERS:-5}")
   fi
   run_step properties "${PROPERTIES_LIMIT:-300}" python3 -m pytest -v -rP --tb=short -p no:cacheprovider \
-    "${prop_workers[@]}" tests/test_properties.py -W ignore::numba.core.errors.NumbaPerformanceWarning
+    "${prop_workers[@]}" --junitxml=logs/properties.xml tests/test_properties.py -W ignore::numba.core.errors.NumbaPerformanceWarning
   grep -E "(FAILED|ERROR)( |$)|random problems matched" logs/properties.log | tee -a "$LOG" | head -n 60
 fi
 if has accuracy; then
@@ -122,7 +122,7 @@ if has notebooks || has nbval; then
   if python3 -c "import xdist" 2>/dev/null; then nb_workers=(-n "${NBVAL_WORKERS:-6}" --dist loadscope); fi
   # shellcheck disable=SC2086
   # -v: each cell is named as it finishes, so a run stopped at its limit still says which lesson failed
-  run_step nbval "${NBVAL_LIMIT:-600}" python3 -m pytest -v -p no:cacheprovider "${nb_workers[@]}" \
+  run_step nbval "${NBVAL_LIMIT:-600}" python3 -m pytest -v -p no:cacheprovider "${nb_workers[@]}" --junitxml=logs/nbval.xml \
     ${NOTEBOOKS:-notebooks} --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
     --nbval-cell-timeout "${CELL_TIMEOUT:-150}"
   grep -E "(FAILED|ERROR)( |$)" logs/nbval.log | tee -a "$LOG" | head -n 40
@@ -144,6 +144,12 @@ if has tokens; then
   gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
   run_step tokens "${TOKENS_LIMIT:-300}" python3 -m wb_kernels.stages.decode.tokens \
     --json "results/decode/decoder_$gpu.json"
+fi
+if compgen -G "logs/*.xml" >/dev/null; then
+  # the README's status (scripts/status.py --update-readme) is rendered from these counts, not typed
+  gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
+  python3 scripts/status.py record "$gpu" logs/tests.xml logs/properties.xml logs/nbval.xml 2>&1 | tee -a "$LOG"
+  pack
 fi
 echo "== collected into $OUT/gpu_results.tgz; overall status $status" | tee -a "$LOG"
 exit $status
