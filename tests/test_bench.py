@@ -690,3 +690,93 @@ def test_git_commit_told_by_the_environment_wins(tmp_path, monkeypatch):
     assert results_file.git_commit(tmp_path) == "abc1234"
     monkeypatch.delenv("WB_GIT_COMMIT")
     assert results_file.git_commit(tmp_path) is None
+
+
+# --- one way of timing across presets, recorded in the file; files timed differently are not compared ------------
+
+
+def test_every_preset_times_with_the_one_device_time_method():
+    from wb_kernels.bench.decode import DECODE_TIMING
+    from wb_kernels.timing import DEVICE_TIME
+
+    assert bench.TimingPolicy().method is DEVICE_TIME and DECODE_TIMING is DEVICE_TIME  # one object, not copies
+    assert DEVICE_TIME.device_time and DEVICE_TIME.flush_l2 and DEVICE_TIME.flush_mode == "read"
+    assert dict(DEVICE_TIME) == {"flush_l2": True, "flush_mode": "read", "hold_us": DEVICE_TIME.hold_us}
+    assert DECODE_TIMING["hold_us"] > 0  # the decode tuning script reads it by key
+
+
+def test_the_command_line_gives_the_prefill_and_decode_presets_the_same_method(monkeypatch, tmp_path):
+    from wb_kernels.bench import cli
+    from wb_kernels.timing import DEVICE_TIME
+
+    seen = {}
+    monkeypatch.setattr(cli, "run", lambda sweeps, out, policy, **kw: seen.setdefault("prefill", policy))
+    monkeypatch.setattr(cli, "run_decode", lambda w, out, policy, **kw: seen.setdefault("decode", policy))
+    assert cli.main(["--preset", "smoke", "--no-figures", "--out", str(tmp_path / "a.json")]) == 0
+    assert cli.main(["--preset", "decode-smoke", "--no-figures", "--out", str(tmp_path / "b.json")]) == 0
+    assert seen["prefill"].method is DEVICE_TIME and seen["decode"].method is DEVICE_TIME
+
+
+def _gpu_file(records, timing=None, gpu="NVIDIA H100 80GB HBM3"):
+    return {"environment": {"backend": "gpu", "gpu": gpu, "device": gpu}, "timing": timing, "records": records}
+
+
+def test_timing_method_reads_the_committed_files():
+    from wb_kernels.timing import DEVICE_TIME, EVENTS_AROUND_CALL
+
+    root = bench.REPO_ROOT / "results"
+    assert bench.timing_method(bench.load_results(root / "decode" / "bench_h100.json")) == DEVICE_TIME
+    assert bench.timing_method(bench.load_results(root / "mma" / "bench_h100.json")) == EVENTS_AROUND_CALL
+    assert bench.timing_method(bench.load_results(root / "bench" / "simulator_smoke.json")) is None
+    written = _gpu_file([], timing=DEVICE_TIME.as_record())
+    assert bench.timing_method(written) == DEVICE_TIME
+
+
+def test_files_timed_differently_are_refused_in_one_comparison():
+    from wb_kernels.bench.results import MixedTiming
+    from wb_kernels.timing import DEVICE_TIME
+
+    ok = {"status": "ok", "device": "cuda", "median_ms": 1.0}
+    device_time = _gpu_file([dict(ok, l2_flush_mode="read", hold_us=300.0)])
+    old = _gpu_file([dict(ok, l2_flushed=True)])
+    root = bench.REPO_ROOT / "results"
+    with pytest.raises(MixedTiming, match="timed differently"):
+        bench.same_timing({"prefill": old, "decode": device_time})
+    # two files both timed the old way: each has the host's launch time of its own run in its window
+    with pytest.raises(MixedTiming, match="comparable within one run only"):
+        bench.same_timing({"ladder": bench.load_results(root / "bench" / "h100-80gb-hbm3_2026-11-21.json"),
+                           "mma": bench.load_results(root / "mma" / "bench_h100.json")})
+    with pytest.raises(MixedTiming, match="different GPUs"):
+        bench.same_timing({"a": device_time, "b": _gpu_file(device_time["records"], gpu="NVIDIA H200")})
+    with pytest.raises(MixedTiming, match="records were timed in"):
+        bench.timing_method(_gpu_file(old["records"] + device_time["records"]))
+    assert bench.same_timing({"prefill": device_time, "decode": device_time}) == DEVICE_TIME
+    assert bench.same_timing({"one file": old}).flush_mode == "write"  # one file is always comparable with itself
+
+
+def test_a_run_refuses_to_add_records_timed_another_way(tmp_path):
+    from wb_kernels.bench.measure import stamp_timing
+
+    old = _gpu_file([{"status": "ok", "device": "cuda", "median_ms": 1.0, "l2_flushed": True}])
+    with pytest.raises(bench.Refused, match="was timed as"):
+        stamp_timing(old, bench.TimingPolicy(), tmp_path / "old.json")
+    fresh = _gpu_file([])
+    stamp_timing(fresh, bench.TimingPolicy(), tmp_path / "new.json")
+    assert fresh["timing"] == bench.TimingPolicy().method.as_record()
+
+
+def test_readme_tables_say_how_their_file_was_timed_and_one_file_fills_both_prefill_tables(tmp_path):
+    from wb_kernels.bench.results import README_MMA_END, README_MMA_START
+
+    results = bench.load_results(bench.REPO_ROOT / "results" / "mma" / "bench_h100.json")
+    assert "flushed by zeroing" in bench.readme_table(results) and "no kernel queued" in bench.readme_table(results)
+    both = dict(results, presets=["mma", "public"], timing=bench.TimingPolicy().method.as_record())
+    path = tmp_path / "both.json"
+    bench.save_results(both, path)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{bench.README_START}\nold\n{bench.README_END}\nb\n{README_MMA_START}\nold\n{README_MMA_END}\n")
+    bench.update_readme(path, readme)
+    text = readme.read_text()
+    tables = [text.split(start, 1)[1].split(end, 1)[0] for start, end in
+              ((bench.README_START, bench.README_END), (README_MMA_START, README_MMA_END))]
+    assert "old" not in text and tables[0] == tables[1] and "sleeping kernel" in tables[0]

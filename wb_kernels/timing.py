@@ -16,11 +16,13 @@ import functools
 import statistics
 import time
 import tracemalloc
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .backend import BACKEND
 
-__all__ = ["Timing", "MemoryUse", "time_call", "peak_memory", "synchronize", "on_gpu"]
+__all__ = ["Timing", "MemoryUse", "TimingMethod", "DEVICE_TIME", "EVENTS_AROUND_CALL", "time_call", "peak_memory",
+           "synchronize", "on_gpu"]
 
 
 def on_gpu() -> bool:
@@ -101,6 +103,78 @@ class _L2Flusher:
             self.buffer.sum()
         else:
             self.buffer.zero_()
+
+
+@dataclass(frozen=True)
+class TimingMethod(Mapping):
+    """How each repeat of a call is timed on a GPU: the L2 flush before it (``flush_l2``, ``flush_mode`` "read" or
+    "write") and the sleeping kernel queued first (``hold_us``, :func:`hold_device`; 0: none). One object of this
+    kind, :data:`DEVICE_TIME`, is what every benchmark preset times with (prefill and decode alike); results files
+    record it, and :func:`wb_kernels.bench.results.timing_method` reads it back, so that two files timed differently
+    are not set side by side as if they were one measurement. It is also a mapping of :func:`time_call`'s keyword
+    arguments: ``time_call(fn, **DEVICE_TIME)``."""
+
+    flush_l2: bool = True
+    flush_mode: str = "read"
+    hold_us: float = 300.0
+
+    # the Mapping protocol: the keyword arguments of time_call
+    def __getitem__(self, name):
+        if name not in self._KEYS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self):
+        return iter(self._KEYS)
+
+    def __len__(self):
+        return len(self._KEYS)
+
+    _KEYS = ("flush_l2", "flush_mode", "hold_us")
+
+    @property
+    def device_time(self) -> bool:
+        """True when the events time the device's work alone (a sleeping kernel holds the host's launches)."""
+        return self.hold_us > 0
+
+    def label(self) -> str:
+        """A few words for a table's column or a figure's title."""
+        clock = "device time" if self.device_time else "host time in the window"
+        flush = {"read": "L2 flushed by reading", "write": "L2 flushed by zeroing"}[self.flush_mode] \
+            if self.flush_l2 else "L2 not flushed"
+        return f"{clock}, {flush}"
+
+    def words(self) -> str:
+        """A sentence's worth: what the timed window holds."""
+        if self.device_time:
+            clock = (f"CUDA-event timings of the device's work (a {self.hold_us:.0f} µs sleeping kernel queued before "
+                     "each repeat, so that the host's launch work is not in the timed window)")
+        else:
+            clock = ("CUDA-event timings around the call, with no kernel queued before it (the host's launch work, "
+                     "when it outlasts the flush, is in the timed window)")
+        if not self.flush_l2:
+            return clock + " with the L2 cache left as the last call left it"
+        if self.flush_mode == "read":
+            return clock + (" with the L2 cache flushed clean (a buffer twice its size read, not written: a read-only "
+                            "call pays no write-back of the flush's dirty lines)")
+        return clock + (" with the L2 cache flushed by zeroing a buffer twice its size (which leaves dirty lines that "
+                        "the timed call writes back)")
+
+    def as_record(self) -> dict:
+        return {"flush_l2": self.flush_l2, "flush_mode": self.flush_mode, "hold_us": self.hold_us}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "TimingMethod":
+        return cls(flush_l2=bool(record.get("flush_l2", True)), flush_mode=record.get("flush_mode") or "write",
+                   hold_us=float(record.get("hold_us") or 0.0))
+
+
+# The benchmark's one way of timing (every preset: prefill, decode, their tuning scripts): the device's work alone,
+# from an L2 left clean. Why each half, measured: lesson 08 ("Two flushes, two clocks").
+DEVICE_TIME = TimingMethod(flush_l2=True, flush_mode="read", hold_us=300.0)
+# How the benchmark timed before 2026-11-24 (results files that record no method): events around the call, the L2
+# zeroed before it.
+EVENTS_AROUND_CALL = TimingMethod(flush_l2=True, flush_mode="write", hold_us=0.0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,9 +29,9 @@ from .cli import main
 # (the function measure.measure is not lifted here: bench.measure stays the module)
 from .measure import Contender, TimingPolicy, contenders, measure_ceilings, plan, run
 from .pitfalls import honesty_demos
-from .results import (README_END, README_START, REPO_ROOT, RESULTS_DIR, SCHEMA_VERSION, add_speedups,
+from .results import (README_END, README_START, REPO_ROOT, RESULTS_DIR, SCHEMA_VERSION, MixedTiming, add_speedups,
                       committed_results, decode_readme_table, default_output, environment, load_results,
-                      readme_table, save_results, update_readme)
+                      readme_table, same_timing, save_results, timing_method, update_readme)
 from .sweeps import (BASELINES, LADDER_LENGTHS, PRESETS, PUBLIC_CONFIGS, TOKENS, Config, Refused, Sweep,
                      attention_flops, minimum_bytes, record_key)
 
@@ -44,7 +44,7 @@ __all__ = [
     # the results file (results.py)
     "SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "environment", "load_results",
     "save_results", "add_speedups", "default_output", "committed_results", "readme_table",
-    "decode_readme_table", "update_readme",
+    "decode_readme_table", "update_readme", "timing_method", "same_timing", "MixedTiming",
     # the demonstrations (pitfalls.py) and the command line (cli.py)
     "honesty_demos", "main",
 ]

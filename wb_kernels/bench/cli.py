@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 from ..stages import available_stages
-from .decode import DECODE_TIMING, default_decode_output, run_decode
+from ..timing import DEVICE_TIME
+from .decode import default_decode_output, run_decode
 from .measure import TimingPolicy, _device, contenders, run
 from .results import default_output, load_results, update_readme
 from .sweeps import (ALL_PRESETS, BASELINE_HELP, BASELINES, DECODE_PRESETS, GPU_PRESETS, PRESET_HELP, PRESETS,
@@ -166,9 +168,10 @@ def main(argv=None) -> int:
                                                                          "as --lengths 32 --head-dims 16."))
         explicit = tuple(args.stages or ()) + tuple(args.baselines or ())
         seconds = args.seconds if args.seconds is not None else (0.05 if not on_cuda else 0.1 if decode else 0.3)
+        # every preset times with the one method, DEVICE_TIME (the object itself); --no-flush alone departs from it
+        method = DEVICE_TIME if not args.no_flush else replace(DEVICE_TIME, flush_l2=False)
         policy = TimingPolicy(seconds=seconds, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
-                              flush_l2=not args.no_flush, time_failed_checks=args.time_failed_checks,
-                              **(DECODE_TIMING if decode else {}))
+                              method=method, time_failed_checks=args.time_failed_checks)
         out = default_decode_output(on_cuda) if decode else default_output("cuda" if on_cuda else "cpu")
         if args.out is not None:  # a folder (existing, or written with a trailing slash) gets the default name
             folder = args.out.is_dir() or str(args.out).endswith(("/", "\\"))

@@ -42,9 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..timing import DEVICE_TIME
 from .measure import (TimingPolicy, _device, _flex_problem, _free_device_memory, _is_out_of_memory, _short,
-                      _torch_reference, finish_results, measure_ceilings, open_results, sdpa_call, store_record,
-                      time_into)
+                      _torch_reference, finish_results, measure_ceilings, open_results, sdpa_call, stamp_timing,
+                      store_record, time_into)
 from . import flashinfer
 from .results import _new_results, _sig, save_results
 from .sweeps import DECODE_BAR, DECODE_PAGE_SIZE, DECODE_PRESETS, DecodeWorkload, decode_record_key
@@ -68,7 +69,9 @@ OVERHEAD_BAR = 2.0  # the issue's bar: per-call wall time at most twice SDPA's
 # - a sleeping kernel of 300 us queued first, so that the flush, the events and the call's launches are all queued
 #   before the GPU reaches them: the events time the device's work. What the host costs per call is measured on its
 #   own, wall clock, back to back (the overhead rows).
-DECODE_TIMING = {"flush_mode": "read", "hold_us": 300.0}
+# The benchmark's one timing method (timing.DEVICE_TIME), the same object the prefill presets time with; this name is
+# kept for the decode tuning script.
+DECODE_TIMING = DEVICE_TIME
 
 DECODE_NOTES = {
     "metric": "gbps = K and V bytes read once, 2*B*Hk*Lk*D*itemsize, / the CUDA-event median; q and the output are "
@@ -735,12 +738,13 @@ def run_decode(workloads, out_path, *, presets=("decode",), policy: Optional[Tim
     from ..widgets import progress as show_progress
 
     started = time.monotonic()
-    policy = policy or TimingPolicy(**DECODE_TIMING)
+    policy = policy or TimingPolicy()
     table = table if table is not None else decode_contenders()
     on_cuda = _device() == "cuda"
     device = "cuda" if on_cuda else "cpu"
     out_path = Path(out_path)
     results = open_results(out_path, list(presets), resume=resume, command=command, kind="decode", fresh=_new_decode)
+    stamp_timing(results, policy, out_path)
     results["contenders"] = {name: c.what for name, c in table.items()}
     jobs = plan_decode(workloads, table)
     done = {r["key"] for r in results["records"]}

@@ -8,8 +8,10 @@ demonstrates):
 - correctness first: each contender's output for the first (batch, head) is checked against the
   float64 reference with :func:`wb_kernels.check.check` before it is timed; a stage that fails is
   not timed, a baseline that fails is timed and flagged;
-- warm-up calls (compilation, cuDNN plans, the allocator), then CUDA-event timing with the L2 cache
-  flushed before every repeat (:func:`wb_kernels.timing.time_call`), repeated until about
+- warm-up calls (compilation, cuDNN plans, the allocator), then CUDA-event timing of the device's work
+  (a sleeping kernel queued before every repeat) with the L2 cache flushed clean by reading before every repeat
+  (:func:`wb_kernels.timing.time_call` with :data:`wb_kernels.timing.DEVICE_TIME`, the one method every preset
+  uses, recorded in the file as ``"timing"``), repeated until about
   ``--seconds`` of samples exist (at least 3, or 2 for calls slower than a second); median and
   spread, never the mean;
 - peak memory: the bytes allocated beyond the inputs during the checked call (output included),
@@ -32,11 +34,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..stages import available_stages
+from ..timing import DEVICE_TIME, TimingMethod
 from . import flashinfer
 from .results import _new_results, _sig, add_speedups, environment, load_results, save_results
 from .sweeps import _ITEMSIZE, BASELINES, Config, Refused, attention_flops, minimum_bytes, record_key
 
-__all__ = ["Contender", "contenders", "TimingPolicy", "measure", "measure_ceilings", "plan", "run"]
+__all__ = ["Contender", "contenders", "TimingPolicy", "DEVICE_TIME", "measure", "measure_ceilings", "plan", "run",
+           "stamp_timing"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,15 +310,30 @@ def _free_device_memory():
 
 @dataclass
 class TimingPolicy:
+    """How many repeats, and how each is timed. ``method`` is :data:`wb_kernels.timing.DEVICE_TIME` for every preset
+    (the object itself, not a copy of its fields): the device's work alone, from a clean L2. A results file records
+    it (``"timing"``), and a run refuses to add records timed another way to a file."""
+
     seconds: float = 1.0  # stop repeating once about this much time of samples exists
     min_repeats: int = 3
     max_repeats: int = 100
     warmup: int = 2
-    flush_l2: bool = True
-    flush_mode: str = "write"  # how the L2 is flushed: "write" (zeroes, leaves it dirty) or "read" (clean); timing.py
-    hold_us: float = 0.0  # > 0: a sleeping kernel first, so that the events time the device's work (timing.hold_device)
+    method: TimingMethod = DEVICE_TIME  # the L2 flush and the sleeping kernel before each repeat (timing.py)
     slow_call_ms: float = 1000.0  # calls slower than this get 2 repeats and no extra warm-up
     time_failed_checks: bool = False  # True: a stage that fails its check is timed too, and flagged
+
+    # read-only views of the method, for code that asks the policy
+    @property
+    def flush_l2(self) -> bool:
+        return self.method.flush_l2
+
+    @property
+    def flush_mode(self) -> str:
+        return self.method.flush_mode
+
+    @property
+    def hold_us(self) -> float:
+        return self.method.hold_us
 
 
 class SizeRefused(Exception):
@@ -345,7 +364,7 @@ def timed(call, policy: TimingPolicy):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        how = dict(flush_l2=policy.flush_l2, flush_mode=policy.flush_mode, hold_us=policy.hold_us)
+        how = dict(policy.method)
         estimate = time_call(call, warmup=0, repeats=1, **how).median_ms
         if estimate >= policy.slow_call_ms:
             repeats, warmup = 2, 0
@@ -370,7 +389,7 @@ def time_into(record: dict, call, policy: TimingPolicy):
                   iqr_ms=_sig(timing.iqr_ms), min_ms=_sig(timing.min_ms), max_ms=_sig(timing.max_ms),
                   samples_ms=[_sig(s, 4) for s in timing.samples_ms],
                   l2_flushed=policy.flush_l2 and timing.device == "cuda")
-    if timing.device == "cuda" and (policy.flush_l2 and policy.flush_mode != "write" or policy.hold_us):
+    if timing.device == "cuda":  # every GPU record says how it was timed (results.timing_method reads it)
         record.update(l2_flush_mode=policy.flush_mode if policy.flush_l2 else None, hold_us=policy.hold_us)
     return timing
 
@@ -525,6 +544,7 @@ def run(sweeps, out_path, *, policy: TimingPolicy | None = None, resume: bool = 
     jobs, notes = plan(sweeps, table, explicit=explicit)
     out_path = Path(out_path)
     results = open_results(out_path, [s.name for s in sweeps], resume=resume, command=command)
+    stamp_timing(results, policy, out_path)
     results["unavailable"].update(notes)
     for name, why in notes.items():
         log(f"  {name}: absent ({why})")
@@ -584,6 +604,20 @@ def open_results(out_path: Path, presets: list, *, resume: bool, command: Option
         results = fresh(presets, command)
     results["presets"] = sorted(set(results["presets"]) | set(presets))
     return results
+
+
+def stamp_timing(results: dict, policy: TimingPolicy, out_path: Path) -> None:
+    """Write how this run times (``policy.method``) into the results file, as ``"timing"``; refuse to add to a file
+    whose records were timed another way (one file, one method: its rows are compared with each other)."""
+    from .results import timing_method
+
+    if results["environment"].get("backend") != "gpu":
+        return  # the simulator's host clock: no flush, nothing queued (timing.time_call)
+    before = timing_method(results) if results["records"] else None
+    if before is not None and before != policy.method:
+        raise Refused(f"{out_path} was timed as: {before.label()}; this run times as: {policy.method.label()}. "
+                      "Write to another file (--out) or start over (--fresh).")
+    results["timing"] = policy.method.as_record()
 
 
 def store_record(results: dict, record: dict, out_path: Path, log, derive=add_speedups) -> None:

@@ -22,13 +22,15 @@ from typing import Optional
 
 from ..backend import BACKEND
 from ..stages import available_stages
+from ..timing import EVENTS_AROUND_CALL, TimingMethod
 from .sweeps import BASELINES, PUBLIC_CONFIGS, Config, Refused, record_key
 
 __all__ = ["SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "README_BASELINES",
            "environment", "git_commit", "load_results", "save_results", "add_speedups", "default_output",
            "committed_results",
            "readme_table", "decode_readme_table", "decode_bar_lines", "update_readme", "committed_decode_results",
-           "README_DECODE_START", "README_DECODE_END", "README_DECODE_VIEW"]
+           "README_DECODE_START", "README_DECODE_END", "README_DECODE_VIEW", "timing_method", "same_timing",
+           "MixedTiming"]
 
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parents[2]  # wb_kernels/bench/results.py -> the repository
@@ -197,6 +199,66 @@ def _newest(folder: str, backend: str, *, decode: bool) -> Optional[Path]:
 
 
 # ----------------------------------------------------------------------------------------------
+# How a file was timed, and which files may be compared
+# ----------------------------------------------------------------------------------------------
+
+class MixedTiming(Refused):
+    """Files (or the records of one file) timed in different ways were about to be set side by side."""
+
+
+def timing_method(results: dict) -> Optional[TimingMethod]:
+    """How a results file's GPU records were timed: its ``"timing"`` entry (files written since every preset times with
+    :data:`wb_kernels.timing.DEVICE_TIME`), else what its records say (``l2_flush_mode``, ``hold_us``; records
+    that name neither were timed with events around the call after a zeroing flush, the method before 2026-11-24).
+    None for a file with no GPU timing (the simulator's host clock). Raises :class:`MixedTiming` when its records
+    disagree."""
+    if (results.get("environment") or {}).get("backend") != "gpu":
+        return None
+    if results.get("timing"):
+        return TimingMethod.from_record(results["timing"])
+    found = set()
+    for r in results.get("records", []):
+        if r.get("status") != "ok" or r.get("device", "cuda") != "cuda" or r.get("median_ms") is None:
+            continue
+        if "l2_flush_mode" in r or "hold_us" in r:
+            found.add(TimingMethod(flush_l2=r.get("l2_flush_mode") is not None,
+                                   flush_mode=r.get("l2_flush_mode") or "write", hold_us=float(r.get("hold_us") or 0)))
+        else:
+            found.add(EVENTS_AROUND_CALL if r.get("l2_flushed", True) else
+                      TimingMethod(flush_l2=False, flush_mode="write", hold_us=0.0))
+    if len(found) > 1:
+        raise MixedTiming("the file's records were timed in " + " and ".join(sorted(m.label() for m in found)))
+    return found.pop() if found else None
+
+
+def same_timing(files: dict) -> TimingMethod:
+    """The one timing method `files` ({name: results}) share, so that their numbers may go into one comparison;
+    raises :class:`MixedTiming`, saying how each was timed, when they were timed differently, on different GPUs, or
+    (more than one file) with the host's launch time in the timed window: that part depends on what the host was
+    doing in that run, so it is comparable within one file only."""
+    methods = {name: timing_method(results) for name, results in files.items()}
+    gpus = {name: (results.get("environment") or {}).get("gpu") for name, results in files.items()}
+    problems = []
+    if any(method is None for method in methods.values()):
+        problems.append("no GPU timing in " + ", ".join(n for n, m in methods.items() if m is None))
+    elif len(set(methods.values())) > 1:
+        problems.append("timed differently: " + "; ".join(f"{n}: {m.label()}" for n, m in methods.items()))
+    elif len(files) > 1 and not next(iter(methods.values())).device_time:
+        problems.append("host time in the timed window (no sleeping kernel first) is comparable within one run only: "
+                        + ", ".join(methods))
+    if len(set(gpus.values())) > 1:
+        problems.append("different GPUs: " + "; ".join(f"{n}: {g}" for n, g in gpus.items()))
+    if problems:
+        raise MixedTiming("; ".join(problems))
+    return next(iter(methods.values()))
+
+
+def _timing_words(results: dict) -> str:
+    method = timing_method(results)
+    return "the median of " + (method.words() if method else "host-clock timings (no GPU)")
+
+
+# ----------------------------------------------------------------------------------------------
 # README table
 # ----------------------------------------------------------------------------------------------
 
@@ -221,8 +283,8 @@ def readme_table(results: dict, source: str | None = None) -> str:
     public = [config for config in public
               if any(by_key.get(record_key(c, config), {}).get("status") == "ok" for c in present)]
     top = next((name for name in reversed(present) if name not in BASELINES), None)  # the highest rung shown
-    lines = [_measured_on(env, source) + ". Median of CUDA-event timings with the L2 cache "
-             "flushed, fp16, ms (TFLOP/s); a dash: not run or does not support the configuration."
+    lines = [_measured_on(env, source) + f". Timed as: {_timing_words(results)}. fp16, median ms (TFLOP/s); a "
+             "dash: not run or does not support the configuration."
              + (f" ×best peer: the fastest baseline's time on the row (any the file timed: SDPA's backends, "
                 f"FlexAttention, FlashInfer, ...) over {top}'s, and which it was (>1: {top} is faster)." if top else ""),
              "", "| B | H | L | D | causal | " + " | ".join(present) + (f" | {top} ×best peer" if top else "") + " |",
@@ -288,15 +350,9 @@ def _peer_cell(*ours) -> str:
     return f"{fastest['vs_best_peer']['ratio']:.2f} ({fastest['vs_best_peer']['peer']})"
 
 
-def _decode_timing_words(records) -> str:
-    """How a decode file's rows were timed, in the README's words (files from before 2026-11-24 name no mode)."""
-    timed = [r for r in records if r.get("status") == "ok" and r.get("median_ms") is not None]
-    if timed and all(r.get("hold_us") and r.get("l2_flush_mode") == "read" for r in timed):
-        return ("the median of CUDA-event timings of the device's work (a sleeping kernel queued before each "
-                "repeat, so that the host's launch work is not in the timed window: that is the per-call rows' "
-                "job) with the L2 cache flushed clean (a buffer twice its size read, not written: a read-only "
-                "call pays no write-back of the flush's dirty lines)")
-    return "the median of CUDA-event timings with the L2 cache flushed"
+def _decode_timing_words(results: dict) -> str:
+    """How a decode file's rows were timed, in the README's words (:func:`timing_method`)."""
+    return _timing_words(results)
 
 
 def decode_readme_table(results: dict, source: str | None = None) -> str:
@@ -315,7 +371,7 @@ def decode_readme_table(results: dict, source: str | None = None) -> str:
     lines = [_measured_on(results["environment"], source) + f", commit {results['environment'].get('git_commit')}. "
              f"Decode: one new query per sequence, H = {view['H']} query heads on Hk = {view['Hk']} KV heads, "
              f"D = {view['D']}, {view['dtype']}, every sequence Lk keys. GB/s: K and V read once "
-             f"(2·B·Hk·Lk·D·2 bytes) over {_decode_timing_words(records)}; in "
+             f"(2·B·Hk·Lk·D·2 bytes) over {_decode_timing_words(results)}; in "
              "parentheses the fraction of the copy ceiling, a device-to-device copy of the same bytes in the same run counting what it reads and "
              "writes. wb.decode: the user's call (what it runs on the device; its host work is in the per-call rows below); decode_forward: its launcher and kernels "
              "alone; paged: pages of 16 keys with a shuffled block table (SDPA and FlexAttention read the same "
@@ -395,33 +451,48 @@ def decode_bar_lines(results: dict) -> list:
     return lines
 
 
-def _readme_block(results: dict) -> tuple:
-    """The README's markers and table for a results file: the ladder's table, the table of a rung's own preset run
-    (a file of the ``mma`` preset alone fills ``<!-- perf-table-mma:start -->`` ... ``:end -->``), or the decode
-    table (a file of the decode presets)."""
+README_MMA_START = "<!-- perf-table-mma:start -->"
+README_MMA_END = "<!-- perf-table-mma:end -->"
+
+
+def _readme_blocks(results: dict) -> list:
+    """The README's blocks a results file fills, as (start marker, end marker, render): the decode table (a file of
+    the decode presets); else the ladder's table, and the mma table too when the file holds the ``mma`` preset (a
+    file of that preset alone fills only the mma table). One file filling both: both tables timed the same way."""
     presets = results.get("presets") or []
     if results.get("kind") == "decode":
-        return README_DECODE_START, README_DECODE_END, decode_readme_table
-    if len(presets) == 1 and presets[0] == "mma":
-        return "<!-- perf-table-mma:start -->", "<!-- perf-table-mma:end -->", readme_table
-    return README_START, README_END, readme_table
+        return [(README_DECODE_START, README_DECODE_END, decode_readme_table)]
+    if presets == ["mma"]:
+        return [(README_MMA_START, README_MMA_END, readme_table)]
+    blocks = [(README_START, README_END, readme_table)]
+    if "mma" in presets:
+        blocks.append((README_MMA_START, README_MMA_END, readme_table))
+    return blocks
+
+
+def _readme_block(results: dict) -> tuple:
+    """The first block :func:`_readme_blocks` names (the one a file of a single kind fills)."""
+    return _readme_blocks(results)[0]
 
 
 def update_readme(results_path, readme=REPO_ROOT / "README.md") -> Path:
+    """Rewrite the README blocks that `results_path` fills (:func:`_readme_blocks`). Each table's caption says how
+    its file was timed (:func:`timing_method`), so tables timed differently are labelled so."""
     readme = Path(readme)
     text = readme.read_text() if readme.exists() else ""
     results = load_results(results_path)
-    start, end, render = _readme_block(results)
-    if start not in text or end not in text:
-        raise Refused(f"{readme} has no {start} ... {end} block to fill; add the two markers "
-                      "where the table belongs")
     relative = Path(results_path).resolve()
     try:
         relative = relative.relative_to(REPO_ROOT)
     except ValueError:
         pass
-    table = render(results, source=str(relative))
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+    for start, end, render in _readme_blocks(results):
+        if start not in text or end not in text:
+            raise Refused(f"{readme} has no {start} ... {end} block to fill; add the two markers "
+                          "where the table belongs")
+        table = render(results, source=str(relative))
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{start}\n{table}\n{end}{tail}"
+    readme.write_text(text)
     return readme
