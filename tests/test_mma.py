@@ -14,6 +14,8 @@ shared-memory load or store, against lesson 05's WMMA kernel). In CI a missing n
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -499,3 +501,117 @@ def test_a_broken_source_fails_with_the_compilers_message():
         mma_build.nvcc_compile_report("sm_90", source=broken)
     message = str(raised.value)
     assert 'identifier "summ" is undefined' in message and len(message.splitlines()) < 20
+
+
+# --- the profile (python -m wb_kernels.stages.mma.profile): ncu's output parsed on the CPU --------------------------
+
+_NCU_HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+               '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+
+def _ncu_row(launch, kernel, metric, unit, value):
+    return (f'"{launch}","4242","python3","127.0.0.1","{kernel}","1","7","(128, 1, 1)","(32, 64, 1)","0","9.0",'
+            f'"Command line profiler metrics","{metric}","{unit}","{value}"')
+
+
+def _fake_ncu_output(kernel="void wb::flash_mma_kernel<__half, 128, 4, 2, 64, false>(wb::FlashParams)"):
+    """What ``ncu --csv --print-units base`` prints for one call that launched a small helper and the attention
+    kernel: the program's own lines first, then the table (values as ncu writes them: with thousands separators,
+    units to scale, and an n/a)."""
+    rows = [_ncu_row(0, "void at::native::fill_kernel<float>()", "gpu__time_duration.sum", "nsecond", "2,016")]
+    for metric, unit, value in [
+            ("gpu__time_duration.sum", "nsecond", "1,670,752"),
+            ("launch__registers_per_thread", "register/thread", "255"),
+            ("sm__warps_active.avg.pct_of_peak_sustained_active", "%", "12.41"),
+            ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active", "%", "52.3"),
+            ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", "%", "0"),
+            ("sm__sass_data_bytes_mem_shared.sum", "byte", "25,898,929,056"),
+            ("l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum", "", "227,004"),
+            ("dram__bytes_read.sum", "Mbyte", "512.5"),
+            ("dram__bytes_write.sum", "byte", "67,108,864"),
+            ("smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio", "", "3.1"),
+            ("smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio", "", "1.7"),
+            ("smsp__average_warp_latency_issue_stalled_barrier.ratio", "", "2.4"),
+            ("smsp__average_warp_latency_issue_stalled_selected.ratio", "", "1.0"),
+            ("launch__occupancy_limit_registers", "block", "n/a")]:
+        rows.append(_ncu_row(1, kernel, metric, unit, value))
+    return "\n".join(["==PROF== Connected to process 4242", "wb_ncu_environment " + json.dumps(
+        {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-25T12:00:00Z", "git_commit": "abc1234"}),
+                      "==PROF== Disconnected from process 4242", _NCU_HEADER, *rows]) + "\n"
+
+
+def test_profile_parses_ncu_csv_picks_the_attention_kernel_and_ranks_the_stalls():
+    from wb_kernels.stages.mma import profile
+
+    kernels = profile.parse_ncu_csv(_fake_ncu_output())
+    assert [k["id"] for k in kernels] == ["0", "1"]
+    main = profile.main_kernel(kernels)
+    assert "flash_mma_kernel" in main["name"]
+    m = main["metrics"]
+    assert m["gpu__time_duration.sum"] == pytest.approx(1.670752e-3)  # nanoseconds -> seconds
+    assert m["dram__bytes_read.sum"] == pytest.approx(512.5e6)  # Mbyte -> bytes
+    assert m["sm__sass_data_bytes_mem_shared.sum"] == 25898929056.0
+    assert m["launch__occupancy_limit_registers"] == "n/a"  # kept as text, not a crash
+    run = {"problem": {"flops": 549755813888.0}, "kernel": main["name"],
+           "metrics": {name: m.get(name) for name in profile.METRICS}}
+    s = profile.summary(run)
+    assert s["tflops"] == pytest.approx(549755813888.0 / 1.670752e-3 / 1e12)
+    assert s["registers_per_thread"] == 255 and s["achieved_occupancy_pct"] == 12.41
+    assert s["tensor_pipe_pct"] == 52.3  # the generic tensor metric is missing: the busiest named pipe
+    assert s["dram_bytes"] == pytest.approx(512.5e6 + 67108864)
+    assert [reason for reason, _ in s["top_stalls"]] == ["math_pipe_throttle", "barrier", "short_scoreboard"]
+    assert s["theoretical_occupancy_pct"] is None  # not measured: None, not a crash
+    with pytest.raises(ValueError, match="no ncu CSV table"):
+        profile.parse_ncu_csv("==ERROR== the application returned an error code (1)")
+
+
+def test_profile_names_metrics_ncu_does_not_know_instead_of_failing():
+    from wb_kernels.stages.mma import profile
+
+    query = "\n".join(["Device NVIDIA H100 80GB HBM3 (GH100)", "-" * 20, "Metric Name   Metric Type  Metric Unit",
+                       "dram__bytes_read              Counter      byte   # of bytes read from DRAM",
+                       "dram__bytes_write             Counter      byte   # of bytes written to DRAM",
+                       "sm__pipe_tensor_op_hmma_cycles_active  Counter  cycle  # of cycles where HMMA was active"])
+    known = profile.known_metric_bases(query)
+    assert known == {"dram__bytes_read", "dram__bytes_write", "sm__pipe_tensor_op_hmma_cycles_active"}
+    unknown = profile.unknown_metrics(profile.METRICS, known)
+    assert "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active" in unknown
+    assert "dram__bytes_read.sum" not in unknown
+    assert "launch__registers_per_thread" not in unknown  # a family the list does not show is not judged by it
+    assert profile.unknown_metrics(profile.METRICS, None) == []
+    error = "==ERROR== Failed to find metric smsp__pcsamp_sample_count\n==ERROR== something else"
+    assert profile.refused_metrics(error, profile.METRICS) == ["smsp__pcsamp_sample_count"]
+
+
+def test_profile_run_survives_a_refused_metric_and_a_hung_ncu(tmp_path):
+    """profile_one against a stand-in for ncu: it refuses one metric on the first run (the run is repeated without
+    it), then prints a table; a stand-in that hangs is given up after the time limit and recorded as failed."""
+    import sys
+
+    from wb_kernels.stages.mma import profile
+
+    canned = tmp_path / "ncu.out"
+    canned.write_text(_fake_ncu_output())
+    fake = tmp_path / "ncu"
+    fake.write_text(f"#!{sys.executable}\n" + (
+        "import sys, time\n"
+        "args = ' '.join(sys.argv)\n"
+        "if 'HANG' in args: time.sleep(30)\n"
+        "if 'smsp__pcsamp_sample_count' in args:\n"
+        "    print('==ERROR== Failed to find metric smsp__pcsamp_sample_count'); sys.exit(1)\n"
+        f"print(open({str(canned)!r}).read())\n"))
+    fake.chmod(0o755)
+    run = profile.profile_one(str(fake), "mma", (4, 16, 4096, 128), "float16", 3, profile.METRICS, timeout=20)
+    assert run["status"] == "ok", run
+    assert run["refused"] == ["smsp__pcsamp_sample_count"]
+    assert "smsp__pcsamp_sample_count" not in ",".join(run["ncu_command"])
+    assert {"--clock-control", "none"} <= set(run["ncu_command"]) and "--profile-from-start" in run["ncu_command"]
+    assert "regex:flash_mma_kernel" in run["ncu_command"]
+    assert run["summary"]["registers_per_thread"] == 255
+    assert "smsp__pcsamp_sample_count" in run["missing"]
+    result = profile.build_result([run], command="python -m wb_kernels.stages.mma.profile", ncu_version="test",
+                                  metrics_missing=set(run["refused"]))
+    assert result["gpu"] == "NVIDIA H100 80GB HBM3" and result["git_commit"] == "abc1234"
+    assert result["metrics_missing"] == ["smsp__pcsamp_sample_count"]
+    hung = profile.profile_one(str(fake), "sdpa-cudnn", (1, 1, 64, 64), "float16", 3, ["HANG"], timeout=1)
+    assert hung["status"] == "failed" and "did not finish" in hung["reason"]

@@ -40,7 +40,8 @@ from ..wmma.fragment_model import LN2, LOG2E, round_to
 
 __all__ = ["NUM_WARPS", "ROW_TILES", "BLOCK_M", "BLOCK_N", "shuffle_xor", "quad_allreduce", "rows_of_accumulators",
            "accumulators_of_rows", "q_addresses", "k_addresses", "v_addresses", "fragment_softmax_step",
-           "block_forward", "forward", "counting", "instruction_counts", "registers_per_lane"]
+           "block_forward", "forward", "counting", "instruction_counts", "registers_per_lane",
+           "ldmatrix_per_key_tile"]
 
 NUM_WARPS = 4                 # warps per thread block, all on one (batch, head)
 ROW_TILES = 1                 # 16-row tiles of queries per warp
@@ -295,13 +296,28 @@ def instruction_counts(head_dim: int) -> dict:
     return {"per key tile": per_tile, "once": one - per_tile}
 
 
-def registers_per_lane(head_dim: int) -> dict:
-    """32-bit registers each lane holds for the warp's fragments (16 rows per row tile): the register budget that
-    decides whether Q may stay in registers and whether 32 rows per warp fit."""
+def registers_per_lane(head_dim: int, *, row_tiles: int = ROW_TILES, block_n: int = BLOCK_N,
+                       q_in_registers: bool = True) -> dict:
+    """32-bit registers each lane holds for the warp's fragments: the register budget that decides whether Q may stay
+    in registers and whether 32 rows per warp fit. The defaults are the model's warp (16 rows, 64-key tiles, Q in
+    registers); ``row_tiles=2, q_in_registers=False`` (and ``block_n=128`` at D = 64) is the kernel's default launch
+    variant, which keeps only the Q fragment of the current k-step per row tile (``Q_KEPT = 1`` in flash_mma.cu)."""
+    s_tiles = block_n // 8
     return {
-        "Q fragments (16-bit pairs)": ROW_TILES * (head_dim // 16) * 4,
-        "S accumulators (fp32)": ROW_TILES * S_TILES * 4,
-        "P fragments (16-bit pairs)": ROW_TILES * S_TILES * 2,
-        "O accumulators (fp32)": ROW_TILES * (head_dim // 8) * 4,
-        "m and l (fp32)": ROW_TILES * 4,
+        "Q fragments (16-bit pairs)": row_tiles * ((head_dim // 16) if q_in_registers else 1) * 4,
+        "S accumulators (fp32)": row_tiles * s_tiles * 4,
+        "P fragments (16-bit pairs)": row_tiles * s_tiles * 2,
+        "O accumulators (fp32)": row_tiles * (head_dim // 8) * 4,
+        "m and l (fp32)": row_tiles * 4,
     }
+
+
+def ldmatrix_per_key_tile(head_dim: int, *, row_tiles: int = ROW_TILES, block_n: int = BLOCK_N,
+                          q_in_registers: bool = True) -> dict:
+    """``ldmatrix.x4`` one warp issues per key tile, by operand, for any launch variant (flash_mma.cu's loops): K's
+    B fragments once per 16 keys and k-step, V's once per 16 keys and 16 head dims (shared by the warp's row tiles),
+    and, when Q is not kept in registers, Q's A fragment once per row tile and k-step. For the model's own warp the
+    K and V counts equal what :func:`instruction_counts` tallies while running it."""
+    k_steps = head_dim // 16
+    return {"K": (block_n // 16) * k_steps, "V": (block_n // 16) * (head_dim // 16),
+            "Q": 0 if q_in_registers else row_tiles * k_steps}
