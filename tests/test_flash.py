@@ -348,3 +348,57 @@ def test_register_blocking_owners_match_the_kernel():
     row_groups = config.block_m // config.rows_per_thread
     assert set(np.diff(np.unique(rows))) == {row_groups} and set(np.diff(np.unique(cols))) == {config.threads_per_row}
     assert len(flash_widgets.draw_register_blocking(config, 32).axes) == 2
+
+
+# --- the lesson's region cells and the puzzle's problem ------------------------------------------------------
+
+def test_region_pieces_rebuild_the_package_factories():
+    import inspect
+
+    from wb_kernels.stages.flash import one_row_per_thread, region_cells
+    from wb_kernels.sync import module_regions
+
+    for file, (function, pieces) in region_cells.PIECES.items():
+        assert [name for name in module_regions(REPO / file) if name in pieces] == list(pieces), file
+        rebuilt = region_cells.assemble(file)
+        module = fc if file.endswith("kernel.py") else one_row_per_thread
+        assert inspect.getsource(rebuilt) == inspect.getsource(getattr(module, function))
+
+
+def test_an_edited_piece_is_what_the_lesson_builds(capsys):
+    from wb_kernels.stages.flash import region_cells
+    from wb_kernels.sync import module_regions
+
+    file = "wb_kernels/stages/flash/kernel.py"
+    shipped = module_regions(REPO / file)["flash_pv"]
+    namespace = {}
+    try:
+        region_cells.record_piece(file, "flash_pv", shipped.replace("+= a_reg[i] * b_reg[dd]", "+= 2 * a_reg[i] * b_reg[dd]"),
+                                  namespace)
+        assert "edited (1 line(s) differ" in capsys.readouterr().out
+        q, k, v = wb.random_qkv(1, 1, 20, 32, seed=1)
+        config = fc.config_for(32)
+        out, lse = fc.flash_forward(q, k, v, config=config, kernel=namespace["make_flash_kernel"](32, config))
+        assert not wb.check("edited", out, q, k, v, lse=lse, verbose=False, raise_on_failure=False).passed
+        region_cells.record_piece(file, "flash_pv", shipped, namespace)
+        assert "as in" in capsys.readouterr().out
+        out, lse = fc.flash_forward(q, k, v, config=config, kernel=namespace["make_flash_kernel"](32, config))
+        assert wb.check("shipped", out, q, k, v, lse=lse, verbose=False).passed
+    finally:
+        region_cells.reset()
+
+
+def test_the_puzzle_problem_shows_every_mistake_it_is_meant_to():
+    from wb_kernels.stages.flash import exercises
+
+    q, k, v, keep = exercises.puzzle_problem()
+    scores = q[0, 0] @ k[0, 0].T / 4
+    visible = (np.arange(k.shape[2])[None, :] <= np.arange(q.shape[2])[:, None]) & keep[None, :]
+    assert not visible[0].any()  # row 0 sees no key
+    assert np.abs(scores[visible]).min() > 710  # exp overflows (or underflows to 0) in float64 without the max
+    _, _, history = osm.blockwise_attention(q[0, 0], k[0, 0], v[0, 0], block_n=exercises.PUZZLE_BLOCK, causal=True,
+                                            key_mask=keep)
+    first_block_max = history[0]["m"]
+    moved = [row for row in range(q.shape[2]) if np.isfinite(first_block_max[row])
+             and history[-1]["m"][row] > first_block_max[row]]
+    assert len(moved) >= 5  # a later block holds a larger score than the first for these rows

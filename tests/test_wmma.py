@@ -97,7 +97,7 @@ def test_rounding_p_is_what_costs_accuracy():
 
 def test_region_cells_record_edits_and_reset():
     regions = module_regions(wmma_build.SOURCE_PATH)
-    assert {"async_tile_copy", "online_softmax_rows", "flash_wmma_kernel", "torch_launcher"} <= set(regions)
+    assert {"async_tile_copy", "online_softmax_rows", "kernel_setup", "kernel_epilogue", "torch_forward"} <= set(regions)
     cell = [f"# region: online_softmax_rows ({wmma_build.SOURCE_NAME})\n"] + [
         line + "\n" for line in regions["online_softmax_rows"].splitlines()]
     code = "".join(cuda_build._region_cell_transform(cell))
@@ -393,3 +393,42 @@ def test_double_buffering_picture():
     fig = slider.draw_double_buffering(tiles=4, copy=1.0, compute=1.4)
     one, two = (ax.get_title() for ax in fig.axes)
     assert "100%" in one and "69%" in two  # (4 x 1.4 + 1.0) / (4 x 2.4): only the first load is not hidden
+
+
+# ---------------------------------------------------------------------------------------------
+# The WMMA model on the CPU (wmma_host.cuh): what the tile puzzle is graded with on a laptop
+
+
+def test_host_model_computes_the_package_tile_product():
+    from wb_kernels.stages.wmma import tile
+
+    _tool_or_skip(cuda_build.find_nvcc)
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((16, 16)).astype(np.float16) for _ in range(2))
+    c = tile.host_product(a, b)
+    np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5, atol=1e-4)
+
+
+def test_host_model_catches_what_only_a_gpu_run_would_show():
+    from wb_kernels.stages.wmma import exercises, tile
+
+    _tool_or_skip(cuda_build.find_nvcc)
+    a, b = exercises._puzzle_inputs()
+    unzeroed = tile.host_product(a, b, exercises.tile_kernel_variant(zero=False))
+    assert np.isnan(unzeroed).all()  # a fragment holds garbage (NaN in the model) until it is filled
+    with pytest.raises(tile.TileModelError, match="outside"):
+        tile.host_product(a, b, exercises.tile_kernel_variant(ldm_b=32))
+    with pytest.raises(tile.TileModelError, match="lanes"):
+        tile.host_product(a, b, exercises.tile_kernel_variant(lane_zero_only=True))
+    transposed = tile.host_product(a, b, exercises.tile_kernel_variant(store="mem_col_major"))
+    np.testing.assert_allclose(transposed, (a.astype(np.float64) @ b.astype(np.float64).T).T, rtol=1e-5, atol=1e-4)
+
+
+@needs_gpu
+def test_tile_puzzle_solution_on_the_tensor_cores_agrees_with_the_host_model():
+    from wb_kernels.stages.wmma import exercises, solutions, tile
+
+    a, b = exercises._puzzle_inputs()
+    on_gpu = tile.product(*(torch.from_numpy(x).cuda() for x in (a, b)),
+                          source=tile.source_with(solutions.tile_kernel)).cpu().numpy()
+    np.testing.assert_allclose(on_gpu, tile.host_product(a, b, solutions.tile_kernel), rtol=1e-5, atol=1e-4)

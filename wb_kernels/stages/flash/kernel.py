@@ -137,7 +137,7 @@ def jit_options(threads: int, min_blocks: int) -> dict:
     return dict(fastmath=True, launch_bounds=(threads, min_blocks))
 
 
-# region: flash_kernel
+# region: flash_constants
 def make_flash_kernel(D, config):
     """Compile-time specialised FlashAttention-2 forward kernel for head dim D and one tile shape."""
     BM, BN = config.block_m, config.block_n
@@ -154,7 +154,9 @@ def make_flash_kernel(D, config):
     NEG_MASKED = float32(NEG_HALF)
     LOG2_E = float32(LOG2E)
     U = uint64  # an unsigned index: numba then skips the negative-index (wraparound) fix-up
+# endregion
 
+    # region: flash_signature
     @cuda.jit(**jit_options(THREADS, config.min_blocks))
     def flash_kernel(q,  # (B, H, Lq, D) float32 queries
                      k,  # (B, Hk, Lk, D) float32 keys; Hk divides H
@@ -179,7 +181,9 @@ def make_flash_kernel(D, config):
         g = t // TPR  # row group
         c = t % TPR  # position inside the row group
         exp_scale = float32(score_scale * LOG2_E)
+        # endregion
 
+        # region: flash_q_tile_and_registers
         # Q tile, transposed and pre-scaled, stays in shared memory for the whole loop.
         for e in range(t, BM * D, THREADS):
             r = e >> LOG2_D
@@ -207,7 +211,9 @@ def make_flash_kernel(D, config):
         if causal:  # tiles entirely above the diagonal are never loaded
             last_key = min(row0 + BM, Lq) - 1 + causal_offset  # the last key the block's last row sees
             n_tiles = max(0, min(n_tiles, last_key // BN + 1))  # 0 when no row of the block sees a key
+        # endregion
 
+        # region: flash_scores
         for tile in range(n_tiles):
             k0 = tile * BN
             for e in range(t, BN * D, THREADS):  # K tile, transposed
@@ -231,7 +237,9 @@ def make_flash_kernel(D, config):
                 for i in range(TM):
                     for j in range(TN):
                         s[i, j] += a_reg[i] * b_reg[j]
+            # endregion
 
+            # region: flash_masks
             # masks, and this thread's share of each row's maximum
             for i in range(TM):
                 row = row0 + g + ROW_GROUPS * i
@@ -250,7 +258,9 @@ def make_flash_kernel(D, config):
                         s[i, j] = NEG
                 smem[U(RED0 + (g + ROW_GROUPS * i) * TPR + c)] = tile_max
             cuda.syncthreads()
+            # endregion
 
+            # region: flash_online_softmax
             for e in range(t, BN * D, THREADS):  # V tile, into the words K used
                 j = e >> LOG2_D
                 d = e & (D - 1)
@@ -283,7 +293,9 @@ def make_flash_kernel(D, config):
                 for j in range(TD):
                     acc[i, j] *= alpha
             cuda.syncthreads()
+            # endregion
 
+            # region: flash_pv
             # O += P V for TM rows x TD head dims
             for j in range(BN):
                 for i in range(TM):
@@ -294,7 +306,9 @@ def make_flash_kernel(D, config):
                     for dd in range(TD):
                         acc[i, dd] += a_reg[i] * b_reg[dd]
             cuda.syncthreads()
+            # endregion
 
+        # region: flash_epilogue
         # each thread summed only its own keys: add up the row group's partial sums
         for i in range(TM):
             smem[U(RED0 + (g + ROW_GROUPS * i) * TPR + c)] = l_run[i]

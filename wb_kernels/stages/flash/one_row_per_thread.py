@@ -25,7 +25,7 @@ _F32_3D = "float32[:, :, ::1]"
 SIGNATURE = f"void({_F32_3D}, {_F32_3D}, {_F32_3D}, uint8[:, ::1], int64, float32, boolean, {_F32_3D}, float32[:, ::1])"
 
 
-# region: one_row_kernel
+# region: one_row_setup
 def make_one_row_kernel(D, block_n):
     """A kernel for head dim D (the size of each thread's local arrays must be a compile-time constant)."""
 
@@ -53,6 +53,9 @@ def make_one_row_kernel(D, block_n):
             acc[d] = 0.0
         m = float32(-math.inf)  # running max of the scores seen so far
         l = float32(0.0)        # running sum of exp(score - m)
+# endregion
+
+        # region: one_row_tile_loop
         for j0 in range(0, Lk, block_n):
             # the block loads the tile together: thread t copies elements t, t + threads, ...
             for e in range(cuda.threadIdx.x, block_n * D, cuda.blockDim.x):

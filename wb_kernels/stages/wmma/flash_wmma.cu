@@ -1,11 +1,11 @@
-// FlashAttention-2 forward on tensor cores with nvcuda::wmma (lesson 05_flash_tensor_cores).
+// FlashAttention-2 forward on tensor cores with nvcuda::wmma (lesson 05_wmma).
 //
 // The one CUDA source of the tensor-core stage. Used by:
 //   - wb_kernels/cuda_build.py: torch load_inline builds it on a GPU machine; without a GPU it is
 //     compiled with nvcc for sm_80 and sm_90 (-DWB_KERNEL_ONLY) to report registers, shared memory,
 //     spills and the HMMA instructions in the SASS;
-//   - wb_kernels/stages/flash_tensor_cores.py: the "wmma" stage of wb_kernels.attention();
-//   - notebooks/05_flash_tensor_cores.ipynb shows it region by region (// region: NAME).
+//   - wb_kernels/stages/wmma/launcher.py: the "wmma" stage of wb_kernels.attention();
+//   - notebooks/05_wmma.ipynb shows it region by region (// region: NAME), the kernel in consecutive pieces.
 //
 // Structure (one thread block = NUM_WARPS warps of one (batch, head)):
 //   - each warp owns ROW_FRAGS x 16 query rows; their Q fragments stay in registers for the whole key
@@ -33,6 +33,7 @@ constexpr int BLOCK_N = 64;  // keys per K/V tile
 constexpr int FRAG = 16;     // WMMA m16n16k16
 constexpr int ROW_PAD = 8;   // extra elements per shared-memory row: keeps fragment loads free of bank conflicts
 
+// region: flash_params_and_pack
 struct FlashParams {
     const void* q;                 // (B, H, Lq, D)
     const void* k;                 // (B, Hk, Lk, D)
@@ -55,7 +56,9 @@ template <> struct Pack<__nv_bfloat16> {
     using T2 = __nv_bfloat162;
     static __device__ __forceinline__ T2 from_floats(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
+// endregion
 
+// region: shared_layout
 template <int HEAD_DIM, int NUM_WARPS, bool Q_IN_REGISTERS, int ROW_FRAGS>
 struct Layout {
     static constexpr int WARP_ROWS = ROW_FRAGS * FRAG;         // query rows per warp
@@ -77,7 +80,9 @@ struct Layout {
     static_assert(!Q_IN_REGISTERS || BLOCK_M <= 2 * BLOCK_N, "the Q tile is staged in the second K/V stage");
     static_assert(HEAD_DIM % 64 == 0, "the epilogue writes O 64 columns at a time");
 };
+// endregion
 
+// region: load_fragment
 // Fragment loads from shared memory. For fp16, wmma::load_matrix_sync compiles to ldmatrix. The
 // bf16 overloads take generic pointers and compile to generic loads plus movmatrix transposes
 // (measured: about 1.4x slower kernels), so for bf16 the same PTX wmma.load is issued with the
@@ -102,6 +107,7 @@ WB_BF16_SHARED_LOAD(matrix_a, row_major, "a", "row")
 WB_BF16_SHARED_LOAD(matrix_b, row_major, "b", "row")
 WB_BF16_SHARED_LOAD(matrix_b, col_major, "b", "col")
 #undef WB_BF16_SHARED_LOAD
+// endregion
 
 // region: async_tile_copy
 // cp.async copies 16 bytes global -> shared without passing through registers, so a tile can load
@@ -187,7 +193,7 @@ __device__ __forceinline__ float online_softmax_rows(
 }
 // endregion
 
-// region: flash_wmma_kernel
+// region: kernel_setup
 template <typename T, int HEAD_DIM, int NUM_WARPS, bool Q_IN_REGISTERS, int ROW_FRAGS>
 __global__ void __launch_bounds__(NUM_WARPS * 32)
 flash_wmma_kernel(const FlashParams p) {
@@ -224,7 +230,9 @@ flash_wmma_kernel(const FlashParams p) {
     // skipped (all of them when no row of the block sees a key: bottom-right alignment with Lq > Lk).
     const int key_end = p.causal ? max(0, min(p.Lk, m0 + L::BLOCK_M + p.causal_offset)) : p.Lk;
     const int num_tiles = (key_end + BLOCK_N - 1) / BLOCK_N;
+    // endregion
 
+    // region: kernel_prologue
     auto load_kv_stage = [&](int tile, int stage) {
         T* k_dst = kv_tiles + stage * 2 * L::KV_TILE;
         load_tile_async<T, HEAD_DIM, BLOCK_N, THREADS>(k_dst, k, tile * BLOCK_N, p.Lk);
@@ -256,7 +264,9 @@ flash_wmma_kernel(const FlashParams p) {
             for (int d = 0; d < D_FRAGS; ++d)
                 load_fragment(q_frag[r][d], my_q + r * FRAG * L::KV_STRIDE + d * FRAG, L::KV_STRIDE);
     }
+    // endregion
 
+    // region: kernel_row_probe
     // Which row of the 16 does accumulator element i hold? The layout is opaque, so ask it: load a
     // matrix whose entries are their own row numbers and read the elements back.
     float* my_s = s_scratch + warp * L::WARP_ROWS * L::S_STRIDE;
@@ -280,7 +290,9 @@ flash_wmma_kernel(const FlashParams p) {
 #pragma unroll
     for (int r = 0; r < ROW_FRAGS; ++r) m_run[r] = -INFINITY, l_run[r] = 0.0f;
     const int warp_row0 = m0 + warp * L::WARP_ROWS;
+    // endregion
 
+    // region: kernel_scores
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int stage = tile & 1;
         if (tile + 1 < num_tiles) load_kv_stage(tile + 1, stage ^ 1);
@@ -316,6 +328,9 @@ flash_wmma_kernel(const FlashParams p) {
                         wmma::mma_sync(s_frag[r][n], q_frag[r][Q_IN_REGISTERS ? d : 0], kt, s_frag[r][n]);
                 }
             }
+            // endregion
+
+            // region: kernel_softmax
             // The WMMA limit: the softmax needs whole rows, the accumulator's layout is opaque,
             // so S takes a round trip through shared memory.
 #pragma unroll
@@ -337,7 +352,9 @@ flash_wmma_kernel(const FlashParams p) {
                 if ((lane & 1) == 0) my_row_factor[r * FRAG + (lane >> 1)] = alpha;
             }
             __syncwarp();
+            // endregion
 
+            // region: kernel_pv
             // O *= alpha per row, then O += P V on tensor cores
 #pragma unroll
             for (int r = 0; r < ROW_FRAGS; ++r) {
@@ -366,7 +383,9 @@ flash_wmma_kernel(const FlashParams p) {
         }
         __syncthreads();  // everyone is done with this stage before it is refilled
     }
+    // endregion
 
+    // region: kernel_epilogue
     // Epilogue: O /= l, LSE = ln(2) * (m + log2 l); rows that saw no key get 0 and -inf.
     T* out = static_cast<T*>(p.out) + static_cast<size_t>(bh) * p.Lq * HEAD_DIM;
     using T2 = typename Pack<T>::T2;
@@ -429,7 +448,7 @@ constexpr int smem_bytes() { return Layout<HEAD_DIM, NUM_WARPS, Q_IN_REGISTERS, 
     WB_INSTANTIATE(__half, 128, W, QR, RF) WB_INSTANTIATE(__nv_bfloat16, 128, W, QR, RF)
 WB_FOR_EACH_VARIANT(WB_INSTANTIATE_ALL)
 #else
-// region: torch_launcher
+// region: torch_launch_variants
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -462,7 +481,9 @@ void launch_variant(const FlashParams& params, int64_t num_warps, bool q_in_regi
 }
 
 }  // namespace wb
+// endregion
 
+// region: torch_forward
 // Returns [out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) float32].
 std::vector<torch::Tensor> flash_wmma_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                               torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale,
