@@ -26,6 +26,7 @@
 
 namespace wb {
 
+// region: flash_params
 struct FlashParams {
     const void* q;            // (B, H, Lq, D)
     const void* k;            // (B, Hk, Lk, D)
@@ -37,6 +38,7 @@ struct FlashParams {
     float scale_log2;         // scale * log2(e) > 0: softmax runs in base 2 (the launcher makes the scale positive)
     int causal, causal_offset;  // query i sees keys j <= i + causal_offset (0: top-left, Lk - Lq: bottom-right)
 };
+// endregion
 
 // region: mma_and_ldmatrix
 // One warp-wide tensor-core product D (16 x 8, fp32) += A (16 x 16) B (16 x 8), A and B fp16 or bf16.
@@ -191,6 +193,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[N_TILES][4], int key0, in
 }
 // endregion
 
+// region: layout
 template <int HEAD_DIM, int NUM_WARPS, int ROW_TILES, int BLOCK_N>
 struct Layout {
     static constexpr int WARP_ROWS = ROW_TILES * 16;                // query rows per warp
@@ -203,6 +206,7 @@ struct Layout {
     static_assert(HEAD_DIM % 16 == 0 && BLOCK_N % 16 == 0, "mma.sync steps are 16 deep");
     static_assert(HEAD_DIM / 8 >= 8, "the swizzle permutes 8 chunks of 16 bytes: rows of at least 128 bytes");
 };
+// endregion
 
 // region: non_finite_queries
 // NaN and Inf, as PyTorch's SDPA has them, without a pass on the host. A query row holding a NaN or an Inf must give
@@ -243,7 +247,7 @@ __device__ __forceinline__ void poison_non_finite_query_rows(T* q_tile) {
 }
 // endregion
 
-// region: flash_mma_kernel
+// region: kernel_setup
 template <typename T, int HEAD_DIM, int NUM_WARPS, int ROW_TILES, int BLOCK_N, bool Q_IN_REGISTERS>
 __global__ void __launch_bounds__(NUM_WARPS * 32)
 flash_mma_kernel(const FlashParams p) {
@@ -283,7 +287,9 @@ flash_mma_kernel(const FlashParams p) {
     auto k_stage = [&](int stage) { return kv_tiles + stage * 2 * L::KV_TILE; };
     auto k_address = [&](int stage) { return kv_base + stage * 2 * L::KV_TILE * 2; };  // bytes
     auto v_address = [&](int stage) { return kv_base + (stage * 2 + 1) * L::KV_TILE * 2; };
+    // endregion
 
+    // region: kernel_prologue
     // Prologue. cp.async groups in issue order: {Q, K0}, {V0}, then per tile {K(t+1)}, {V(t+1)}. Waiting until
     // at most one group is pending therefore means "K of this tile has landed" or "V of this tile has landed".
     load_tile_async<T, HEAD_DIM, L::BLOCK_M, THREADS>(q_tile, q, m0, p.Lq);
@@ -327,7 +333,9 @@ flash_mma_kernel(const FlashParams p) {
         m_run[r][0] = m_run[r][1] = -INFINITY;
         l_run[r][0] = l_run[r][1] = 0.0f;
     }
+    // endregion
 
+    // region: kernel_loop_scores
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int stage = tile & 1;
         const int key0 = tile * BLOCK_N;
@@ -373,6 +381,9 @@ flash_mma_kernel(const FlashParams p) {
                 }
             }
 
+            // endregion
+
+            // region: kernel_loop_softmax
             // Masks only where a tile needs them; everywhere else the softmax runs on the raw scores.
             const bool needs_mask = p.key_keep != nullptr || key0 + BLOCK_N > p.Lk ||
                                     (p.causal && key0 + BLOCK_N - 1 > warp_last_key);
@@ -396,7 +407,9 @@ flash_mma_kernel(const FlashParams p) {
                 }
             }
         }
+        // endregion
 
+        // region: kernel_loop_pv
         cp_async_wait<1>();  // V of this tile has landed (the next K may still be in flight)
         __syncthreads();     // ... for every thread's copies; and everyone is done with V of the previous tile
         if (tile + 1 < num_tiles)
@@ -423,7 +436,9 @@ flash_mma_kernel(const FlashParams p) {
     }
     cp_async_wait<0>();
     __syncthreads();  // with no key tile at all (no row of the block sees a key), copies of Q may still be landing
+    // endregion
 
+    // region: kernel_epilogue
     // Epilogue: combine each row's partial sums across its quad, O /= l, LSE = ln(2) * (m * scale_log2 + log2 l);
     // rows that saw no key get 0 and -inf. O goes through this warp's rows of the Q tile (its own rows only, so
     // a warp-level sync suffices) and leaves in 16-byte stores, consecutive lanes on consecutive bytes.
@@ -466,6 +481,7 @@ flash_mma_kernel(const FlashParams p) {
 }
 // endregion
 
+// region: variants
 template <int HEAD_DIM, int NUM_WARPS, int ROW_TILES, int BLOCK_N>
 constexpr int smem_bytes() { return Layout<HEAD_DIM, NUM_WARPS, ROW_TILES, BLOCK_N>::SMEM_BYTES; }
 
@@ -475,6 +491,7 @@ constexpr int smem_bytes() { return Layout<HEAD_DIM, NUM_WARPS, ROW_TILES, BLOCK
     X(64, 4, 1, 64, true) X(64, 4, 2, 64, true) X(64, 4, 1, 128, true) X(64, 4, 2, 128, false)              \
     X(64, 8, 1, 128, true)                                                                                  \
     X(128, 4, 1, 64, true) X(128, 4, 2, 64, false) X(128, 8, 1, 64, true) X(128, 4, 1, 128, true)
+// endregion
 
 }  // namespace wb
 
@@ -486,7 +503,7 @@ constexpr int smem_bytes() { return Layout<HEAD_DIM, NUM_WARPS, ROW_TILES, BLOCK
     WB_INSTANTIATE(__half, D, W, RT, BN, QR) WB_INSTANTIATE(__nv_bfloat16, D, W, RT, BN, QR)
 WB_FOR_EACH_MMA_VARIANT(WB_INSTANTIATE_BOTH)
 #else
-// region: torch_launcher
+// region: torch_launch_variant
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -519,7 +536,9 @@ void launch_variant(const FlashParams& params, int64_t head_dim, int64_t num_war
 }
 
 }  // namespace wb
+// endregion
 
+// region: torch_entry_point
 // Returns [out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) float32].
 std::vector<torch::Tensor> flash_mma_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                              torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale,

@@ -188,3 +188,82 @@ def committed_tuning(tuning: dict, min_length: int = 2048) -> dict:
 def smem_traffic(traffic: dict) -> dict:
     """{stage: (shared-memory bytes per FLOP, bank conflicts as a share of wavefronts)} from the committed ncu run."""
     return {stage: (m["shared_bytes_per_flop"], m["bank_conflicts_per_wavefront"]) for stage, m in traffic["stages"].items()}
+
+
+# --- the model against the measurements (lesson 06, "The argument, measured" and "Where the time goes") ----------
+
+def loop_smem_prediction(variant, B: int, H: int, L: int) -> dict:
+    """What one call of `variant` (a ``build.Variant``) moves through shared memory on a (B, H, L, L) problem, not
+    causal, counted from the kernel's loops as :func:`warp_model.ldmatrix_per_key_tile` describes them: the
+    ``ldmatrix.x4`` of K, V and (unless Q stays in registers) Q every key tile, Q's once-per-warp loads otherwise, and
+    the ``cp.async`` copies of the Q tile and of every K and V tile into shared memory (16 bytes a lane, 512 a warp
+    instruction). The epilogue's staging of O (once per block) is left out. Counts are warp instructions, as Nsight
+    Compute's ``smsp__sass_inst_executed_op_ldsm`` and ``..._ldgsts`` count them."""
+    from ...bench.sweeps import attention_flops
+
+    D, warps = variant.head_dim, variant.num_warps
+    blocks = B * H * -(-L // variant.block_m)
+    tiles = -(-L // variant.block_n)
+    per_tile = wm.ldmatrix_per_key_tile(D, row_tiles=variant.row_tiles, block_n=variant.block_n,
+                                        q_in_registers=variant.q_in_registers)
+    q_once = variant.row_tiles * (D // 16) if variant.q_in_registers else 0
+    ldsm = {name: blocks * warps * tiles * n for name, n in per_tile.items()}
+    ldsm["Q"] += blocks * warps * q_once
+    copy_bytes = blocks * (variant.block_m + tiles * 2 * variant.block_n) * D * 2
+    ldgsts = copy_bytes // LDMATRIX_X4_BYTES  # 32 lanes x 16 bytes, the same 512 bytes as one ldmatrix.x4
+    flops = attention_flops(B, H, L, L, D, False)
+    kv_bytes = (ldsm["K"] + ldsm["V"]) * LDMATRIX_X4_BYTES
+    ldsm_bytes = sum(ldsm.values()) * LDMATRIX_X4_BYTES
+    return {"flops": flops, "ldmatrix": sum(ldsm.values()), "ldmatrix_by_operand": ldsm, "cp_async": ldgsts,
+            "FLOPs per byte, K and V ldmatrix": flops / kv_bytes,
+            "FLOPs per byte, all ldmatrix": flops / ldsm_bytes,
+            "FLOPs per byte, ldmatrix and cp.async": flops / (ldsm_bytes + copy_bytes)}
+
+
+# An H100 SM (CUDA C++ Programming Guide, "Compute Capabilities", 9.0): 64K 32-bit registers, allocated per warp in
+# units of 256; 228 KB of shared memory, of which the runtime reserves 1 KB per block; 64 resident warps, 32 blocks.
+SM_LIMITS = {"registers": 65536, "register_unit": 256, "shared_bytes": 228 * 1024, "reserved_per_block": 1024,
+             "warps": 64, "blocks": 32}
+
+
+def predicted_occupancy(registers_per_thread: int, threads_per_block: int, shared_bytes_per_block: int,
+                        limits: dict = SM_LIMITS) -> dict:
+    """Blocks per SM and the theoretical occupancy (resident warps in % of the SM's maximum) that registers, shared
+    memory and the warp and block limits allow; ``limiter`` names the tightest."""
+    warps = -(-threads_per_block // 32)
+    unit = limits["register_unit"]
+    per_warp = -(-registers_per_thread * 32 // unit) * unit
+    by = {"registers": limits["registers"] // (per_warp * warps),
+          "shared memory": limits["shared_bytes"] // (shared_bytes_per_block + limits["reserved_per_block"]),
+          "warps": limits["warps"] // warps, "blocks": limits["blocks"]}
+    blocks = min(by.values())
+    return {"blocks_per_sm": blocks, "warps_per_sm": blocks * warps, "occupancy_pct": 100.0 * blocks * warps /
+            limits["warps"], "limiter": min(by, key=by.get), "by": by}
+
+
+def roofline_points(results: dict, *, B: int = 4, H: int = 16, L: int = 4096, D: int = 128, dtype: str = "float16",
+                    causal: bool = False, contenders=("mma", "sdpa-flash", "sdpa")) -> dict:
+    """Each contender's point on the roofline of the benchmark file's GPU at one shape: the problem's FLOPs per byte
+    of its compulsory DRAM traffic (q, k, v read and o written once), the ridge point (the file's measured matmul
+    ceiling over its copy bandwidth) and the share of the matmul ceiling each contender reached."""
+    ceilings = results["ceilings"]
+    peak = ceilings[f"{dtype}_matmul_tflops"] * 1e12
+    bandwidth = ceilings["copy_gbps"] * 1e9
+    found = {r["contender"]: r for r in results["records"] if r.get("status") == "ok" and
+             (r["B"], r["H"], r["Lq"], r["D"], r["dtype"], r["causal"]) == (B, H, L, D, dtype, causal)}
+    any_record = next(iter(found.values()))
+    intensity = any_record["flops"] / any_record["bytes_min"]
+    return {"intensity": intensity, "ridge": peak / bandwidth, "matmul_tflops": peak / 1e12,
+            "copy_gbps": bandwidth / 1e9, "roof_tflops": min(peak, intensity * bandwidth) / 1e12,
+            "reached": {name: found[name]["tflops"] * 1e12 / peak for name in contenders if name in found}}
+
+
+def profile_rows(profile: dict) -> dict:
+    """{(B, H, L, D): {contender: summary}} from a results/mma/ncu_<gpu>.json written by ``profile.py`` (runs that
+    failed are left out; their reasons stay in the file)."""
+    rows: dict = {}
+    for run in profile["runs"]:
+        if run.get("status") == "ok":
+            p = run["problem"]
+            rows.setdefault((p["B"], p["H"], p["L"], p["D"]), {})[run["contender"]] = run["summary"]
+    return rows
