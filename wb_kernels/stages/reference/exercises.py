@@ -24,8 +24,11 @@ def _causal_pairs(L: int) -> int:
     return int(attention_probabilities(ones, ones, causal=True).astype(bool).sum())
 
 
-# ln of float16's largest finite value, computed in float64 (np.log of the float16 itself rounds to 11.09375)
-_LN_FLOAT16_MAX = math.log(float(np.finfo(np.float16).max))
+def _largest_equal_logit(dtype=np.float16, L: int = 1000) -> float:
+    """The largest logit s for which the textbook softmax's sum of L terms e^s stays finite in `dtype`:
+    L * e^s <= max, so s = ln(max / L) (computed in float64: np.log of a float16 rounds to float16)."""
+    return math.log(float(np.finfo(dtype).max) / L)
+
 
 EXERCISES = (
     Exercise("exercise 1", lambda: materialized_bytes(8192, B=8, H=32, itemsize=2) / 2**30,
@@ -33,12 +36,12 @@ EXERCISES = (
              wrong={"float32 (4 bytes)": lambda: materialized_bytes(8192, B=8, H=32, itemsize=4) / 2**30,
                     "S alone": lambda: materialized_bytes(8192, B=8, H=32, itemsize=2) / 2 / 2**30,
                     "GB, not GiB": lambda: materialized_bytes(8192, B=8, H=32, itemsize=2) / 1e9}),
-    Exercise("exercise 2", lambda: _LN_FLOAT16_MAX,
-             "Take the natural log of float16's largest finite value.",
-             wrong={"the prose's rounded e^11": 11.0,
-                    "float32's limit": lambda: math.log(float(np.finfo(np.float32).max)),
-                    "log10": lambda: math.log10(float(np.finfo(np.float16).max)),
-                    "log2": lambda: math.log2(float(np.finfo(np.float16).max))}),
+    Exercise("exercise 2", _largest_equal_logit,
+             "The sum of 1000 equal terms is 1000 * e^s; it must stay at most float16's largest finite value.",
+             wrong={"one term's limit, ln 65504": lambda: _largest_equal_logit(L=1),
+                    "ln 65504 rounded in float16": 11.09375,
+                    "float32's limit": lambda: _largest_equal_logit(np.float32),
+                    "log10": lambda: math.log10(float(np.finfo(np.float16).max) / 1000)}),
     Exercise("exercise 3", lambda: _causal_pairs(1000), "Row i sees keys 0..i.",
              wrong={"L^2 / 2": 500000, "without the diagonal": 1000 * 999 // 2, "no mask": 1000 * 1000}),
 )
