@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .figures import dashboard_figure, series, views
-from .results import committed_results, load_results
+from .figures import dashboard_figure, roofline_point, series, views
+from .results import REPO_ROOT, committed_decode_results, committed_results, load_results, same_timing, timing_method
 
-__all__ = ["committed_results_path", "load", "choices", "lengths", "summary_rows", "draw", "dashboard_widget"]
+__all__ = ["committed_results_path", "load", "choices", "lengths", "summary_rows", "draw", "dashboard_widget",
+           "MMA_RESULTS", "overview_sources", "overview_lines"]
+
+# The mma preset's own run (lesson 06's file): where the mma rung's prefill numbers are until a full run holds them.
+MMA_RESULTS = REPO_ROOT / "results" / "mma" / "bench_h100.json"
 
 
 def committed_results_path() -> Path | None:
@@ -103,3 +107,85 @@ def dashboard_widget(results):
         control.observe(redraw, names="value")
     redraw()
     return widgets.VBox([widgets.HBox([dtype, head_dim, causal]), length, output])
+
+
+# ----------------------------------------------------------------------------------------------
+# Every stage in one table: the prefill rungs and decode, from files that must agree on how they timed
+# ----------------------------------------------------------------------------------------------
+
+def overview_sources() -> dict:
+    """{path relative to the repository: results} for the ladder overview: the newest committed GPU benchmark file,
+    the mma preset's file when that one holds no mma timing, and the newest decode benchmark file."""
+    files = {}
+    path = committed_results("gpu")
+    if path is not None:
+        files[path] = load_results(path)
+    if not any(r.get("contender") == "mma" and r.get("status") == "ok" for f in files.values() for r in f["records"]) \
+            and MMA_RESULTS.exists():
+        files[MMA_RESULTS] = load_results(MMA_RESULTS)
+    decode = committed_decode_results()
+    if decode is not None:
+        files[decode] = load_results(decode)
+    return {str(path.relative_to(REPO_ROOT)): results for path, results in files.items()}
+
+
+def _prefill_row(name, results, source):
+    """A prefill stage's best point of a file: its highest TFLOP/s over every configuration it timed."""
+    timed = [r for r in results["records"] if r.get("contender") == name and r.get("status") == "ok"
+             and r.get("tflops") is not None]
+    if not timed:
+        return None
+    r = max(timed, key=lambda r: r["tflops"])
+    view = {"dtype": r["dtype"], "D": r["D"], "causal": r["causal"]}
+    point = roofline_point(results, name, view)
+    where = f"{r['dtype']} B{r['B']} H{r['H']} L{r['Lq']} D{r['D']}{' causal' if r['causal'] else ''}"
+    roof = f"{r['tflops'] / min(point['peak'], point['bandwidth'] * 1e9 * r['intensity'] / 1e12):.0%} of roof" \
+        if point else "no ceilings"
+    return {"stage": name, "source": source, "problem": where, "value": f"{r['tflops']:.0f} TFLOP/s", "roof": roof}
+
+
+def _decode_rows(results, source):
+    from .sweeps import DECODE_BAR
+
+    rows = []
+    for B, H, Hk, Lk, D, dtype in DECODE_BAR:
+        r = next((r for r in results["records"] if r.get("contender") == "wb.decode" and r.get("layout") ==
+                  "contiguous" and r.get("status") == "ok" and (r["B"], r["H"], r["Hk"], r["Lk"], r["D"], r["dtype"])
+                  == (B, H, Hk, Lk, D, dtype)), None)
+        if r is not None:
+            rows.append({"stage": "decode", "source": source, "problem": f"{dtype} B{B} H{H} Hk{Hk} Lk{Lk} D{D}",
+                         "value": f"{r['gbps']:.0f} GB/s",
+                         "roof": f"{r['fraction_of_copy']:.0%} of copy" if r.get("fraction_of_copy") else "–"})
+    return rows
+
+
+def overview_lines(files: dict, label: bool = False) -> list:
+    """One line per rung of the ladder (naive ... mma: its best TFLOP/s and the fraction of its roof; decode: its
+    GB/s at the bar's shapes and the fraction of the copy ceiling), each from the first of `files` ({name: results},
+    :func:`overview_sources`) that timed it, with the file it came from.
+
+    The files must have been timed the same way (:func:`wb_kernels.bench.results.same_timing`): otherwise this
+    raises :class:`~wb_kernels.bench.results.MixedTiming`, unless ``label=True``, where every line names how its
+    file was timed instead, and the table is headed as not one comparison."""
+    if not label:
+        method = same_timing(files)
+        head = [f"every rung, timed one way: {method.label()}"]
+    else:
+        head = ["NOT one comparison: each line is timed as its file was (the last column)"]
+    rows = []
+    stages = [name for name in ("naive", "tiled", "flash", "wmma", "mma")]
+    for name in stages:
+        row = next((row for source, results in files.items() if results.get("kind") != "decode"
+                    for row in [_prefill_row(name, results, source)] if row), None)
+        if row:
+            rows.append(row)
+    for source, results in files.items():
+        if results.get("kind") == "decode":
+            rows += _decode_rows(results, source)
+            break
+    lines = head + [f"{'rung':7s} {'best problem in its file':40s} {'rate':>14s} {'':>13s}  file"]
+    for row in rows:
+        method = timing_method(files[row["source"]])
+        lines.append(f"{row['stage']:7s} {row['problem']:40s} {row['value']:>14s} {row['roof']:>13s}  {row['source']}"
+                     + (f"  [{method.label() if method else 'no GPU'}]" if label else ""))
+    return lines

@@ -18,7 +18,8 @@ from ..plots import STAGE_COLORS, new_figure, save
 
 __all__ = ["views", "default_view", "series", "draw_latency", "draw_throughput", "draw_memory", "draw_speedup",
            "draw_roofline", "latency_figure", "throughput_figure", "memory_figure", "speedup_figure",
-           "roofline_figure", "dashboard_figure", "save_all", "FIGURE_NAMES", "decode_families",
+           "roofline_figure", "dashboard_figure", "roofline_point", "roofline_points_figure", "ROOFLINE_VIEW",
+           "save_all", "FIGURE_NAMES", "decode_families",
            "draw_decode_bandwidth", "decode_figure", "save_decode_figures", "DECODE_FIGURE_NAME"]
 
 FIGURE_NAMES = ("bench_latency", "bench_throughput", "bench_memory", "bench_speedup", "bench_roofline",
@@ -189,6 +190,50 @@ def draw_roofline(ax, results, view, highlight_L=None):
     ax.set_xlabel("arithmetic intensity (FLOP per byte of q, k, v, out)")
     ax.set_ylabel("TFLOP/s")
     ax.set_title(_title(view, "roofline"))
+
+
+ROOFLINE_VIEW = {"dtype": "float16", "D": 128, "causal": False}  # the tensor-core stages' main view
+
+
+def roofline_point(results, name, view=None) -> dict | None:
+    """`name`'s point on the roofline at the longest L of `view` (default :data:`ROOFLINE_VIEW`): its arithmetic
+    intensity, achieved TFLOP/s, the roof there (min(peak, bandwidth x intensity), both measured in the same run),
+    the fraction of the roof reached and where the roof bends; None when the file did not time `name` there or
+    measured no ceilings."""
+    view = view or ROOFLINE_VIEW
+    rs = series(results, view).get(name)
+    peak, bandwidth = _ceilings_for(results, view["dtype"])
+    if not rs or not peak or not bandwidth:
+        return None
+    r = max(rs, key=lambda r: r["Lq"])
+    roof = min(peak, bandwidth * 1e9 * r["intensity"] / 1e12)
+    return {"name": name, "B": r["B"], "H": r["H"], "L": r["Lq"], "D": r["D"], "dtype": r["dtype"],
+            "causal": r["causal"], "intensity": r["intensity"], "tflops": r["tflops"], "median_ms": r["median_ms"],
+            "peak": peak, "bandwidth": bandwidth, "bend": peak * 1e12 / (bandwidth * 1e9), "roof": roof,
+            "fraction": r["tflops"] / roof}
+
+
+def roofline_points_figure(results, names, view=None):
+    """The roof of one run and the points of `names` (:func:`roofline_point`) on it, each labelled."""
+    import numpy as np
+
+    points = [p for p in (roofline_point(results, name, view) for name in names) if p is not None]
+    fig, ax = new_figure()
+    if not points:
+        ax.text(0.02, 0.98, "none of these was timed in this file", transform=ax.transAxes, va="top")
+        return fig
+    peak, bandwidth = points[0]["peak"], points[0]["bandwidth"]
+    x = np.geomspace(1.0, max(p["intensity"] for p in points) * 4, 200)
+    ax.plot(x, np.minimum(peak, bandwidth * 1e9 * x / 1e12), color="#444444", linewidth=1.2)
+    ax.axvline(points[0]["bend"], color="#999999", linestyle=":", linewidth=1)
+    for p in points:
+        ax.plot([p["intensity"]], [p["tflops"]], "o", color=_color(p["name"]),
+                label=f"{p['name']}: {p['tflops']:.0f} TFLOP/s, {p['fraction']:.0%} of its roof")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP per byte of q, k, v, out)",
+           ylabel="TFLOP/s", title=f"B{points[0]['B']} H{points[0]['H']} L{points[0]['L']} D{points[0]['D']} "
+                                   f"{points[0]['dtype']}: the roof bends at {points[0]['bend']:.0f} FLOP/byte")
+    ax.legend(loc="lower right")
+    return fig
 
 
 def _single(draw, results, view, **kwargs):

@@ -15,7 +15,8 @@ import time
 from .measure import _free_device_memory, _short
 from .results import _nvidia_smi, _sig
 
-__all__ = ["mistake_sizes", "honesty_demos", "HONESTY_TOPICS", "NO_DEMOS", "honesty_lines", "samples_figure"]
+__all__ = ["mistake_sizes", "honesty_demos", "HONESTY_TOPICS", "NO_DEMOS", "honesty_lines", "samples_figure",
+           "TIMING_MODES", "MODE_NAMES", "timing_modes", "timing_modes_lines", "timing_modes_figure", "demos_path"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,3 +297,79 @@ def mistake_sizes(results) -> list:
             ("zeros instead of random inputs", z["matmul_zeros_ms"] / z["matmul_random_ms"], "fp16 matmul"),
             ("", z["sdpa_zeros_ms"] / z["sdpa_random_ms"], "SDPA")]
     return [f"{mistake:36s} {factor:>10,.2f}x   ({what})" for mistake, factor, what in rows]
+
+
+# ----------------------------------------------------------------------------------------------
+# The two flushes and the two clocks (a committed history file; lesson 08)
+# ----------------------------------------------------------------------------------------------
+
+TIMING_MODES = ("write", 0.0), ("write", 300.0), ("read", 0.0), ("read", 300.0)  # (flush_mode, hold_us)
+MODE_NAMES = {("write", 0.0): "zeroing flush, host time in the window",
+              ("write", 300.0): "zeroing flush, device time",
+              ("read", 0.0): "reading flush, host time in the window",
+              ("read", 300.0): "reading flush, device time (the benchmark's)"}
+
+
+def timing_modes(path) -> dict:
+    """A timing-modes file (``results/decode/history/timing_modes_*.json``) as {"gpu", "date", "commit",
+    "rows": {(call, B, H, Hk, Lk, D): {(flush_mode, hold_us): median_ms}}}."""
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text())
+    rows = {}
+    for r in data["records"]:
+        rows.setdefault((r["call"], r["B"], r["H"], r["Hk"], r["Lk"], r["D"]), {})[(r["flush_mode"], r["hold_us"])] = \
+            r["median_ms"]
+    env = data["environment"]
+    return {"gpu": env.get("gpu"), "date": env.get("date"), "commit": env.get("git_commit"), "rows": rows}
+
+
+def timing_modes_lines(modes: dict, Hk: int) -> list:
+    """One line per call and shape with Hk KV heads: its median under each of the four ways (µs)."""
+    lines = [f"{modes['gpu']}, {modes['date']}, commit {modes['commit']}: median µs of one call, timed four ways",
+             "(host: nothing queued before the call; device: a 300 µs sleeping kernel queued first)",
+             f"{'call, shape':34s}" + "".join(f"{h:>17s}" for h in ("zeroing, host", "zeroing, device",
+                                                                     "reading, host", "reading, device"))]
+    for (call, B, H, Hk_, Lk, D), times in sorted(modes["rows"].items(), key=lambda kv: (kv[0][0] != "wb.decode", kv[0])):
+        if Hk_ == Hk:
+            lines.append(f"{call + f' B{B} H{H} Hk{Hk_} Lk{Lk} D{D}':34s}"
+                         + "".join(f"{times[m] * 1e3:17.1f}" for m in TIMING_MODES))
+    return lines
+
+
+def timing_modes_figure(modes: dict, Hk: int):
+    """Bars: each call and shape with Hk KV heads, its median under each of the four ways."""
+    import numpy as np
+
+    from ..plots import new_figure
+
+    rows = [(key, times) for key, times in sorted(modes["rows"].items(), key=lambda kv: (kv[0][0] != "wb.decode", kv[0]))
+            if key[3] == Hk]
+    fig, ax = new_figure()
+    width = 0.2
+    colors = ("#d62728", "#ff9896", "#1f77b4", "#2ca02c")
+    for i, mode in enumerate(TIMING_MODES):
+        ax.bar(np.arange(len(rows)) + (i - 1.5) * width, [t[mode] * 1e3 for _, t in rows], width, color=colors[i],
+               label=MODE_NAMES[mode])
+    ax.set_xticks(np.arange(len(rows)), [f"{k[0]}\nB{k[1]} Lk{k[4]}" for k, _ in rows], fontsize=8)
+    ax.set(ylabel="median µs", title=f"one call timed four ways ({modes['gpu']}, Hk={Hk})")
+    ax.set_ylim(0, 1.5 * max(t[m] for _, t in rows for m in TIMING_MODES) * 1e3)  # room for the legend
+    ax.legend(fontsize=7, loc="upper left", ncols=2)
+    return fig
+
+
+def demos_path():
+    """The newest committed GPU results file that holds the honesty demonstrations (``--preset honesty``), or None:
+    lesson 08 reads them from there, whichever run the rest of the lesson reads."""
+    from .results import RESULTS_DIR, load_results
+
+    found = []
+    for path in sorted(RESULTS_DIR.glob("*.json")):
+        try:
+            data = load_results(path)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("honesty") and data.get("environment", {}).get("backend") == "gpu":
+            found.append((data["environment"].get("date", ""), path))
+    return max(found)[1] if found else None
