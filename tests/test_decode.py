@@ -600,3 +600,73 @@ def test_wb_decode_checks_a_signature_once_and_still_refuses_bad_inputs(monkeypa
         wb.decode(q, k[:, :1].expand(2, 3, 40, 64).contiguous(), k[:, :1].expand(2, 3, 40, 64).contiguous(), lens)
     with pytest.raises(ValueError, match="Hk must divide H"):  # a failed signature is not remembered
         wb.decode(q, k[:, :1].expand(2, 3, 40, 64).contiguous(), k[:, :1].expand(2, 3, 40, 64).contiguous(), lens)
+
+
+# ---------------------------------------------------------------- lesson 07's CUDA regions, figure and file readers
+
+
+def test_the_fused_merge_figure_draws_any_finish_order():
+    from wb_kernels.stages.decode import slider
+
+    for order in ((0, 1, 2), (2, 1, 0)):
+        fig = slider.draw_fused_merge(3, finish_order=order)
+        texts = " ".join(t.get_text() for t in fig.axes[0].texts)
+        assert "atomicAdd -> 2\n= num_splits - 1: last" in texts and "__threadfence" in texts and "counter" in texts
+    with pytest.raises(ValueError, match="finish_order"):
+        slider.draw_fused_merge(3, finish_order=(0, 0, 1))
+
+
+def test_split_cost_is_what_choose_num_splits_minimises():
+    for B, Hk, Lk, sms, chunks in ((1, 8, 32768, 132, 1), (8, 8, 65536, 132, 1), (64, 32, 16384, 132, 1),
+                                   (1, 1, 131072, 132, 8), (2, 8, 8192, 108, 1)):
+        chosen = splitkv.choose_num_splits(B, Hk, Lk, sms, row_chunks=chunks)
+        costs = {S: splitkv.split_cost(B, Hk, Lk, sms, S, row_chunks=chunks)["cost"]
+                 for S in range(1, max(1, min(64, Lk // splitkv.MIN_KEYS_PER_SPLIT)) + 1)}
+        assert splitkv.split_cost(B, Hk, Lk, sms, chosen, row_chunks=chunks)["cost"] == min(costs.values())
+
+
+def test_the_block_overhead_the_docstring_cites_is_the_tuning_files():
+    """choose_num_splits' docstring cites the fixed cost per block that tune_h100.json implies: read it again."""
+    import re
+
+    from wb_kernels.bench import REPO_ROOT, load_results
+    from wb_kernels.stages.decode import slider
+
+    implied = slider.implied_block_overhead_keys(load_results(REPO_ROOT / "results" / "decode" / "tune_h100.json"))
+    low, high = map(int, re.search(r"implies (\d+) to (\d+) keys' time", " ".join(
+        splitkv.choose_num_splits.__doc__.split())).groups())
+    assert (round(min(implied.values())), round(max(implied.values()))) == (low, high)
+    assert min(implied) == 8 and max(implied) == 128  # "each count of 8 to 128 splits"
+
+
+def test_decode_bench_rows_put_prediction_and_measurement_side_by_side():
+    from wb_kernels.stages.decode import slider
+
+    results = {"ceilings": {"copy_gbps": 2000.0}, "records": [
+        dict(contender="wb.decode", layout="contiguous", dtype="float16", D=64, status="ok", B=1, H=32, Hk=8,
+             Lk=1024, kv_bytes=2e6, median_ms=0.004, fraction_of_copy=0.25),
+        dict(contender="sdpa", layout="contiguous", dtype="float16", D=64, status="ok", B=1, H=32, Hk=8, Lk=1024,
+             kv_bytes=2e6, median_ms=0.003, fraction_of_copy=0.3)]}
+    (row,) = slider.decode_bench_rows(results, D=64)
+    assert row["predicted_us"] == pytest.approx(1.0) and row["measured_us"] == pytest.approx(4.0)
+    assert slider.decode_bench_rows(results, D=128) == [] and slider.decode_bench_rows(results, D=64, Hk=1) == []
+
+
+def test_the_lesson_shows_every_cuda_region_in_file_order_each_function_before_its_caller():
+    import json
+    from pathlib import Path
+
+    from wb_kernels.sync import module_regions, notebook_regions
+
+    source = "wb_kernels/stages/decode/flash_decode.cu"
+    lesson = Path(__file__).resolve().parent.parent / "notebooks" / "07_decode.ipynb"
+    shown = [name for name, module, _ in notebook_regions(lesson) if module == source]
+    regions = module_regions(Path(__file__).resolve().parent.parent / source)
+    assert shown == list(regions)  # every region, once, in the file's order: helpers before the kernels
+    assert all(len(text.splitlines()) < 60 for text in regions.values())
+    order = {name: i for i, name in enumerate(shown)}
+    assert order["vector_loads"] < order["merge_splits"] < order["split_kernel_setup"]
+    assert order["params_and_guards"] < order["merge_splits"]  # is_nan, used by merge_splits
+    cells = json.loads(lesson.read_text())["cells"]
+    first_cuda = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith(f"# region: params_and_guards"))
+    assert any("enable_region_cells()" in "".join(c["source"]) for c in cells[:first_cuda])

@@ -3,6 +3,8 @@
 - :func:`extension` (needs a CUDA GPU and a CUDA build of torch): the extension with ``flash_decode_forward``, built
   once per process from the package's source (the first build takes a minute or more, and says so) and cached on
   disk; later calls return the loaded module without reading or hashing the source again (per-call overhead).
+- :func:`enable_region_cells`: lets lesson 07's C++ cells (``# region: NAME (wb_kernels/stages/decode/flash_decode.cu)``)
+  run; each records the learner's version of that region, which :func:`nvcc_compile_report` then compiles.
 - :func:`nvcc_compile_report` (needs only nvcc): registers, spills and shared memory of every kernel the launcher can
   choose, for a CPU-only machine and CI.
 """
@@ -14,10 +16,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...cuda_build import CudaBuildError, EditableSource, build_extension, compile_cubin, ptxas_entries
+from ...cuda_build import (CudaBuildError, EditableSource, build_extension, compile_cubin, enable_region_cells,
+                           ptxas_entries)
 
 __all__ = ["SOURCE", "SOURCE_NAME", "extension", "build", "nvcc_compile_report", "KernelResources",
-           "package_source", "KEYS_PER_STEP"]
+           "package_source", "KEYS_PER_STEP", "enable_region_cells", "current_source"]
 
 SOURCE = EditableSource(Path(__file__).resolve().parent / "flash_decode.cu")
 SOURCE_NAME = SOURCE.name  # "wb_kernels/stages/decode/flash_decode.cu"
@@ -33,6 +36,7 @@ _CPP_DECLARATION = (
 KEYS_PER_STEP = 8 * 4 * 2
 
 package_source = SOURCE.package_source
+current_source = SOURCE.current_source  # with the regions a learner edited in the lesson (enable_region_cells)
 
 
 def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
@@ -66,7 +70,7 @@ _MERGE = re.compile(r"decode_merge_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
 
 def nvcc_compile_report(arch: str = "sm_90") -> list:
     """Compile every kernel of the launcher for `arch` with nvcc; one :class:`KernelResources` each."""
-    _, log = compile_cubin(arch, package_source(), LINE_NAME, SOURCE_NAME)
+    _, log = compile_cubin(arch, current_source(), LINE_NAME, SOURCE_NAME)
     found = []
     for entry in ptxas_entries(log):
         split, merge = _SPLIT.search(entry.function), _MERGE.search(entry.function)

@@ -14,22 +14,45 @@ import math
 import numpy as np
 
 from ...check import CheckResult
-from ...exercises import Exercise, check_answers, check_puzzle
+from ...exercises import Exercise, Puzzle, check_answers, check_puzzle
 from .slider import attention_cost, cache_memory, split_weights
 from .splitkv import choose_num_splits, partial_attention, split_bounds
 
-__all__ = ["EXERCISES", "check", "check_merge_puzzle", "puzzle_inputs", "PUZZLE_SPLITS", "PUZZLE_SCALE"]
+__all__ = ["EXERCISES", "PUZZLE", "check", "check_merge_puzzle", "puzzle_inputs", "PUZZLE_SPLITS", "PUZZLE_SCALE"]
+
+A100_SMS = 108  # exercise 1 asks for a GPU the lesson does not print: the A100's SM count (NVIDIA A100 whitepaper)
 
 EXERCISES = (
-    Exercise("exercise 1", lambda: choose_num_splits(1, 8, 4096, 132),
-             "Two blocks per SM would take ceil(2 x 132 / (1 x 8)) splits; no split may hold fewer than 256 keys."),
+    Exercise("exercise 1", lambda: choose_num_splits(2, 8, 8192, A100_SMS),
+             "Without splitting the grid has B x Hk = 16 blocks; a wave is 2 x 108 blocks, and choose_num_splits costs "
+             "each count of splits as whole waves x (keys per split + 64).",
+             wrong={"the H100's answer (132 SMs), not the A100's": lambda: choose_num_splits(2, 8, 8192, 132),
+                    "ceil(2 x 108 / 16): two blocks per SM, ignoring that 14 splits spill into a second wave":
+                        -(-2 * A100_SMS // 16),
+                    "as many splits as the 256-key minimum allows": 8192 // 256,
+                    "no split: B x Hk blocks": 1}),
     Exercise("exercise 2", lambda: float(split_weights([1.0, 3.0])[0]),
-             "The weight of split s is exp(lse_s - lse), with lse = log(exp(1) + exp(3)).", rel=1e-6),
-    Exercise("exercise 3", lambda: cache_memory([1000], 1000, 16)["paged"] - 1000,
-             "The sequence gets ceil(1000 / 16) pages of 16 slots; only its last page is partly empty."),
-    Exercise("exercise 4", lambda: attention_cost(1, 32, 8, 1, 4096, 64, 2)["intensity"],
-             "FLOPs: 4 H Lk D. Bytes: K and V, 2 Hk Lk D x 2 bytes, plus q and the output, 2 H D x 2 bytes.",
-             rel=1e-2),
+             "The weight of split s is exp(lse_s - lse), with lse = log(exp(1) + exp(3)).",
+             wrong={"the second split's weight": lambda: float(split_weights([1.0, 3.0])[1]),
+                    "exp(lse_1 - max lse), not divided by the sum": math.exp(1.0 - 3.0),
+                    "the LSEs' own ratio, 1 / (1 + 3)": 0.25,
+                    "a plain average of the splits": 0.5}),
+    Exercise("exercise 3", lambda: cache_memory([1000], 1000, 64)["paged"] - 1000,
+             "The sequence gets ceil(1000 / 64) pages of 64 slots; only its last page is partly empty.",
+             wrong={"the slots used in the last page, 1000 % 64": 1000 % 64,
+                    "the pages, ceil(1000 / 64)": -(-1000 // 64),
+                    "the slots reserved, not the empty ones": lambda: cache_memory([1000], 1000, 64)["paged"]}),
+    Exercise("exercise 4", lambda: attention_cost(1, 32, 1, 1, 256, 128, 2)["intensity"],
+             "FLOPs: 4 H Lk D. Bytes: K and V, 2 Hk Lk D x 2 bytes, plus q and the output, 2 H D x 2 bytes: here q "
+             "and the output are an eighth of the cache.",
+             wrong={"q and the output left out": lambda: (lambda c: c["flops"] / c["kv_bytes"])(
+                        attention_cost(1, 32, 1, 1, 256, 128, 2)),
+                    "q counted, the output left out": lambda: (lambda c: c["flops"] / (c["kv_bytes"] + c["q_out_bytes"]
+                                                                                          / 2))(
+                        attention_cost(1, 32, 1, 1, 256, 128, 2)),
+                    "one byte per number": lambda: (lambda c: 2 * c["intensity"])(attention_cost(1, 32, 1, 1, 256, 128,
+                                                                                                2)),
+                    "MHA's one FLOP per byte": 1.0}),
 )
 
 
@@ -82,3 +105,78 @@ def check_merge_puzzle(merge) -> None:
     check_puzzle("puzzle", run, hint="Weigh split s by exp(lse_s - lse) with lse = log(sum_s exp(lse_s)), computed "
                                      "after subtracting the largest lse_s; a split with lse_s = -inf weighs 0, and "
                                      "a row where every split is empty gives 0 and -inf, not NaN.")
+
+
+# ---------------------------------------------------------------- the plausible wrong merges, as data
+
+def _stub(outs, lses):  # the lesson's cell as shipped: only the first split is kept
+    return outs[0], lses[0]
+
+
+def _without_the_max(outs, lses):  # exact on paper; exp(lse) overflows at the puzzle's scores
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        weights = np.exp(lses)
+        total = weights.sum(axis=0)
+        return (weights[..., None] * outs).sum(axis=0) / total[:, None], np.log(total)
+
+
+def _without_the_guard(outs, lses):  # right for every row that sees a key; NaN for the row that sees none
+    with np.errstate(invalid="ignore"):
+        top = lses.max(axis=0)
+        weights = np.exp(lses - top)
+        total = weights.sum(axis=0)
+        return (weights[..., None] * outs).sum(axis=0) / total[:, None], top + np.log(total)
+
+
+def _guarded(outs, lses):
+    """The max and the guard in place: (top, weights exp(lse_s - top) with 0 for empty splits, their sum, seen)."""
+    top = lses.max(axis=0)
+    seen = np.isfinite(top)
+    weights = np.exp(lses - np.where(seen, top, 0.0))
+    return top, weights, weights.sum(axis=0), seen
+
+
+def _weights_not_normalised(outs, lses):  # sum_s exp(lse_s - top) out_s: the division by the sum forgotten
+    top, weights, total, seen = _guarded(outs, lses)
+    safe = np.where(seen, total, 1.0)
+    return (weights[..., None] * outs).sum(axis=0), np.where(seen, top + np.log(safe), -np.inf)
+
+
+def _lse_not_updated(outs, lses):  # the output merged right, the first split's LSE passed on
+    top, weights, total, seen = _guarded(outs, lses)
+    safe = np.where(seen, total, 1.0)
+    return np.where(seen[:, None], (weights[..., None] * outs).sum(axis=0) / safe[:, None], 0.0), lses[0]
+
+
+def _max_lse_as_lse(outs, lses):  # the output merged right, the largest split's LSE taken for the row's
+    top, weights, total, seen = _guarded(outs, lses)
+    safe = np.where(seen, total, 1.0)
+    return np.where(seen[:, None], (weights[..., None] * outs).sum(axis=0) / safe[:, None], 0.0), top
+
+
+def _plain_average(outs, lses):  # every split weighs the same, empty ones included
+    top, _, total, seen = _guarded(outs, lses)
+    return outs.mean(axis=0), np.where(seen, top + np.log(np.where(seen, total, 1.0)), -np.inf)
+
+
+def _weights_from_lse_itself(outs, lses):  # weights lse_s / sum lse_s: the log taken for the mass
+    finite = np.where(np.isfinite(lses), lses, 0.0)
+    total = finite.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = (finite[..., None] * outs).sum(axis=0) / total[:, None]
+    top, _, mass, seen = _guarded(outs, lses)
+    return out, np.where(seen, top + np.log(np.where(seen, mass, 1.0)), -np.inf)
+
+
+PUZZLE = Puzzle(
+    check=check_merge_puzzle,
+    solution="merge_partials",
+    wrong={"the stub as shipped": lambda: _stub,
+           "without the max: exp(lse) overflows": lambda: _without_the_max,
+           "without the guard: NaN for the row that sees no key": lambda: _without_the_guard,
+           "weights not normalised": lambda: _weights_not_normalised,
+           "the LSE not updated (the first split's)": lambda: _lse_not_updated,
+           "the largest lse_s used as the row's LSE": lambda: _max_lse_as_lse,
+           "a plain average of the outputs": lambda: _plain_average,
+           "weights proportional to lse_s, not exp(lse_s)": lambda: _weights_from_lse_itself},
+)

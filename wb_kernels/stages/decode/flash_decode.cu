@@ -12,6 +12,7 @@
 // - the splits of one sequence are merged exactly, through their log-sum-exps, by the last of its blocks to finish
 //   (a counter per sequence and group, as the CUDA C++ Programming Guide's example of __threadfence sums an array
 //   in one launch), or, with WB_DECODE_FUSED_MERGE=0 or very many splits, by a second small kernel.
+// notebooks/07_decode.ipynb shows it region by region (// region: NAME), each device function before its caller.
 // Scores are kept in log2 units (scale * log2(e) folded into q), so exp2f is one MUFU.EX2 instruction.
 // NaN and Inf give what PyTorch's SDPA gives, computed here, on the GPU, without a pass on the host: a score that is
 // NaN or +Inf turns its row's running sum into NaN (exp2(NaN) = NaN, exp2(Inf - Inf) = NaN), a query holding a NaN
@@ -34,6 +35,7 @@
 
 namespace wb {
 
+// region: params_and_guards
 constexpr float kNegBig = -1.0e30f;  // a finite minus infinity: masked scores, empty states
 constexpr float kNegHalf = -0.5e30f;  // below this: masked / empty
 
@@ -55,6 +57,7 @@ struct DecodeParams {
     int B, H, Hk, page_size, pages_per_seq, num_pages, keys_per_split, num_splits;
     float scale_log2;  // softmax scale * log2(e)
 };
+// endregion
 
 // region: vector_loads
 // Eight 16-bit values <-> floats. A uint4 is 16 bytes: one load instruction (LDG.E.128) per lane.
@@ -149,7 +152,7 @@ __global__ void decode_merge_kernel(const float* part_out, const float* part_lse
 }
 // endregion
 
-// region: decode_split_kernel
+// region: split_kernel_setup
 // Grid: (splits, B * Hk, ceil(G / ROWS)). Block: NUM_WARPS warps. LANES_PER_KEY = D / 8 lanes share a key, so a
 // warp reads 32 / LANES_PER_KEY keys per step and a block NUM_WARPS times that.
 template <typename T, int D, int ROWS, int NUM_WARPS, int KEYS_IN_FLIGHT>
@@ -196,6 +199,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
         for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
     }
 
+// endregion
+
+    // region: split_kernel_loads
     const T* k_base = static_cast<const T*>(p.k_pages);
     const T* v_base = static_cast<const T*>(p.v_pages);
     const int* table = p.block_table + (size_t)b * p.pages_per_seq;
@@ -217,6 +223,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
     uint4 k_raw[KEYS_IN_FLIGHT], v_raw[KEYS_IN_FLIGHT];
     int key0 = start + warp * KEYS_PER_WARP;
     load(key0, k_raw, v_raw);
+    // endregion
+
+    // region: split_kernel_trip_scores
     for (; key0 < stop; key0 += STRIDE) {
 #if WB_DECODE_PREFETCH
         // the next trip's loads go out before this trip's arithmetic, so memory is never idle while a warp computes
@@ -245,6 +254,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
                 score[s][r] = valid[s] ? dot : kNegBig;  // a NaN score stays NaN (see the header)
             }
         }
+        // endregion
+
+        // region: split_kernel_trip_softmax
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             float new_max = m[r];
@@ -269,6 +281,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
                 for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(weight, vx[i], acc[r][i]);
             }
         }
+        // endregion
+
+        // region: split_kernel_per_key_and_next_trip
 #else
 #pragma unroll
         for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
@@ -307,6 +322,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
 #endif
     }
 
+    // endregion
+
+    // region: split_kernel_block_merge
     // merge the states of the warp's KEYS_PER_WARP key lanes (same columns, different keys): xor over key bits
 #pragma unroll
     for (int offset = LANES_PER_KEY; offset < 32; offset *= 2) {
@@ -359,6 +377,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
             p.part_lse[row] = poisoned ? __int_as_float(0x7fc00000)
                                        : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
     }
+    // endregion
+
+    // region: split_kernel_fused_merge
     if (p.counters == nullptr) return;  // a second kernel merges the splits
 
     // The last of the group's split blocks to finish merges them, in this launch: no second kernel to wait for, and
@@ -403,7 +424,7 @@ WB_FOR_EACH_DECODE_VARIANT(WB_INSTANTIATE_SPLIT)
 WB_INSTANTIATE_MERGE(__half, 64) WB_INSTANTIATE_MERGE(__half, 128)
 WB_INSTANTIATE_MERGE(__nv_bfloat16, 64) WB_INSTANTIATE_MERGE(__nv_bfloat16, 128)
 #else
-// region: torch_launcher
+// region: launch_split_kernel
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -438,6 +459,9 @@ void launch_rows(const DecodeParams& params, cudaStream_t stream) {
     return launch_decode<T, D, 4>(params, stream);
 }
 
+// endregion
+
+// region: merge_counters_and_occupancy
 // The fused merge's counters, one per (sequence, KV head, chunk of rows): zeros, which every launch leaves as zeros
 // (the last block of each group resets its own). Kept across calls, so a decode step costs no memset; one set per
 // device and stream, so that launches on two streams at once never share one; grown when a larger grid needs more.
@@ -481,6 +505,9 @@ int64_t flash_decode_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group) {
     return head_dim == 64 ? wb::split_kernel_occupancy<__half, 64>(g) : wb::split_kernel_occupancy<__half, 128>(g);
 }
 
+// endregion
+
+// region: forward_inputs
 // Returns [out (B, H, D) in q's dtype, lse (B, H) float32]. The inputs were validated by wb.decode; the checks here
 // guard the raw pointers.
 std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
@@ -515,6 +542,9 @@ std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k
     auto part_out = torch::empty({num_splits, B, H, D}, q.options().dtype(torch::kFloat32));
     auto part_lse = torch::empty({num_splits, B, H}, q.options().dtype(torch::kFloat32));
 
+    // endregion
+
+    // region: forward_launch
     wb::DecodeParams params;
     params.q = q.data_ptr();
     params.k_pages = k_pages.data_ptr();

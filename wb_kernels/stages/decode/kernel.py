@@ -29,7 +29,8 @@ from numba import cuda, float32  # after ..backend (imported by the package firs
 from ...backend import BACKEND
 from ...resources import register_kernel
 
-__all__ = ["DecodeConfig", "make_partial_kernel", "merge_kernel", "get_partial_kernel", "config_for",
+__all__ = ["DecodeConfig", "make_partial_kernel", "merge_kernel", "load_query_rows", "load_kv_tile", "score_tile",
+           "online_softmax_tile", "write_partial", "get_partial_kernel", "config_for",
            "SIMULATOR_CONFIG", "GPU_CONFIG", "NEG_BIG", "NEG_HALF", "CAUSAL_NONE", "CAUSAL_TOP_LEFT",
            "CAUSAL_BOTTOM_RIGHT", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE"]
 
@@ -61,13 +62,134 @@ def config_for() -> DecodeConfig:
     return SIMULATOR_CONFIG if BACKEND.is_simulator else GPU_CONFIG
 
 
+# The kernel's steps are device functions, each a lesson cell of its own. inline="always" inlines them in numba's IR,
+# so the kernel compiles for any architecture without a GPU present (CI's PTX check), as one function.
+# region: load_query_rows
+@cuda.jit(device=True, inline="always")
+def load_query_rows(q_tile, q, b, kv_head, group, row0):
+    """The block's query rows into shared memory q_tile (ROWS, D), zeros past the group's last row. Row r is query
+    head kv_head * group + (row0 + r) // Lq, new token (row0 + r) % Lq."""
+    ROWS, D = q_tile.shape
+    Lq = q.shape[2]
+    for e in range(cuda.threadIdx.x, ROWS * D, cuda.blockDim.x):
+        r = e // D
+        d = e % D
+        value = float32(0.0)
+        if row0 + r < group * Lq:
+            value = float32(q[b, kv_head * group + (row0 + r) // Lq, (row0 + r) % Lq, d])
+        q_tile[r, d] = value
+# endregion
+
+
+# region: load_kv_tile
+@cuda.jit(device=True, inline="always")
+def load_kv_tile(k_tile, v_tile, k_pages, v_pages, block_table, b, kv_head, tile0, stop):
+    """Keys tile0 .. tile0 + BN - 1 of sequence b into k_tile, v_tile (BN, D), each gathered through the block table;
+    zeros past the split's end. Consecutive threads load consecutive columns of a key: coalesced within a page."""
+    BN, D = k_tile.shape
+    page_size = k_pages.shape[2]
+    for e in range(cuda.threadIdx.x, BN * D, cuda.blockDim.x):
+        j = e // D
+        d = e % D
+        key = tile0 + j
+        kval = float32(0.0)
+        vval = float32(0.0)
+        if key < stop:
+            page = block_table[b, key // page_size]
+            slot = key % page_size
+            kval = float32(k_pages[page, kv_head, slot, d])
+            vval = float32(v_pages[page, kv_head, slot, d])
+        k_tile[j, d] = kval
+        v_tile[j, d] = vval
+# endregion
+
+
+# region: score_tile
+@cuda.jit(device=True, inline="always")
+def score_tile(scores, q_tile, k_tile, b, row0, rows_used, Lq, tile0, stop, causal_mode, offset, key_keep, use_mask,
+               scale):
+    """scores (ROWS, BN) of the block's rows against the tile's keys; a masked one (past the split, past the group's
+    rows, past the causal limit i + offset, or padded) gets NEG_BIG, as in lesson 04."""
+    ROWS, BN = scores.shape
+    D = q_tile.shape[1]
+    for e in range(cuda.threadIdx.x, ROWS * BN, cuda.blockDim.x):
+        r = e // BN
+        j = e % BN
+        key = tile0 + j
+        i = (row0 + r) % Lq
+        keep = key < stop and row0 + r < rows_used
+        if causal_mode != 0 and key > i + offset:
+            keep = False
+        if use_mask != 0 and keep:
+            keep = key_keep[b, key] != 0
+        s = float32(NEG_BIG)
+        if keep:
+            dot = float32(0.0)
+            for d in range(D):
+                dot += q_tile[r, d] * k_tile[j, d]
+            s = dot * scale
+        scores[r, j] = s
+# endregion
+
+
+# region: online_softmax_tile
+@cuda.jit(device=True, inline="always")
+def online_softmax_tile(m_run, l_run, acc, scores, v_tile):
+    """Lesson 04's online softmax, for the outputs this thread owns: e = t, t + THREADS, ... of the ROWS x D block.
+    Each rescales by its row's new maximum, e^(m_old - m_new), and adds the tile's e^(s - m_new) and e^(s - m_new) v."""
+    ROWS, BN = scores.shape
+    D = v_tile.shape[1]
+    for u in range(m_run.shape[0]):
+        e = cuda.threadIdx.x + u * cuda.blockDim.x
+        if e < ROWS * D:
+            r = e // D
+            d = e % D
+            tile_max = float32(NEG_BIG)
+            for j in range(BN):
+                tile_max = max(tile_max, scores[r, j])
+            new_max = max(m_run[u], tile_max)
+            alpha = float32(0.0)
+            if m_run[u] > float32(NEG_HALF):
+                alpha = math.exp(m_run[u] - new_max)
+            total = l_run[u] * alpha
+            out = acc[u] * alpha
+            for j in range(BN):
+                s = scores[r, j]
+                if s > float32(NEG_HALF):
+                    p = math.exp(s - new_max)
+                    total += p
+                    out += p * v_tile[j, d]
+            m_run[u] = new_max
+            l_run[u] = total
+            acc[u] = out
+# endregion
+
+
+# region: write_partial
+@cuda.jit(device=True, inline="always")
+def write_partial(part_out, part_lse, m_run, l_run, acc, split, b, kv_head, group, row0, ROWS):
+    """The split's output, normalised over the split, and its LSE m + log(l), for the outputs this thread owns (of the
+    block's ROWS x D); a row that saw no key of the split gets 0 and NEG_BIG."""
+    Lq, D = part_out.shape[3], part_out.shape[4]
+    for u in range(m_run.shape[0]):
+        e = cuda.threadIdx.x + u * cuda.blockDim.x
+        r = e // D
+        d = e % D
+        if e < ROWS * D and row0 + r < group * Lq:
+            h = kv_head * group + (row0 + r) // Lq
+            i = (row0 + r) % Lq
+            seen = l_run[u] > 0.0
+            part_out[split, b, h, i, d] = acc[u] / l_run[u] if seen else float32(0.0)
+            if d == 0:
+                part_lse[split, b, h, i] = m_run[u] + math.log(l_run[u]) if seen else float32(NEG_BIG)
+# endregion
+
+
 # region: decode_partial
 def make_partial_kernel(D: int, config: DecodeConfig):
     """The split-KV kernel for head dim D: one block per (split, sequence x KV head, chunk of query rows)."""
-    THREADS, BN, ROWS = config.threads, config.block_n, config.rows
+    BN, ROWS = config.block_n, config.rows
     OWNED = config.owned(D)
-    NEG = float32(NEG_BIG)
-    MASKED = float32(NEG_HALF)
 
     @cuda.jit
     def decode_partial(q,  # (B, H, Lq, D) queries, float32 or float16
@@ -86,15 +208,17 @@ def make_partial_kernel(D: int, config: DecodeConfig):
         k_tile = cuda.shared.array((BN, D), float32)
         v_tile = cuda.shared.array((BN, D), float32)
         scores = cuda.shared.array((ROWS, BN), float32)
+        # each thread's online-softmax state for the OWNED (row, column) outputs it accumulates
+        m_run = cuda.local.array(OWNED, float32)
+        l_run = cuda.local.array(OWNED, float32)
+        acc = cuda.local.array(OWNED, float32)
 
         split = cuda.blockIdx.x
-        B, H, Lq = q.shape[0], q.shape[1], q.shape[2]
-        Hk, page_size = k_pages.shape[1], k_pages.shape[2]
-        group = H // Hk  # query heads per KV head
+        Lq, Hk = q.shape[2], k_pages.shape[1]
+        group = q.shape[1] // Hk  # query heads per KV head
         b = cuda.blockIdx.y // Hk
         kv_head = cuda.blockIdx.y % Hk
         row0 = cuda.blockIdx.z * ROWS  # this block's rows among the group's group * Lq rows
-        t = cuda.threadIdx.x
         length = seq_lens[b]
         start = split * keys_per_split
         stop = min(start + keys_per_split, length)
@@ -102,99 +226,20 @@ def make_partial_kernel(D: int, config: DecodeConfig):
         if causal_mode == 2:
             offset = length - Lq
 
-        # The block's query rows: row r is query head kv_head * group + (row0 + r) // Lq, token (row0 + r) % Lq.
-        for e in range(t, ROWS * D, THREADS):
-            r = e // D
-            d = e % D
-            value = float32(0.0)
-            if row0 + r < group * Lq:
-                value = float32(q[b, kv_head * group + (row0 + r) // Lq, (row0 + r) % Lq, d])
-            q_tile[r, d] = value
-
-        # Each thread accumulates OWNED (row, column) outputs: e = t, t + THREADS, ... of the ROWS x D block.
-        m_run = cuda.local.array(OWNED, float32)
-        l_run = cuda.local.array(OWNED, float32)
-        acc = cuda.local.array(OWNED, float32)
+        load_query_rows(q_tile, q, b, kv_head, group, row0)
         for u in range(OWNED):
-            m_run[u] = NEG
+            m_run[u] = float32(NEG_BIG)
             l_run[u] = 0.0
             acc[u] = 0.0
-
         for tile0 in range(start, stop, BN):
-            # K and V tiles, gathered through the block table (coalesced: consecutive threads, consecutive d)
-            for e in range(t, BN * D, THREADS):
-                j = e // D
-                d = e % D
-                key = tile0 + j
-                kval = float32(0.0)
-                vval = float32(0.0)
-                if key < stop:
-                    page = block_table[b, key // page_size]
-                    slot = key % page_size
-                    kval = float32(k_pages[page, kv_head, slot, d])
-                    vval = float32(v_pages[page, kv_head, slot, d])
-                k_tile[j, d] = kval
-                v_tile[j, d] = vval
+            load_kv_tile(k_tile, v_tile, k_pages, v_pages, block_table, b, kv_head, tile0, stop)
             cuda.syncthreads()
-
-            # scores of the block's rows against the tile's keys; masked ones get NEG_BIG
-            for e in range(t, ROWS * BN, THREADS):
-                r = e // BN
-                j = e % BN
-                key = tile0 + j
-                i = (row0 + r) % Lq
-                keep = key < stop and row0 + r < group * Lq
-                if causal_mode != 0 and key > i + offset:
-                    keep = False
-                if use_mask != 0 and keep:
-                    keep = key_keep[b, key] != 0
-                s = NEG
-                if keep:
-                    dot = float32(0.0)
-                    for d in range(D):
-                        dot += q_tile[r, d] * k_tile[j, d]
-                    s = dot * scale
-                scores[r, j] = s
+            score_tile(scores, q_tile, k_tile, b, row0, group * Lq, Lq, tile0, stop, causal_mode, offset, key_keep,
+                       use_mask, scale)
             cuda.syncthreads()
-
-            # online softmax: each owned output rescales by its row's new maximum and adds P V for the tile
-            for u in range(OWNED):
-                e = t + u * THREADS
-                if e < ROWS * D:
-                    r = e // D
-                    d = e % D
-                    tile_max = NEG
-                    for j in range(BN):
-                        tile_max = max(tile_max, scores[r, j])
-                    new_max = max(m_run[u], tile_max)
-                    alpha = float32(0.0)
-                    if m_run[u] > MASKED:
-                        alpha = math.exp(m_run[u] - new_max)
-                    total = l_run[u] * alpha
-                    out = acc[u] * alpha
-                    for j in range(BN):
-                        s = scores[r, j]
-                        if s > MASKED:
-                            p = math.exp(s - new_max)
-                            total += p
-                            out += p * v_tile[j, d]
-                    m_run[u] = new_max
-                    l_run[u] = total
-                    acc[u] = out
+            online_softmax_tile(m_run, l_run, acc, scores, v_tile)
             cuda.syncthreads()  # before the next tile overwrites K, V and the scores
-
-        for u in range(OWNED):
-            e = t + u * THREADS
-            if e < ROWS * D:
-                r = e // D
-                d = e % D
-                if row0 + r < group * Lq:
-                    h = kv_head * group + (row0 + r) // Lq
-                    i = (row0 + r) % Lq
-                    seen = l_run[u] > 0.0
-                    part_out[split, b, h, i, d] = acc[u] / l_run[u] if seen else float32(0.0)
-                    if d == 0:
-                        part_lse[split, b, h, i] = m_run[u] + math.log(l_run[u]) if seen else NEG
+        write_partial(part_out, part_lse, m_run, l_run, acc, split, b, kv_head, group, row0, ROWS)
 
     return decode_partial
 # endregion

@@ -441,3 +441,133 @@ def describe_decoder_run(folder=None) -> str:
     if path is None:
         return NO_DECODER_RUN
     return f"{path.name}:\n" + decoder_table(json.loads(path.read_text()))
+
+
+# ---------------------------------------------------------------- the CUDA kernel's fused merge
+
+
+def draw_fused_merge(num_splits: int = 4, finish_order=(2, 0, 3, 1)):
+    """flash_decode.cu's merge in the split kernel's own launch, for one (sequence, KV head): each split block writes
+    its partial output and LSE, makes them visible to the whole GPU (``__threadfence``), then adds one to the group's
+    counter; the block whose add returns ``num_splits - 1`` is the last, merges every split's partial result (read
+    from L2) and sets the counter back to 0 for the next launch. `finish_order` is the order in which the blocks
+    finish (any order: the GPU schedules blocks as it likes)."""
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    order = list(finish_order)
+    if sorted(order) != list(range(num_splits)):
+        raise ValueError(f"draw_fused_merge: finish_order must order the splits 0 .. {num_splits - 1}, got {order}")
+    fig, ax = new_figure(width=11.0, height=3.6)
+    for s in range(num_splits):
+        rank = order.index(s)
+        x = 0.4 + rank * 2.2  # left to right: the order in which the blocks finish
+        last = rank == num_splits - 1
+        ax.add_patch(Rectangle((x, 3.0), 1.8, 0.8, facecolor="C1" if last else "C0", alpha=0.8, lw=0))
+        ax.text(x + 0.9, 3.4, f"split block {s}\n(keys of split {s})", ha="center", va="center", fontsize=8,
+                color="white")
+        ax.add_patch(Rectangle((x, 1.6), 1.8, 0.6, facecolor="#dddddd", lw=0))
+        ax.text(x + 0.9, 1.9, f"part_out[{s}], part_lse[{s}]", ha="center", va="center", fontsize=8)
+        ax.add_patch(FancyArrowPatch((x + 0.9, 3.0), (x + 0.9, 2.2), arrowstyle="-|>", mutation_scale=10))
+        ax.text(x + 0.95, 2.6, "1. write", fontsize=7)
+        ax.plot([x + 0.9, x + 0.9], [0.45, 0.25], color="#888888", lw=0.8)  # to the counter: the bus below
+        ax.text(x + 0.9, 0.95, f"2. __threadfence\n3. atomicAdd -> {rank}" + ("\n= num_splits - 1: last" if last else
+                                                                                   "\n< num_splits - 1: exit"),
+                ha="center", va="top", fontsize=7.5, color="C1" if last else "black")
+    ax.plot([1.3, 10.4], [0.25, 0.25], color="#888888", lw=0.8)
+    ax.add_patch(FancyArrowPatch((10.4, 0.25), (10.4, 1.5), arrowstyle="-|>", mutation_scale=10, color="#888888"))
+    ax.text(10.45, 0.7, "atomicAdd", fontsize=7, color="#555555")
+    ax.add_patch(Rectangle((9.6, 1.5), 1.6, 0.8, facecolor="white", edgecolor="black", lw=0.8))
+    ax.text(10.4, 1.9, "counter of\n(sequence, KV head)", ha="center", va="center", fontsize=7.5)
+    x_last = 0.4 + (num_splits - 1) * 2.2
+    ax.add_patch(FancyArrowPatch((x_last + 1.8, 3.4), (10.4, 3.4), arrowstyle="-|>", mutation_scale=10, color="C1"))
+    ax.text(10.4, 3.55, f"4. the last block merges all {num_splits}\n(merge_splits, reads from L2),\n5. counter = 0",
+            ha="center", va="bottom", fontsize=7.5, color="C1")
+    ax.set_xlim(0, 11.6)
+    ax.set_ylim(0.0, 4.6)
+    ax.axis("off")
+    ax.set_title(f"The fused merge: {num_splits} split blocks of one group, left to right in the order they finish",
+                 fontsize=10)
+    return fig
+
+
+# ---------------------------------------------------------------- the committed runs, read for the lesson's claims
+
+
+def _tune_rows(results: dict, shape, variant: str | None = None) -> dict:
+    """{splits: record} of tune.py's file at shape (B, H, Hk, Lk, D), for `variant` (default: the file's first)."""
+    variant = variant or results["records"][0]["variant"]
+    return {r["splits"]: r for r in results["records"]
+            if (r["B"], r["H"], r["Hk"], r["Lk"], r["D"]) == tuple(shape) and r["variant"] == variant}
+
+
+def implied_block_overhead_keys(results: dict, shape=(8, 32, 8, 8192, 128), num_sms: int = 132,
+                                blocks_per_sm: int = 2) -> dict:
+    """What a tuning run says a block's fixed cost is, in keys' time, at `shape`: with T(S) the time at S splits and
+    the cost model waves(S) x (keys per split(S) + o), each count S past the fewest splits that fill one wave gives
+    one o from T(S) / T(S1) = waves(S) (k(S) + o) / (waves(S1) (k(S1) + o)). {S: o}."""
+    from .splitkv import split_cost
+
+    B, H, Hk, Lk, D = shape
+    rows = _tune_rows(results, shape)
+    plans = {S: split_cost(B, Hk, Lk, num_sms, S, blocks_per_sm=blocks_per_sm, row_chunks=row_chunks(H, Hk))
+             for S in rows}
+    one_wave = max(S for S in rows if plans[S]["waves"] == 1)
+    base, t_base = plans[one_wave], rows[one_wave]["median_ms"]
+    implied = {}
+    for S in sorted(rows):
+        if S <= one_wave:
+            continue
+        ratio = rows[S]["median_ms"] / t_base
+        w, k = plans[S]["waves"], plans[S]["keys_per_split"]
+        # ratio * (k1 + o) = w (k + o)  ->  o = (ratio k1 - w k) / (w - ratio)
+        implied[S] = (ratio * base["keys_per_split"] - w * k) / (w - ratio)
+    return implied
+
+
+def decode_bench_rows(results: dict, *, D: int, dtype: str = "float16", layout: str = "contiguous", Hk=None) -> list:
+    """wb.decode's measured rows of a decode benchmark file at head dim D, each with the prediction from the same
+    file: K and V bytes over the file's copy ceiling, both in µs."""
+    copy_gbps = results["ceilings"]["copy_gbps"]
+    rows = []
+    for r in results["records"]:
+        if (r.get("contender"), r.get("layout"), r.get("dtype"), r.get("D"), r.get("status")) != (
+                "wb.decode", layout, dtype, D, "ok") or (Hk is not None and r["Hk"] != Hk):
+            continue
+        predicted_us = r["kv_bytes"] / (copy_gbps * 1e3)
+        rows.append({"B": r["B"], "H": r["H"], "Hk": r["Hk"], "Lk": r["Lk"], "kv_bytes": r["kv_bytes"],
+                     "predicted_us": predicted_us, "measured_us": 1e3 * r["median_ms"],
+                     "fraction_of_copy": r["fraction_of_copy"]})
+    return sorted(rows, key=lambda r: (r["Hk"], r["B"], r["Lk"]))
+
+
+def copy_bandwidths() -> dict:
+    """The copy bandwidth of every committed GPU run the lesson reads, {file: (GPU, date, GB/s)}: each run measures
+    its own device-to-device copy, and each comparison uses its own run's."""
+    import json
+
+    from ...bench import load_results
+
+    found = {}
+    gpu = committed_gpu()
+    if gpu is not None:
+        found[f"results/bench/{gpu['file']}"] = (gpu["gpu"], gpu["date"], gpu["copy_gbps"])
+    from ...bench.results import committed_decode_results
+
+    bench_path = committed_decode_results()
+    if bench_path is not None:
+        data = load_results(bench_path)
+        found[f"results/decode/{bench_path.name}"] = (data["environment"]["gpu"], data["environment"]["date"][:10],
+                                                      data["ceilings"]["copy_gbps"])
+    decoder_path = committed_decoder_results()
+    if decoder_path is not None:
+        data = json.loads(decoder_path.read_text())
+        found[f"results/decode/{decoder_path.name}"] = (data["environment"]["gpu"], data["environment"]["date"][:10],
+                                                        data["ceilings"]["copy_gbps"])
+    return found
+
+
+def decoder_speedups(results: dict, *, layout: str = "paged", attend: str = "wb") -> list:
+    """(config, batch, context, tokens/s over SDPA's on the same layout) of a decoder run's `attend` rows."""
+    return [(r["config"], r["batch"], r["context"], r["vs_sdpa"]) for r in results.get("records", [])
+            if r.get("status") == "ok" and r["layout"] == layout and r["attend"] == attend
+            and r.get("vs_sdpa") is not None]

@@ -3,11 +3,15 @@ when you are right."""
 
 import math
 
-answer_1 = min(math.ceil(2 * 132 / (1 * 8)), 4096 // 256)  # the GPU wants 33 splits, the keys allow 16
-answer_2 = 1 / (1 + math.exp(3.0 - 1.0))  # exp(1 - lse) with lse = log(e^1 + e^3)
-answer_3 = math.ceil(1000 / 16) * 16 - 1000  # 63 pages hold 1008 slots
-answer_4 = (4 * 32 * 4096 * 64) / (2 * 8 * 4096 * 64 * 2 + 2 * 32 * 64 * 2)  # about H / Hk / 2 bytes = 4
+from .splitkv import choose_num_splits
 
-# The puzzle's solution is the package's own merge, which the lesson shows right after the puzzle
-# (region merge_partials of splitkv.py).
+# 16 blocks unsplit, a wave of 2 x 108 = 216: 13 splits (208 blocks) are one wave of 631 keys each; 14 would spill
+# 8 blocks into a second wave. choose_num_splits weighs exactly that.
+answer_1 = choose_num_splits(2, 8, 8192, 108)
+answer_2 = 1 / (1 + math.exp(3.0 - 1.0))  # exp(1 - lse) with lse = log(e^1 + e^3)
+answer_3 = math.ceil(1000 / 64) * 64 - 1000  # 16 pages hold 1024 slots
+answer_4 = (4 * 32 * 256 * 128) / (2 * 1 * 256 * 128 * 2 + 2 * 32 * 128 * 2)  # q and the output: 1/8 of the cache
+
+# The puzzle's solution is the package's own merge (region merge_partials of splitkv.py; the lesson does not show
+# it, so that the puzzle is yours to solve first).
 from .splitkv import merge_partials  # noqa: E402,F401

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-__all__ = ["partial_attention", "merge_partials", "split_kv_attention", "split_bounds", "choose_num_splits",
+__all__ = ["partial_attention", "merge_partials", "split_kv_attention", "split_bounds", "choose_num_splits", "split_cost",
            "MIN_KEYS_PER_SPLIT"]
 
 # A split shorter than this spends more time starting up and merging than reading keys: at 128 keys of D = 128 in
@@ -91,6 +91,16 @@ def split_kv_attention(q, k, v, num_splits: int, scale=None, allowed=None):
 
 
 # region: choose_num_splits
+def split_cost(batch: int, kv_heads: int, max_keys: int, num_sms: int, asked: int, *, blocks_per_sm: int = 2,
+               row_chunks: int = 1, keys_step: int = 1, block_overhead_keys: int = 64) -> dict:
+    """The grid of `asked` splits, costed: whole waves x (keys per split + `block_overhead_keys`), in keys' time."""
+    keys_per_split = -(-max(1, -(-max_keys // asked)) // keys_step) * keys_step  # rounded up to whole steps
+    splits = max(1, -(-max_keys // keys_per_split))  # rounding up may leave fewer splits than asked
+    waves = -(-batch * kv_heads * max(1, row_chunks) * splits // (num_sms * blocks_per_sm))
+    return {"splits": splits, "keys_per_split": keys_per_split, "waves": waves,
+            "cost": waves * (keys_per_split + block_overhead_keys)}
+
+
 def choose_num_splits(batch: int, kv_heads: int, max_keys: int, num_sms: int, *, blocks_per_sm: int = 2,
                       min_keys_per_split: int = MIN_KEYS_PER_SPLIT, max_splits: int = 64, row_chunks: int = 1,
                       keys_step: int = 1, block_overhead_keys: int = 64) -> int:
@@ -100,24 +110,23 @@ def choose_num_splits(batch: int, kv_heads: int, max_keys: int, num_sms: int, *,
     heads of a group share their block, so the cache is read once), times the chunks a group too large for one
     block's registers is cut into (MQA's 32 query heads: several). The GPU runs ``num_sms * blocks_per_sm`` of them
     at a time, a wave; a grid of 1.2 waves takes as long as 2 (the second wave's few blocks run alone). So each count
-    of splits is costed as waves x (keys per split + `block_overhead_keys`): the grid's time when every block streams
-    its keys at the same rate and pays a fixed start and finish (loading q, merging its warps, writing its partial
-    result) worth about 64 keys of streaming (tune_h100.json: each extra wave at B8 Lk8192 cost about 50 keys' time).
-    The cheapest count wins; on a tie, the fewest splits (less for the merge to read). No split is shorter than
-    `min_keys_per_split`, and each split's length is rounded up to `keys_step` keys, as the kernel rounds it.
+    of splits is costed by :func:`split_cost` as waves x (keys per split + `block_overhead_keys`): the grid's time
+    when every block streams its keys at the same rate and pays a fixed start and finish (loading q, merging its
+    warps, writing its partial result) worth about 64 keys of streaming (tune_h100.json, B8 Hk8 Lk8192 D128: each
+    count of 8 to 128 splits, timed against the one wave of 4 splits, implies 70 to 92 keys' time per block;
+    lesson 07 computes it). The cheapest count wins; on a tie, the fewest splits (less for the merge to read). No
+    split is shorter than `min_keys_per_split`, and each split's length is rounded up to `keys_step` keys, as the
+    kernel rounds it.
     """
     if min(batch, kv_heads, num_sms, blocks_per_sm, keys_step) < 1 or max_keys < 0:
         raise ValueError(f"choose_num_splits: batch={batch}, kv_heads={kv_heads}, num_sms={num_sms}, "
                          f"blocks_per_sm={blocks_per_sm} and keys_step={keys_step} must be >= 1 "
                          f"and max_keys={max_keys} >= 0")
-    blocks = batch * kv_heads * max(1, row_chunks)
-    wave = num_sms * blocks_per_sm
     best_cost, best_splits = None, 1
     for asked in range(1, max(1, min(max_splits, max_keys // min_keys_per_split)) + 1):
-        keys_per_split = -(-max(1, -(-max_keys // asked)) // keys_step) * keys_step  # rounded up to whole steps
-        splits = max(1, -(-max_keys // keys_per_split))  # rounding up may leave fewer splits than asked
-        cost = -(-blocks * splits // wave) * (keys_per_split + block_overhead_keys)  # whole waves x one block's time
-        if best_cost is None or cost < best_cost:
-            best_cost, best_splits = cost, splits
+        option = split_cost(batch, kv_heads, max_keys, num_sms, asked, blocks_per_sm=blocks_per_sm,
+                            row_chunks=row_chunks, keys_step=keys_step, block_overhead_keys=block_overhead_keys)
+        if best_cost is None or option["cost"] < best_cost:
+            best_cost, best_splits = option["cost"], option["splits"]
     return int(best_splits)
 # endregion
