@@ -2,7 +2,8 @@
 
 What a decode step costs (FLOPs, bytes, where that sits on a roofline), how many key splits fill the GPU, a paged
 cache against contiguous ones sized to a maximum length, and the committed GPU numbers the lesson reads (the decode
-benchmark's, and the decoder's tokens per second from ``tokens.py``). Plain
+benchmark's, and the decoder's tokens per second from ``tokens.py``), read for the lesson's asserted claims, and the
+picture of the CUDA kernel's fused merge (:func:`draw_fused_merge`). Plain
 functions (inputs -> numbers or a matplotlib Figure): pytest calls them (``tests/test_decode.py``), and the lesson
 wires :func:`draw_split_choice` to three sliders with :func:`wb_kernels.widgets.link_sliders`.
 """
@@ -21,7 +22,8 @@ __all__ = ["attention_cost", "committed_gpu", "draw_roofline", "split_weights", 
            "row_chunks", "splits_table", "draw_splits_heatmap", "sm_wave", "draw_split_choice", "random_sequence_lengths",
            "cache_memory", "draw_cache_memory", "draw_page_pool", "committed_tune_results",
            "describe_tune_run", "committed_decoder_results", "decoder_table", "describe_decoder_run",
-           "NO_DECODER_RUN", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
+           "NO_DECODER_RUN", "draw_fused_merge", "implied_block_overhead_keys", "decode_bench_rows", "copy_bandwidths",
+           "decoder_speedups", "CUDA_ROWS_PER_BLOCK", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
            "WORKLOAD_KV_HEADS", "WORKLOAD_LENGTHS"]
 
 SLIDER_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
