@@ -780,3 +780,112 @@ def test_readme_tables_say_how_their_file_was_timed_and_one_file_fills_both_pref
     tables = [text.split(start, 1)[1].split(end, 1)[0] for start, end in
               ((bench.README_START, bench.README_END), (README_MMA_START, README_MMA_END))]
     assert "old" not in text and tables[0] == tables[1] and "sleeping kernel" in tables[0]
+
+
+# --- lesson 08's helpers: the mma point, the overview of every rung, the timing modes, the puzzle's pretend GPU ------
+
+
+def test_roofline_point_of_the_mma_rung_from_its_file():
+    from wb_kernels.bench.figures import roofline_point
+
+    results = bench.load_results(bench.REPO_ROOT / "results" / "mma" / "bench_h100.json")
+    point = roofline_point(results, "mma")
+    assert point["L"] == max(bench.LADDER_LENGTHS) and point["dtype"] == "float16" and point["D"] == 128
+    assert point["intensity"] == pytest.approx(point["L"] / 2, rel=1e-3)  # fp16, not causal: L/2 FLOP per byte
+    assert point["roof"] == min(point["peak"], point["bandwidth"] * 1e9 * point["intensity"] / 1e12)
+    assert 0 < point["fraction"] < 1 and roofline_point(results, "naive") is None
+
+
+def test_overview_refuses_files_timed_differently_and_labels_them_when_asked():
+    from wb_kernels.bench import dashboard
+
+    root = bench.REPO_ROOT / "results"
+    files = {name: bench.load_results(root / name) for name in
+             ("bench/h100-80gb-hbm3_2026-11-21.json", "mma/bench_h100.json", "decode/bench_h100.json")}
+    with pytest.raises(bench.MixedTiming, match="timed differently"):
+        dashboard.overview_lines(files)
+    lines = dashboard.overview_lines(files, label=True)
+    assert lines[0].startswith("NOT one comparison")
+    rungs = [line.split()[0] for line in lines[2:]]
+    assert {"naive", "tiled", "flash", "wmma", "mma", "decode"} <= set(rungs)
+    assert all("[" in line for line in lines[2:])  # every line names how its file was timed
+
+
+def test_overview_sources_are_the_newest_run_the_mma_run_while_it_lacks_mma_and_decode():
+    from wb_kernels.bench import dashboard
+
+    sources = dashboard.overview_sources()
+    names = list(sources)
+    assert names[0] == str(bench.committed_results("gpu").relative_to(bench.REPO_ROOT))
+    assert names[-1] == str(bench.results.committed_decode_results().relative_to(bench.REPO_ROOT))
+    newest_has_mma = any(r.get("contender") == "mma" and r["status"] == "ok" for r in sources[names[0]]["records"])
+    assert (str(dashboard.MMA_RESULTS.relative_to(bench.REPO_ROOT)) in names) != newest_has_mma
+
+
+def test_overview_of_files_timed_one_way_is_one_comparison():
+    from wb_kernels.bench import dashboard
+    from wb_kernels.timing import DEVICE_TIME
+
+    prefill = bench.load_results(bench.REPO_ROOT / "results" / "mma" / "bench_h100.json")
+    decode = bench.load_results(bench.REPO_ROOT / "results" / "decode" / "bench_h100.json")
+    prefill = dict(prefill, timing=DEVICE_TIME.as_record())  # as a run under DEVICE_TIME writes it
+    lines = dashboard.overview_lines({"prefill": prefill, "decode": decode})
+    assert lines[0] == f"every rung, timed one way: {DEVICE_TIME.label()}"
+    assert [line.split()[0] for line in lines[2:]] == ["wmma", "mma", "decode", "decode"]
+
+
+def test_timing_modes_file_reads_back_four_ways_per_call():
+    from wb_kernels.bench import pitfalls
+
+    modes = pitfalls.timing_modes(bench.REPO_ROOT / "results" / "decode" / "history" / "timing_modes_h100_42df32c.json")
+    assert modes["gpu"] == "NVIDIA H100 80GB HBM3" and modes["commit"] == "42df32c"
+    assert all(set(times) == set(pitfalls.TIMING_MODES) for times in modes["rows"].values())
+    lines = pitfalls.timing_modes_lines(modes, Hk=8)
+    assert len(lines) == 3 + sum(key[3] == 8 for key in modes["rows"])
+    assert pitfalls.timing_modes_figure(modes, Hk=8) is not None
+
+
+def test_the_lesson_reads_the_honesty_demonstrations_from_a_file_that_has_them():
+    from wb_kernels.bench import pitfalls
+
+    path = pitfalls.demos_path()
+    assert path is not None and bench.load_results(path)["honesty"]["clocks"]
+
+
+def test_the_pretend_gpu_is_asynchronous_and_stamps_events_on_its_own_timeline():
+    from wb_kernels.bench.fake_gpu import FakeDevice
+
+    device = FakeDevice(kernel_us=40.0, wrapper_us=80.0, compile_us=1000.0)
+    device.kernel()  # compiles, then queues
+    assert device.host_us == 1000.0 + 80.0 + device.launch_us < device.free_at  # returned before the work is done
+    device.synchronize()
+    assert device.host_us == device.free_at
+    device.sleep(500)
+    device.flush_l2("read")
+    start, end = device.Event(), device.Event()
+    start.record()
+    device.kernel()
+    end.record()
+    with pytest.raises(RuntimeError, match="synchronize"):
+        start.elapsed_time(end)
+    end.synchronize()
+    assert start.elapsed_time(end) == pytest.approx(device.truth_ms)
+    device.flush_l2("write")
+    device.synchronize()
+    assert device.l2 == "dirty"
+    with pytest.raises(ValueError):
+        device.flush_l2("zero")
+
+
+def test_the_timing_puzzle_names_the_lie_and_rejects_a_stub():
+    from wb_kernels.bench import exercises
+    from wb_kernels.exercises import puzzle_verdict
+
+    assert "not solved yet: time_it returned None" in puzzle_verdict(exercises.PUZZLE, lambda fn, device: None)
+    no_flush = exercises.WRONG_LOOPS["the L2 left warm (no flush)"]()
+    assert "'the L2 left warm (no flush)'" in puzzle_verdict(exercises.PUZZLE, no_flush)
+
+    def raises(fn, device):
+        raise KeyError("oops")
+
+    assert "raised KeyError" in puzzle_verdict(exercises.PUZZLE, raises)
