@@ -5,20 +5,28 @@ The worked answers (and the fixed kernel) are in ``solutions.py`` next to this f
 
 from __future__ import annotations
 
+import inspect
 import math
 
-from ...exercises import Exercise, check_answers, check_puzzle
-from .kernel import make_block_softmax_kernel, make_tiled_kernels, shared_bytes_per_block, tiled_forward
+from ...exercises import Exercise, Puzzle, check_answers, check_puzzle
+from .kernel import make_block_softmax_kernel, make_tiled_weighted_sum_kernel, shared_bytes_per_block, tiled_forward
 
-__all__ = ["EXERCISES", "check", "check_scores_puzzle"]
+__all__ = ["EXERCISES", "PUZZLE", "check", "check_scores_puzzle"]
 
 EXERCISES = (
     Exercise("exercise 1", lambda: 2 * 16 * 16 * math.ceil(64 / 16),
-             "Each step loads one Q tile and one K tile of T*T numbers; there are D/T steps."),
-    Exercise("exercise 2", lambda: shared_bytes_per_block(32)["tiled_scores_kernel"],
-             "q_tile is T x T, k_tile is T x (T + 1), 4 bytes each."),
+             "Each step loads one Q tile and one K tile of T*T numbers; there are D/T steps.",
+             wrong={"one tile per step": 16 * 16 * 4, "one step": 2 * 16 * 16,
+                    "lesson 02's loads (2D per thread)": 2 * 64 * 16 * 16}),
+    Exercise("exercise 2", lambda: shared_bytes_per_block(24)["tiled_scores_kernel"],
+             "q_tile is T x T, k_tile is T x (T + 1), 4 bytes each.",
+             wrong={"without the padding column": 4 * 2 * 24 * 24,
+                    "numbers, not bytes": 24 * 24 + 24 * 25,
+                    "the table's T = 32": lambda: shared_bytes_per_block(32)["tiled_scores_kernel"]}),
     Exercise("exercise 3", lambda: 2 * (1 + int(math.log2(128))) + 1,
-             "Each reduction: one barrier after writing the partials, one per halving step; plus one in between."),
+             "Each reduction: one barrier after writing the partials, one per halving step; plus one in between.",
+             wrong={"without the one in between": 2 * (1 + 7), "halving steps only": 2 * 7,
+                    "one reduction": 1 + 7}),
 )
 
 
@@ -35,11 +43,43 @@ def check_scores_puzzle(make_scores_kernel, tile: int = 8) -> None:
     def run():
         q, k, v = wb.random_qkv(1, 2, 19, 32, Lk=21, seed=13)
         mask = wb.random_padding_mask(1, 21, seed=14)
-        kernels = (make_scores_kernel(tile), make_block_softmax_kernel(16), make_tiled_kernels(tile)[1])
+        kernels = (make_scores_kernel(tile), make_block_softmax_kernel(16), make_tiled_weighted_sum_kernel(tile))
         out, lse = tiled_forward(q, k, v, causal=True, key_padding_mask=mask, tile=tile, softmax_threads=16,
                                  kernels=kernels)
         return wb.check("your scores kernel", out, q, k, v, lse=lse, causal=True, key_padding_mask=mask,
                         verbose=False, raise_on_failure=False)
 
-    check_puzzle("bug hunt", run, hint="Compare the kernel with make_tiled_kernels above, line by line: "
+    check_puzzle("bug hunt", run, hint="Compare the kernel with make_tiled_scores_kernel above, line by line: "
                         "what must every thread of the block wait for before it reads a tile?")
+
+
+def _scores_kernel_with(*edits):
+    """``make_tiled_scores_kernel`` with a learner's attempt put in: each (old, new) edit of its source must apply."""
+    from . import kernel
+
+    source = inspect.getsource(kernel.make_tiled_scores_kernel)
+    for old, new in edits:
+        assert old in source, f"make_tiled_scores_kernel no longer holds {old!r}: update this wrong answer"
+        source = source.replace(old, new)
+    namespace = dict(vars(kernel))
+    exec(source, namespace)
+    return namespace["make_tiled_scores_kernel"]
+
+
+_LOADS_K = "            if j0 + ty < Lk and d0 + tx < D:\n"
+_FIRST_BARRIER = "            cuda.syncthreads()  # the tiles are complete before anyone reads them\n"
+_SECOND_BARRIER = "            cuda.syncthreads()  # everyone is done with the tiles before the next step overwrites them\n"
+
+PUZZLE = Puzzle(
+    check=check_scores_puzzle,
+    solution="make_scores_kernel",
+    wrong={  # each builds the kernel factory a learner might end with
+        "as shipped: no barrier between loading the tiles and reading them": lambda: _scores_kernel_with(
+            (_FIRST_BARRIER, "")),
+        "the barrier after loading q_tile only (k_tile still read half-written)": lambda: _scores_kernel_with(
+            (_FIRST_BARRIER, ""), (_LOADS_K, _FIRST_BARRIER + _LOADS_K)),
+        "the barrier moved instead of added (none after the multiply)": lambda: _scores_kernel_with(
+            (_SECOND_BARRIER, "")),
+        "no barrier at all": lambda: _scores_kernel_with((_FIRST_BARRIER, ""), (_SECOND_BARRIER, "")),
+    },
+)

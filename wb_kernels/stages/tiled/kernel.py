@@ -11,7 +11,8 @@ from global memory again.
     tiled_weighted_sum_kernel  O = P V in tile x tile blocks, loop over the keys in steps of tile
 
 The tile size is a compile-time constant (it sizes the shared arrays), so kernels are made per tile size
-by :func:`make_tiled_kernels`; the softmax's block size likewise by :func:`make_block_softmax_kernel`.
+by :func:`make_tiled_scores_kernel` and :func:`make_tiled_weighted_sum_kernel` (both:
+:func:`make_tiled_kernels`); the softmax's block size likewise by :func:`make_block_softmax_kernel`.
 The reductions use shared memory only: numba's simulator has no warp shuffles, and one code path means
 the kernel the tests run on the CPU is the kernel that runs on the GPU.
 """
@@ -31,8 +32,8 @@ from ...resources import register_kernel
 from .. import Stage
 from ..naive.kernel import key_keep_mask, workspace_bytes
 
-__all__ = ["make_tiled_kernels", "make_block_softmax_kernel", "tiled_kernels", "tiled_forward", "TILE_SIZES",
-           "reuse_factor", "shared_bytes_per_block", "STAGE"]
+__all__ = ["make_tiled_scores_kernel", "make_tiled_weighted_sum_kernel", "make_tiled_kernels", "make_block_softmax_kernel",
+           "tiled_kernels", "tiled_forward", "TILE_SIZES", "reuse_factor", "shared_bytes_per_block", "STAGE"]
 
 # Tile sides the package compiles and tests: 32 x 32 = 1024 threads is the most a block may have.
 TILE_SIZES = (8, 16, 32)
@@ -42,11 +43,10 @@ DEFAULT_TILE = 8 if BACKEND.is_simulator else 16
 DEFAULT_SOFTMAX_THREADS = 16 if BACKEND.is_simulator else 128
 
 
-# region: make_tiled_kernels
-def make_tiled_kernels(tile):
-    """(tiled_scores_kernel, tiled_weighted_sum_kernel) for blocks of tile x tile threads."""
+# region: make_tiled_scores_kernel
+def make_tiled_scores_kernel(tile):
+    """tiled_scores_kernel for blocks of tile x tile threads."""
     padded = tile + 1  # a shared array's shape must be compile-time constants: computed here, not inside
-
 
     @cuda.jit
     def tiled_scores_kernel(q,         # (B*H, Lq, D) float32 queries
@@ -95,6 +95,14 @@ def make_tiled_kernels(tile):
             else:
                 scores[bh, i, j] = scale * total
 
+    return tiled_scores_kernel
+# endregion
+
+
+# region: make_tiled_weighted_sum_kernel
+def make_tiled_weighted_sum_kernel(tile):
+    """tiled_weighted_sum_kernel for blocks of tile x tile threads."""
+
     @cuda.jit
     def tiled_weighted_sum_kernel(probs,   # (B*H, Lq, Lk) float32 P
                                   v,       # (B*Hk, Lk, D) float32 values; Hk divides H
@@ -127,8 +135,13 @@ def make_tiled_kernels(tile):
         if i < Lq and d < D:
             out[bh, i, d] = total
 
-    return tiled_scores_kernel, tiled_weighted_sum_kernel
+    return tiled_weighted_sum_kernel
 # endregion
+
+
+def make_tiled_kernels(tile):
+    """(tiled_scores_kernel, tiled_weighted_sum_kernel) for blocks of tile x tile threads."""
+    return make_tiled_scores_kernel(tile), make_tiled_weighted_sum_kernel(tile)
 
 
 # region: make_block_softmax_kernel
@@ -238,7 +251,7 @@ def tiled_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, t
     """Attention with the tiled kernels; returns (out (B, H, Lq, D), lse (B, H, Lq)).
 
     `kernels` = (scores, softmax, weighted_sum) to launch instead of the package's, e.g. your own
-    ``(*make_tiled_kernels(tile)[:1], make_block_softmax_kernel(128), make_tiled_kernels(tile)[1])``;
+    ``(make_tiled_scores_kernel(tile), make_block_softmax_kernel(128), make_tiled_weighted_sum_kernel(tile))``;
     they must have been made for the same `tile` and `softmax_threads`.
     """
     scores_k, softmax_k, weighted_sum_k = kernels or tiled_kernels(tile, softmax_threads)
