@@ -3,7 +3,10 @@
 Timing follows the usual rules for asynchronous devices: warm-up calls first (compilation, caches,
 allocator), synchronization around every measured call (CUDA events on a GPU), many repeats,
 median and spread rather than the mean, and optionally the L2 cache flushed before each repeat
-so that a small problem is not timed out of the cache.
+so that a small problem is not timed out of the cache. :data:`DEVICE_TIME` is the benchmark's one way of timing,
+for every preset: a sleeping kernel queued before each repeat (the events time the device's work, not the host's
+launches) and the L2 flushed clean by reading (not zeroing, which leaves dirty lines for the timed call to write
+back); lesson 08 shows what each half changes.
 
 Memory: on a GPU, the peak of PyTorch's caching allocator around the call (every stage allocates
 its buffers through torch so that they are counted); on the CPU, the peak of Python's tracemalloc,

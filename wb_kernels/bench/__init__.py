@@ -8,14 +8,17 @@ One module per role:
 - :mod:`.sweeps`    what is measured: Config, Sweep, the presets, FLOP and byte counts
 - :mod:`.measure`   how: the contenders (stages, baselines), one checked and timed measurement,
                     the roofline's ceilings, and the resumable sweep (:func:`run`)
-- :mod:`.results`   the results file, its environment, the newest committed one, the README table
+- :mod:`.results`   the results file, its environment, the newest committed one, the README table, how a
+                    file was timed (:func:`timing_method`) and whether files may be compared (:func:`same_timing`)
 - :mod:`.decode`    the decode presets (``--preset decode``): one new token per sequence against a KV
                     cache, wb.decode and its kernels against SDPA, FlexAttention and a copy, in a file
                     of their own; the per-call overhead
 - :mod:`.cli`       ``python -m wb_kernels.bench`` (:func:`main`)
 - :mod:`.figures`   figures from a results file (matplotlib; imported on use)
 - :mod:`.pitfalls`  the honest-benchmarking demonstrations and how lesson 08 prints them
-- :mod:`.dashboard` lesson 08's dashboard widget (ipywidgets; imported on use)
+- :mod:`.dashboard` lesson 08's dashboard widget (ipywidgets; imported on use) and its overview of every rung
+- :mod:`.exercises` lesson 08's exercises and timing puzzle, graded on :mod:`.fake_gpu` (a pretend GPU);
+                    worked answers in :mod:`.solutions`
 - :mod:`.ncu_traffic` the CUDA C++ stages' shared-memory traffic under Nsight Compute
                     (``python -m wb_kernels.bench.ncu_traffic``; a script, not imported here)
 

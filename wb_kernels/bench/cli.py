@@ -9,7 +9,8 @@
     python -m wb_kernels.bench --preset decode --json results/decode/bench_h100.json --time-budget 480  # decode
 
 Flags become :class:`~wb_kernels.bench.sweeps.Sweep` objects and a
-:class:`~wb_kernels.bench.measure.TimingPolicy` for :func:`~wb_kernels.bench.measure.run`; the decode presets go to
+:class:`~wb_kernels.bench.measure.TimingPolicy` for :func:`~wb_kernels.bench.measure.run`, timing every preset
+with :data:`wb_kernels.timing.DEVICE_TIME` (recorded in the results file); the decode presets go to
 :func:`~wb_kernels.bench.decode.run_decode` instead, into a file of their own. A request that cannot run here is a
 one-line error and exit code 2.
 """
