@@ -93,3 +93,22 @@ def test_traffic_script_parses_ncu_csv():
     assert result["kernels"]["scores_kernel"]["analytic_write"] == 4 * 4 * 4096**2
     with pytest.raises(ValueError, match="no ncu CSV"):
         script.parse_ncu_csv("nothing here")
+
+
+def test_the_puzzles_problems_make_the_lessons_mistakes_show():
+    """Lesson 02's puzzle: every key is seen by some row, a seen scaled score overflows exp even in float64, a batch
+    element sees no key, and the second problem's probabilities spread over the keys."""
+    import numpy as np
+
+    from wb_kernels.stages.naive.exercises import puzzle_problems
+
+    (q, k, v, causal, mask, scale), ordinary = puzzle_problems()
+    allowed = wb.attention_mask(q.shape[2], k.shape[2], causal, mask, batch=q.shape[0])
+    assert allowed[0].any(axis=-2).all() and not allowed[1].any()
+    scores = scale * np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k)
+    assert scores[np.broadcast_to(allowed, scores.shape)].max() > np.log(np.finfo(np.float64).max)
+    q, k, v, causal, mask, scale = ordinary
+    allowed = wb.attention_mask(q.shape[2], k.shape[2], causal, mask, batch=q.shape[0])
+    probs = wb.safe_softmax(np.where(allowed, scale * np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k), -np.inf))
+    weight = probs.max(axis=-2)  # (B, H, Lk): the most weight any row gives each key
+    assert (weight > 1e-3)[np.broadcast_to(mask[:, None, :], weight.shape)].all()  # every kept key counts

@@ -218,3 +218,16 @@ def test_causal_alignment_figure(Lq, Lk):
     np.testing.assert_array_equal(top_left.images[0].get_array(), np.tri(Lq, Lk, 0, dtype=bool))
     np.testing.assert_array_equal(bottom_right.images[0].get_array(), np.tri(Lq, Lk, Lk - Lq, dtype=bool))
     assert ("see no key" in bottom_right.get_title()) == (Lq > Lk) and "see no key" not in top_left.get_title()
+
+
+def test_the_puzzles_problems_make_the_lessons_mistakes_show():
+    """Lesson 01's puzzle: Lq != Lk (top-left and bottom-right differ), a batch element with no key, and a logit
+    that a query sees above float64's exp overflow (so the textbook softmax fails in any precision)."""
+    from wb_kernels.stages.reference.exercises import puzzle_problems
+
+    for q, k, v, mask in puzzle_problems():
+        Lq, Lk = q.shape[2], k.shape[2]
+        assert Lq != Lk and not mask[1].any() and mask[0].any()
+        allowed = wb.attention_mask(Lq, Lk, "bottom_right", mask, batch=q.shape[0])
+        scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k) / np.sqrt(q.shape[-1])
+        assert scores[np.broadcast_to(allowed, scores.shape)].max() > np.log(np.finfo(np.float64).max)
