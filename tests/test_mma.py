@@ -562,7 +562,7 @@ def test_profile_parses_ncu_csv_picks_the_attention_kernel_and_ranks_the_stalls(
     assert m["dram__bytes_read.sum"] == pytest.approx(512.5e6)  # Mbyte -> bytes
     assert m["sm__sass_data_bytes_mem_shared.sum"] == 25898929056.0
     assert m["launch__occupancy_limit_registers"] == "n/a"  # kept as text, not a crash
-    run = {"problem": {"flops": 549755813888.0}, "kernel": main["name"],
+    run = {"problem": {"flops": 549755813888.0, "B": 4, "H": 16, "L": 4096, "D": 128}, "kernel": main["name"],
            "metrics": {name: m.get(name) for name in profile.METRICS}}
     s = profile.summary(run)
     assert s["tflops"] == pytest.approx(549755813888.0 / 1.670752e-3 / 1e12)
@@ -570,6 +570,8 @@ def test_profile_parses_ncu_csv_picks_the_attention_kernel_and_ranks_the_stalls(
     assert s["tensor_pipe_pct"] == 52.3  # the generic tensor metric is missing: the busiest named pipe
     assert s["dram_bytes"] == pytest.approx(512.5e6 + 67108864)
     assert [reason for reason, _ in s["top_stalls"]] == ["math_pipe_throttle", "barrier", "short_scoreboard"]
+    assert s["top_stalls"][0][1] == pytest.approx(3.1 / (3.1 + 1.7 + 2.4 + 1.0))  # a share of the warp's cycles
+    assert s["issuing_share"] == pytest.approx(1.0 / 8.2)
     assert s["theoretical_occupancy_pct"] is None  # not measured: None, not a crash
     with pytest.raises(ValueError, match="no ncu CSV table"):
         profile.parse_ncu_csv("==ERROR== the application returned an error code (1)")
@@ -623,6 +625,8 @@ def test_profile_run_survives_a_refused_metric_and_a_hung_ncu(tmp_path):
                                   metrics_missing=set(run["refused"]))
     assert result["gpu"] == "NVIDIA H100 80GB HBM3" and result["git_commit"] == "abc1234"
     assert result["metrics_missing"] == ["smsp__pcsamp_sample_count"]
+    assert profile._shown(tmp_path / "x.json", mma_build.SOURCE.path.parents[3]) == "x.json"  # no machine path
+    assert profile._shown(mma_build.SOURCE.path, mma_build.SOURCE.path.parents[3]) == mma_build.SOURCE_NAME
     hung = profile.profile_one(str(fake), "sdpa-cudnn", (1, 1, 64, 64), "float16", 3, ["HANG"], timeout=1)
     assert hung["status"] == "failed" and "did not finish" in hung["reason"]
 

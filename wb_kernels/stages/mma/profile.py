@@ -77,9 +77,9 @@ METRICS = (
     "dram__bytes_read.sum",
     "dram__bytes_write.sum",
     "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
-    # why warps did not issue: cycles per issued instruction spent in each state (ncu's Warp State Statistics) ...
+    # why warps did not issue: the average cycles a warp spent in each state over its life (Warp State Statistics) ...
     *(f"smsp__average_warp_latency_issue_stalled_{reason}.ratio" for reason in STALL_REASONS),
-    "smsp__average_warps_active_per_issue_active.ratio",  # ... out of this many in all between two issues
+    "smsp__average_warps_active_per_issue_active.ratio",  # cycles between two instructions of one warp
     # ... and the same from PC sampling (samples per state; ncu's Source view)
     *(f"smsp__pcsamp_warps_issue_stalled_{reason}" for reason in STALL_REASONS),
     "smsp__pcsamp_sample_count",
@@ -174,22 +174,23 @@ def _get(metrics: dict, name: str):
 def summary(run: dict) -> dict:
     """The numbers the lesson shows for one profiled run (None where ncu did not measure them): duration and
     TFLOP/s under ncu, tensor-pipe activity, issue activity, occupancy (achieved, theoretical, registers per thread,
-    shared memory per block), shared-memory bytes and bank conflicts, DRAM bytes, and the stall reasons ranked by
-    the cycles they cost per issued instruction (``top_stalls``, from Warp State Statistics, or from PC sampling
-    when those are missing)."""
+    shared memory per block), shared-memory bytes and bank conflicts, DRAM bytes, and ``top_stalls``: the states a
+    warp waited in, ranked, each as its share of the warp's cycles (ncu's Warp State Statistics give the average
+    cycles a warp spent in each state over its life; "selected", the cycles it issued, counts in the total but is not
+    a stall). Without those, PC sampling's share of samples in each state."""
     m = run.get("metrics") or {}
     seconds = _get(m, "gpu__time_duration.sum")
     flops = run["problem"]["flops"]
     tensor = [_get(m, f"sm__pipe_tensor{kind}_cycles_active.avg.pct_of_peak_sustained_active")
               for kind in ("", "_op_hmma", "_op_gmma")]
-    stalls = {reason: _get(m, f"smsp__average_warp_latency_issue_stalled_{reason}.ratio") for reason in STALL_REASONS}
-    source = "cycles per issued instruction"
-    if not any(v for v in stalls.values()):
-        samples = {r: _get(m, f"smsp__pcsamp_warps_issue_stalled_{r}") for r in STALL_REASONS}
-        total = sum(v for v in samples.values() if v)
-        stalls = {r: (v / total if v and total else None) for r, v in samples.items()}
+    cycles = {reason: _get(m, f"smsp__average_warp_latency_issue_stalled_{reason}.ratio") for reason in STALL_REASONS}
+    source = "share of a warp's cycles (Warp State Statistics)"
+    if not any(cycles.values()):
+        cycles = {r: _get(m, f"smsp__pcsamp_warps_issue_stalled_{r}") for r in STALL_REASONS}
         source = "share of PC samples"
-    ranked = sorted(((r, v) for r, v in stalls.items() if v and r != "selected"), key=lambda item: -item[1])
+    total = sum(v for v in cycles.values() if v)
+    shares = {r: v / total for r, v in cycles.items() if v and total}
+    ranked = sorted(((r, v) for r, v in shares.items() if r != "selected"), key=lambda item: -item[1])
     dram = [_get(m, f"dram__bytes_{way}.sum") for way in ("read", "write")]
     dynamic, static = (_get(m, f"launch__shared_mem_per_block_{kind}") for kind in ("dynamic", "static"))
     return {
@@ -209,12 +210,18 @@ def summary(run: dict) -> dict:
         "shared_bytes_per_block": (dynamic or 0) + (static or 0) if dynamic is not None or static is not None
         else None,
         "shared_bytes": _get(m, "sm__sass_data_bytes_mem_shared.sum"),
+        "shared_bytes_per_flop": (_get(m, "sm__sass_data_bytes_mem_shared.sum") or 0) / flops
+        if _get(m, "sm__sass_data_bytes_mem_shared.sum") is not None else None,
         "shared_bank_conflicts": _get(m, "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum"),
         "shared_wavefronts": _get(m, "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum"),
         "local_loads": _get(m, "smsp__sass_inst_executed_op_local_ld.sum"),
         "dram_bytes": sum(dram) if None not in dram else None,
+        # q, k, v read and o written once: 4 B H L D 16-bit values
+        "compulsory_dram_bytes": 4 * 2 * run["problem"]["B"] * run["problem"]["H"] * run["problem"]["L"]
+        * run["problem"]["D"],
         "dram_throughput_pct": _get(m, "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
         "cycles_between_issues": _get(m, "smsp__average_warps_active_per_issue_active.ratio"),
+        "issuing_share": shares.get("selected"),
         "stall_unit": source,
         "top_stalls": ranked[:5],
     }
@@ -345,6 +352,14 @@ def build_result(runs: list, *, command: str, ncu_version, metrics_missing, envi
     }
 
 
+def _shown(path: Path, root: Path) -> str:
+    """`path` relative to the repository when it lies inside, else its file name alone (no machine paths in results)."""
+    try:
+        return Path(path).resolve().relative_to(root).as_posix()
+    except ValueError:
+        return Path(path).name
+
+
 def _shape(text: str):
     parts = tuple(int(x) for x in text.split(","))
     if len(parts) != 4 or min(parts) <= 0:
@@ -386,7 +401,10 @@ def main(argv=None) -> int:
     requested = [m for m in METRICS if m not in missing]
     runs = []
     out = args.json
-    command = "python -m wb_kernels.stages.mma.profile " + " ".join(argv if argv is not None else sys.argv[1:])
+    given = list(argv if argv is not None else sys.argv[1:])
+    if out is not None and "--json" in given:  # the output as the repository names it, not as this machine does
+        given[given.index("--json") + 1] = _shown(out, REPO_ROOT)
+    command = "python -m wb_kernels.stages.mma.profile " + " ".join(given)
     for shape in args.shapes:
         for contender in args.contenders:
             run = profile_one(args.ncu, contender, shape, args.dtype, args.warmup, requested, args.timeout)

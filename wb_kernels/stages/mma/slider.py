@@ -260,10 +260,13 @@ def roofline_points(results: dict, *, B: int = 4, H: int = 16, L: int = 4096, D:
 
 def profile_rows(profile: dict) -> dict:
     """{(B, H, L, D): {contender: summary}} from a results/mma/ncu_<gpu>.json written by ``profile.py`` (runs that
-    failed are left out; their reasons stay in the file)."""
+    failed are left out; their reasons stay in the file). Each summary is computed afresh from the run's metrics
+    (``profile.summary``), so that a file written by an older version of the script reads the same way."""
+    from .profile import summary
+
     rows: dict = {}
     for run in profile["runs"]:
         if run.get("status") == "ok":
             p = run["problem"]
-            rows.setdefault((p["B"], p["H"], p["L"], p["D"]), {})[run["contender"]] = run["summary"]
+            rows.setdefault((p["B"], p["H"], p["L"], p["D"]), {})[run["contender"]] = summary(run)
     return rows
