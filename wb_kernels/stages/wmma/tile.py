@@ -84,18 +84,21 @@ def host_product(a, b, kernel: str | None = None) -> np.ndarray:
     outside A, B and C, or when the lanes of the warp store different C; ``CudaBuildError`` when it does not compile
     against the model."""
     kernel = kernel_text() if kernel is None else kernel
-    workdir = Path(tempfile.mkdtemp(prefix="wb_wmma_host_"))
-    source = workdir / "wmma_tile_host.cpp"
-    source.write_text(f'#include "{HOST_MODEL.as_posix()}"\n#line 1 "wmma_tile_kernel"\n{kernel}\n{_HOST_DRIVER}')
-    binary = workdir / "wmma_tile_host"
-    result = subprocess.run([cuda_build.find_nvcc(), "-x", "c++", "-std=c++17", "-O1", "-o", binary.name, source.name],
-                            capture_output=True, text=True, cwd=workdir)
-    if result.returncode != 0:
-        raise cuda_build.CudaBuildError("the host compiler rejects it against the WMMA model (wmma_host.cuh):\n"
-                                        + cuda_build._trim_compiler_output(result.stdout + result.stderr))
     numbers = np.concatenate([np.asarray(a, np.float32).ravel(), np.asarray(b, np.float32).ravel()])
-    run = subprocess.run([str(binary)], input="\n".join(f"{x:.9g}" for x in numbers), capture_output=True, text=True,
-                         cwd=workdir, timeout=60)
+    with tempfile.TemporaryDirectory(prefix="wb_wmma_host_") as folder:
+        workdir = Path(folder)
+        source = workdir / "wmma_tile_host.cpp"
+        source.write_text(f'#include "{HOST_MODEL.as_posix()}"\n#line 1 "wmma_tile_kernel"\n{kernel}\n{_HOST_DRIVER}')
+        result = subprocess.run([cuda_build.find_nvcc(), "-x", "c++", "-std=c++17", "-O1", "-o", "wmma_tile_host",
+                                 source.name], capture_output=True, text=True, cwd=workdir)
+        if result.returncode != 0:
+            raise cuda_build.CudaBuildError("the host compiler rejects it against the WMMA model (wmma_host.cuh):\n"
+                                            + cuda_build._trim_compiler_output(result.stdout + result.stderr))
+        try:
+            run = subprocess.run([str(workdir / "wmma_tile_host")], input="\n".join(f"{x:.9g}" for x in numbers),
+                                 capture_output=True, text=True, cwd=workdir, timeout=60)
+        except subprocess.TimeoutExpired:
+            raise TileModelError("it ran for a minute on the CPU model without finishing (a loop that never ends?)")
     if "OUT_OF_BOUNDS" in run.stdout:
         raise TileModelError("it reads or writes outside the 16 x 16 matrices A, B and C (a leading dimension?)")
     if run.returncode != 0:
