@@ -126,43 +126,6 @@ def test_tiled_bug_hunt_in_the_lesson_is_solvable(capsys):
     assert _solved(exercises.check_scores_puzzle, namespace["make_buggy_scores_kernel"], capsys)
 
 
-def _softmax_step(reduce_row_max, guard: bool):
-    """A version of the mma lesson's fragment softmax step, with or without each of the two pieces it asks for."""
-    import numpy as np
-
-    def step(scores, m_old, l_old):
-        m_new = np.maximum(m_old, reduce_row_max(scores.max(axis=-1)))
-        m_safe = np.where(m_new == -np.inf, np.float32(0), m_new) if guard else m_new
-        alpha, p = np.exp2(m_old - m_safe), np.exp2(scores - m_safe[..., None])
-        return m_new, l_old * alpha + p.sum(axis=-1), p, alpha
-    return step
-
-
-def test_mma_fragment_softmax_puzzle_solution_and_each_missing_piece(capsys):
-    import numpy as np
-
-    from wb_kernels.stages.mma import exercises, solutions, warp_model
-
-    def quad(x):
-        return warp_model.quad_allreduce(x, np.maximum)
-
-    def whole_warp(x):  # one max for all 16 rows: exact in theory, but rows far below it underflow in fp16
-        for lane_mask in (1, 2, 4, 8, 16):
-            x = np.maximum(x, warp_model.shuffle_xor(x, lane_mask))
-        return x
-
-    def own_lane(x):
-        return x
-
-    check = exercises.check_fragment_softmax_puzzle
-    assert _solved(check, solutions.fragment_softmax_step, capsys)
-    assert _solved(check, _softmax_step(quad, guard=True), capsys)
-    assert not _solved(check, _softmax_step(own_lane, guard=False), capsys)  # the stub as shipped
-    assert not _solved(check, _softmax_step(quad, guard=False), capsys)  # NaN in rows whose first key comes late
-    assert not _solved(check, _softmax_step(own_lane, guard=True), capsys)  # lanes disagree on m: P's columns too
-    assert not _solved(check, _softmax_step(whole_warp, guard=True), capsys)
-
-
 # --- graders that test the idea: every plausible wrong answer is rejected (data in each exercises.py) ----------
 
 def _exercises(lesson_package):
