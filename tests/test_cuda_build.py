@@ -201,7 +201,7 @@ def test_trimmed_error_drops_the_ninja_command_of_torchs_wrapper_line():
            "                          ^\n"
            "1 error detected in the compilation of \"cuda.cu\".\n"
            "ninja: build stopped: subcommand failed.\n")
-    message = cuda_build._trim_compiler_output(raw)
+    message = cuda_build.trim_compiler_output(raw)
     assert "ninja" not in message.lower() and "nvcc -MD" not in message
     assert "Error building extension 'wb_flash_wmma_0123'" in message
     assert "flash_wmma.cu(170): error: identifier" in message and "p_undefined_in_this_scope[t]" in message

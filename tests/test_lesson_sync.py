@@ -59,3 +59,17 @@ def test_resync_restores_an_edited_region_cell_and_keeps_outputs(tmp_path):
     assert restored["source"] == json.loads(lesson.read_text())["cells"][index]["source"]
     assert restored["outputs"] == outputs
     assert resync_notebook(copy) == []  # now in sync: nothing rewritten
+
+
+def test_replace_region_swaps_one_body_and_raises_key_error_for_a_missing_region():
+    from wb_kernels.sync import lines_changed, replace_region
+
+    python = "a = 1\n    # region: body\n    x = 1\n    # endregion\nb = 2\n"
+    assert replace_region(python, "body", "\n    x = 2\n") == "a = 1\n    # region: body\n    x = 2\n    # endregion\nb = 2\n"
+    cuda = "// region: k\nint x;\n// endregion\n"
+    assert replace_region(cuda, "k", "int y;", comment="//") == "// region: k\nint y;\n// endregion\n"
+    with pytest.raises(KeyError):
+        replace_region(python, "other", "x = 3")
+    with pytest.raises(KeyError):  # a '#' marker is not a '//' one
+        replace_region(python, "body", "x = 3", comment="//")
+    assert lines_changed("a\nb\nc", "a\nB\nc\nd") == 2

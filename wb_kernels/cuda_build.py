@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cuda_toolchain import NvccNotFound, find_cuobjdump, find_nvcc  # noqa: F401 (where nvcc comes from)
-from .sync import PACKAGE_ROOT, module_regions
+from .sync import PACKAGE_ROOT, install_input_transformer, lines_changed, module_regions, replace_region
 
 __all__ = [
     "CudaBuildError", "NvccNotFound", "EditableSource", "enable_region_cells", "record_region_cell", "build_flags",
     "extension_name", "build_extension", "find_nvcc", "find_cuobjdump", "compile_cubin", "PtxasEntry",
-    "ptxas_entries", "sass_lines",
+    "ptxas_entries", "sass_lines", "trim_compiler_output",
 ]
 
 
@@ -67,13 +67,10 @@ class EditableSource:
         return self.path.read_text()
 
     def _replace_region(self, source: str, name: str, text: str) -> str:
-        pattern = re.compile(
-            r"(^[ \t]*// region: " + re.escape(name) + r"[ \t]*\n)(.*?)(^[ \t]*// endregion[ \t]*$)",
-            re.MULTILINE | re.DOTALL)
-        match = pattern.search(source)
-        if match is None:
-            raise KeyError(f"{self.name} has no region {name!r}")
-        return source[:match.start(2)] + text.strip("\n") + "\n" + source[match.end(2):]
+        try:
+            return replace_region(source, name, text, comment="//")
+        except KeyError:
+            raise KeyError(f"{self.name} has no region {name!r}") from None
 
     def current_source(self) -> str:
         """The package source with every region the learner edited in this Python process put in."""
@@ -99,8 +96,7 @@ class EditableSource:
             return False
         self._edits[name] = text
         if verbose:
-            old, new = shipped[name].splitlines(), text.splitlines()
-            changed = sum(a != b for a, b in zip(old, new)) + abs(len(old) - len(new))
+            changed = lines_changed(shipped[name], text)
             print(f"region {name}: edited ({changed} line(s) differ from {self.name}); "
                   "the next build compiles your version")
         return True
@@ -134,17 +130,7 @@ def record_region_cell(source: str, name: str, text: str) -> None:
 
 def enable_region_cells() -> bool:
     """Let this notebook's C++ region cells run (see the module docstring). Returns False outside IPython."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    if shell is None:
-        return False
-    transforms = shell.input_transformers_cleanup
-    if _region_cell_transform not in transforms:
-        transforms.insert(0, _region_cell_transform)
-    return True
+    return install_input_transformer(_region_cell_transform)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +191,7 @@ def _file_lock(path: Path):
 _ERROR_LINE = re.compile(r"(error|Error)[ :]|ptxas fatal|undefined reference")
 
 
-def _trim_compiler_output(output: str, max_errors: int = 12) -> str:
+def trim_compiler_output(output: str, max_errors: int = 12) -> str:
     """The compiler's error lines, each with the source line and caret nvcc prints after it."""
     lines = output.splitlines()
     # torch's wrapper line, "Error building extension 'name': [1/3] <the whole nvcc command>", names the
@@ -223,6 +209,9 @@ def _trim_compiler_output(output: str, max_errors: int = 12) -> str:
                 if follow.strip() and not _ERROR_LINE.search(follow) and not follow.startswith(("[", "FAILED", "ninja:")):
                     kept.append("    " + follow.rstrip())
     return "\n".join(kept) if kept else "\n".join(lines[-20:])
+
+
+_trim_compiler_output = trim_compiler_output  # the old name, which tests/test_wmma.py still calls
 
 
 _loaded: dict = {}
@@ -278,7 +267,7 @@ def build_extension(source: str, *, file_name: str, declarations: str, functions
             if cold:
                 print(f"built {display_name} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         except RuntimeError as error:
-            raise CudaBuildError(f"building {display_name} failed:\n{_trim_compiler_output(str(error))}") from None
+            raise CudaBuildError(f"building {display_name} failed:\n{trim_compiler_output(str(error))}") from None
     _loaded[name] = module
     return module
 
@@ -314,7 +303,7 @@ def compile_cubin(arch: str, source: str, file_name: str, display_name: str | No
     result = subprocess.run(command, capture_output=True, text=True, cwd=workdir)
     log = result.stdout + result.stderr
     if result.returncode != 0:
-        raise CudaBuildError(f"nvcc for sm_{arch} failed on {display_name}:\n{_trim_compiler_output(log)}")
+        raise CudaBuildError(f"nvcc for sm_{arch} failed on {display_name}:\n{trim_compiler_output(log)}")
     _cubins[key] = (str(cubin), log)
     return _cubins[key]
 

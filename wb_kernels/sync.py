@@ -18,7 +18,8 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["module_regions", "notebook_regions", "region_source", "resync_notebook", "PACKAGE_ROOT"]
+__all__ = ["module_regions", "notebook_regions", "region_source", "resync_notebook", "replace_region", "lines_changed",
+           "install_input_transformer", "PACKAGE_ROOT"]
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 _START = re.compile(r"^\s*(?:#|//) region: (\w+)\s*$")
@@ -51,6 +52,40 @@ def region_source(relative_path: str, name: str) -> str:
     if name not in regions:
         raise KeyError(f"{relative_path} has no region {name!r}; it has {sorted(regions)}")
     return regions[name]
+
+
+def replace_region(source: str, name: str, text: str, comment: str = "#") -> str:
+    """`source` with the body of region `name` (marked ``<comment> region: NAME`` ... ``<comment> endregion``)
+    replaced by `text`; raises KeyError when `source` has no such region."""
+    marker = re.escape(comment)
+    pattern = re.compile(r"(^[ \t]*" + marker + r" region: " + re.escape(name) + r"[ \t]*\n)(.*?)(^[ \t]*" + marker
+                         + r" endregion[ \t]*$)", re.MULTILINE | re.DOTALL)
+    match = pattern.search(source)
+    if match is None:
+        raise KeyError(f"no region {name!r}")
+    return source[:match.start(2)] + text.strip("\n") + "\n" + source[match.end(2):]
+
+
+def lines_changed(old: str, new: str) -> int:
+    """How many lines of `new` differ from `old` (line by line, plus the difference in length)."""
+    old_lines, new_lines = old.splitlines(), new.splitlines()
+    return sum(a != b for a, b in zip(old_lines, new_lines)) + abs(len(old_lines) - len(new_lines))
+
+
+def install_input_transformer(transform) -> bool:
+    """Put `transform` first among this IPython shell's cleanup input transformers (once), so that a region cell
+    a lesson edits becomes the Python call that records it. Returns False outside IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    if shell is None:
+        return False
+    transforms = shell.input_transformers_cleanup
+    if transform not in transforms:
+        transforms.insert(0, transform)
+    return True
 
 
 def _region_cells(notebook: dict):

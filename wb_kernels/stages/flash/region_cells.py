@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ...sync import PACKAGE_ROOT, module_regions
+from ...sync import PACKAGE_ROOT, install_input_transformer, lines_changed, module_regions, replace_region
 
 __all__ = ["PIECES", "enable_region_cells", "record_piece", "assemble", "reset"]
 
@@ -38,13 +38,6 @@ def _path(file: str) -> Path:
     return PACKAGE_ROOT.parent / file
 
 
-def _replace(source: str, name: str, text: str) -> str:
-    pattern = re.compile(r"(^[ \t]*# region: " + re.escape(name) + r"[ \t]*\n)(.*?)(^[ \t]*# endregion[ \t]*$)",
-                         re.MULTILINE | re.DOTALL)
-    match = pattern.search(source)
-    return source[:match.start(2)] + text.strip("\n") + "\n" + source[match.end(2):]
-
-
 def assemble(file: str):
     """The factory of `file` with the learner's recorded pieces put in, defined in the module's namespace (its
     imports and constants) and returned."""
@@ -54,7 +47,7 @@ def assemble(file: str):
     source = _path(file).read_text()
     for piece in pieces:
         if (file, piece) in _edits:
-            source = _replace(source, piece, _edits[file, piece])
+            source = replace_region(source, piece, _edits[file, piece])
     start = re.search(r"^[ \t]*# region: " + pieces[0] + r"[ \t]*$", source, re.MULTILINE).start()
     last = re.search(r"^[ \t]*# region: " + pieces[-1] + r"[ \t]*$", source, re.MULTILINE).end()
     end = re.compile(r"^[ \t]*# endregion[ \t]*$", re.MULTILINE).search(source, last).end()
@@ -77,8 +70,7 @@ def record_piece(file: str, name: str, text: str, user_namespace: dict | None = 
         print(f"region {name}: as in {file}")
     else:
         _edits[file, name] = text
-        old, new = shipped.splitlines(), text.splitlines()
-        changed = sum(a != b for a, b in zip(old, new)) + abs(len(old) - len(new))
+        changed = lines_changed(shipped, text)
         print(f"region {name}: edited ({changed} line(s) differ from {file}); {function} now builds your version")
     if user_namespace is not None:
         user_namespace[function] = assemble(file)
@@ -102,14 +94,4 @@ def _transform(lines: list) -> list:
 
 def enable_region_cells() -> bool:
     """Let this notebook's piece cells run (see the module docstring). Returns False outside IPython."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    if shell is None:
-        return False
-    transforms = shell.input_transformers_cleanup
-    if _transform not in transforms:
-        transforms.insert(0, _transform)
-    return True
+    return install_input_transformer(_transform)

@@ -93,7 +93,7 @@ def host_product(a, b, kernel: str | None = None) -> np.ndarray:
                                  source.name], capture_output=True, text=True, cwd=workdir)
         if result.returncode != 0:
             raise cuda_build.CudaBuildError("the host compiler rejects it against the WMMA model (wmma_host.cuh):\n"
-                                            + cuda_build._trim_compiler_output(result.stdout + result.stderr))
+                                            + cuda_build.trim_compiler_output(result.stdout + result.stderr))
         try:
             run = subprocess.run([str(workdir / "wmma_tile_host")], input="\n".join(f"{x:.9g}" for x in numbers),
                                  capture_output=True, text=True, cwd=workdir, timeout=60)
