@@ -7,7 +7,9 @@ want them.
 The puzzle's problem is built so that each mistake the lesson warns about shows (:func:`puzzle_problem`): scores
 beyond 710 in size, where ``exp`` overflows even in float64 (past about 709.8) unless the running max is subtracted; keys
 whose scores grow along the row, so that a later block raises every row's max and whatever was accumulated must be
-rescaled; and a first key that is masked, so that under the causal mask row 0 sees no key at all.
+rescaled; and a first block of keys that is masked, so that under the causal mask rows 0 to 7 see no key at all and
+every later row sees its first key only in the second block, where a third of the rows score far below 0 (a step
+that carries its "no key yet" stand-in max of 0 into that block loses those rows).
 """
 
 from __future__ import annotations
@@ -48,24 +50,27 @@ def check(answer_1, answer_2, answer_3) -> None:
 
 # --- the puzzle: one step of the online softmax, in NumPy ---------------------------------------------------
 
-PUZZLE_ROWS, PUZZLE_KEYS, PUZZLE_BLOCK = 21, 37, 8
+PUZZLE_ROWS, PUZZLE_KEYS, PUZZLE_BLOCK = 37, 37, 8
 
 
 def puzzle_problem():
-    """The puzzle's problem: (q, k, v, keep), float64, one head of 21 queries and 37 keys, D = 16.
+    """The puzzle's problem: (q, k, v, keep), float64, one head of 37 queries and 37 keys, D = 16.
 
     Dimension 0 of key j is 75 + 0.3 j, and of query i is 40 (-40 for every third row): with scale 1/4 it adds
     750 + 3 j to each score (or its negative), so every score lies between 710 and 900 in size, where ``exp``
-    overflows (or underflows to 0) in float64, and in most rows every later block of 8 keys raises the row's max. Rows far apart also defeat
-    one max shared by all rows. The other dimensions add random scores of a few units, so that each row's softmax
-    spreads over several keys. Key 0 is masked: under the causal mask row 0 sees no key."""
+    overflows (or underflows to 0) in float64, and in most rows every later block of 8 keys raises the row's max.
+    Rows far apart also defeat one max shared by all rows. The other dimensions add random scores of a few units,
+    so that each row's softmax spreads over several keys. The first block (keys 0 to 7) is masked: under the
+    causal mask rows 0 to 7 see no key, and rows 8 on see their first key in the second block, every third of them
+    with scores near -780, so a step that returns its stand-in max 0 for a row without keys (in place of -inf) and
+    carries it into that block underflows those rows to a sum of 0."""
     import wb_kernels as wb
 
     q, k, v = wb.random_qkv(1, 1, PUZZLE_ROWS, 16, Lk=PUZZLE_KEYS, dtype="float64", seed=15, std=1.5)
     q[..., 0] = np.where(np.arange(PUZZLE_ROWS) % 3 == 2, -40.0, 40.0)
     k[..., 0] = 75.0 + 0.3 * np.arange(PUZZLE_KEYS)
     keep = np.ones(PUZZLE_KEYS, dtype=bool)
-    keep[0] = False
+    keep[:PUZZLE_BLOCK] = False
     return q, k, v, keep
 
 
@@ -85,7 +90,7 @@ def _puzzle_result(step) -> CheckResult:
 
 def check_online_softmax_puzzle(step) -> None:
     """Run FlashAttention's loop in NumPy (:func:`blockwise_attention`) with the learner's ``step`` in place of
-    ``online_softmax_step`` on :func:`puzzle_problem` (keys in blocks of 8, causal, row 0 without keys) and hold
+    ``online_softmax_step`` on :func:`puzzle_problem` (keys in blocks of 8, causal, the first block masked) and hold
     the output and the LSE to the float64 reference."""
     check_puzzle("puzzle", lambda: _puzzle_result(step),
                  hint="The new max is the larger of the old one and the block's; rescale l and acc by "
@@ -123,6 +128,15 @@ def _rescale_l_not_acc():  # the LSE comes out right, the output does not
 def _without_the_guard():  # right for every row that has seen a key; NaN (-inf - -inf) for the row that sees none
     def step(m, l, acc, scores, values):
         new_m = np.maximum(m, scores.max(axis=1))
+        alpha, p = np.exp(m - new_m), np.exp(scores - new_m[:, None])
+        return new_m, l * alpha + p.sum(axis=1), acc * alpha[:, None] + p @ values
+    return step
+
+
+def _safe_max_returned():  # the guarded max (0 for a row without keys) returned as m: a later block of scores far
+    def step(m, l, acc, scores, values):  # below 0 is then measured against 0 and underflows to l = 0
+        new_m = np.maximum(m, scores.max(axis=1))
+        new_m = np.where(np.isfinite(new_m), new_m, 0.0)
         alpha, p = np.exp(m - new_m), np.exp(scores - new_m[:, None])
         return new_m, l * alpha + p.sum(axis=1), acc * alpha[:, None] + p @ values
     return step
@@ -192,6 +206,7 @@ PUZZLE = Puzzle(
         "max taken, l and acc never rescaled (a rescale forgotten)": _max_but_no_rescale,
         "l rescaled, acc not": _rescale_l_not_acc,
         "no guard for a row that has seen no key (NaN)": _without_the_guard,
+        "the guarded max returned as m (a row without keys carries m = 0)": _safe_max_returned,
         "alpha = exp(m_new - m_old)": _alpha_inverted,
         "a key skipped (the block's last)": _a_key_skipped,
         "the block's max in place of the running max": _block_max_only,
