@@ -672,3 +672,16 @@ def test_roofline_point_of_the_committed_benchmark():
     assert point["intensity"] == 2 * 4096 / 4  # 4 B H L^2 D FLOPs over 4 B H L D x 2 bytes
     assert point["intensity"] > point["ridge"] and point["roof_tflops"] == point["matmul_tflops"]
     assert 0 < point["reached"]["mma"] < point["reached"]["sdpa"] < 1
+
+
+def test_the_puzzle_problem_sinks_a_carried_stand_in_max():
+    """Batch 1's rows see their first key only in the second key tile, and every one of their scores is so far
+    below 0 (in the kernel's log2 units) that 2^(s - 0) underflows in fp32: a step that carries the guarded max 0
+    of a row without keys into that tile loses the row."""
+    from wb_kernels.stages.mma import exercises
+
+    q, k, v, keep = exercises.puzzle_inputs()
+    scores = (q[1, 0].double() @ k[1, 0].double().T).numpy() / 8 * np.log2(np.e)
+    visible = (np.arange(100)[None, :] <= np.arange(100)[:, None]) & keep[1].numpy()[None, :]
+    assert not visible[:, :wm.BLOCK_N].any() and visible[70:].any(axis=1).all()
+    assert scores[visible].max() < np.log2(np.finfo(np.float32).smallest_subnormal)

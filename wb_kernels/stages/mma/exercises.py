@@ -89,7 +89,12 @@ def check(answer_1, answer_2, answer_3) -> None:
 def puzzle_inputs():
     """The puzzle's problem (torch fp16, 2 x 1 x 100 x 100, D = 64, causal): ragged key tiles; in batch 0 the
     first key is padding, so its row 0 sees no key at all; in batch 1 the first 70 keys are padding, so its rows
-    see their first key only in the second tile; and a wide spread of scores (std 3), so each row's own max matters."""
+    see their first key only in the second tile; and a wide spread of scores (std 3), so each row's own max matters.
+
+    Batch 1's scores are also all far below 0 (dimension 0 of its queries is -40 and of its keys 40: -200 each,
+    about -290 in the kernel's log2 units, and every row's max below -170, -240 in log2 units): a step that returns
+    its stand-in max 0 for a row without keys (in place of -inf) carries it into the second tile, where every
+    p = 2^(s - 0) then underflows to 0 even in fp32."""
     import torch
 
     import wb_kernels as wb
@@ -98,6 +103,8 @@ def puzzle_inputs():
     keep = torch.ones(2, 100, dtype=torch.bool)
     keep[0, 0] = False
     keep[1, :70] = False
+    q[1, ..., 0] = -40.0
+    k[1, ..., 0] = 40.0
     return q, k, v, keep
 
 
@@ -143,7 +150,8 @@ def _whole_warp_max(x):  # one max for all 16 rows: exact on paper, but rows far
 
 
 def softmax_step(reduce_row_max=_quad_max, *, guard: bool = True, exp=np.exp2, alpha_inverted: bool = False,
-                 rescale_l: bool = True, quad_sum_every_tile: bool = False, p_from_old_max: bool = False):
+                 rescale_l: bool = True, quad_sum_every_tile: bool = False, p_from_old_max: bool = False,
+                 return_safe_max: bool = False):
     """A version of the lesson's fragment softmax step with each of its pieces right or wrong: the defaults give a
     right step; every other setting is a mistake a learner could make (see :data:`PUZZLE`)."""
 
@@ -157,7 +165,7 @@ def softmax_step(reduce_row_max=_quad_max, *, guard: bool = True, exp=np.exp2, a
         if quad_sum_every_tile:  # each lane then holds the row's whole sum, and the epilogue adds four of them
             part = warp_model.quad_allreduce(part, np.add)
         l_new = (l_old * alpha if rescale_l else l_old) + part
-        return m_new, l_new, p, alpha
+        return (m_safe if return_safe_max else m_new), l_new, p, alpha
 
     return step
 
@@ -177,5 +185,7 @@ PUZZLE = Puzzle(
         "the quad's sum every tile (the epilogue adds the four parts again)":
             lambda: softmax_step(quad_sum_every_tile=True),
         "p against the old max": lambda: softmax_step(p_from_old_max=True),
+        "the guarded max returned as m_new (a row without keys carries m = 0)":
+            lambda: softmax_step(return_safe_max=True),
     },
 )
