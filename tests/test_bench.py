@@ -571,7 +571,7 @@ def _ncu_csv(launches, metrics=None, environment=None):
     lines = ["==PROF== Connected to process 4242 (python3)",
              '==PROF== Profiling "flash_wmma_kernel" - 0: 0%....50%....100% - 9 passes']
     if environment is not None:
-        lines.append(ncu_traffic._ENVIRONMENT_TAG + json.dumps(environment))
+        lines.append(ncu_traffic.ENVIRONMENT_TAG + json.dumps(environment))
     lines += ["==PROF== Disconnected from process 4242", header]
     for launch_id, kernel, scale in launches:
         for n, metric in enumerate(metrics or ncu_traffic.METRICS):

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from .sweeps import attention_flops
 
-__all__ = ["METRICS", "KERNEL_NAME", "kernel_regex", "ncu_command", "parse_ncu_csv", "missing_metrics_message",
+__all__ = ["METRICS", "KERNEL_NAME", "ENVIRONMENT_TAG", "UNIT_SCALE", "kernel_regex", "ncu_command", "unit_scale",
+           "ncu_csv_rows", "recorded_command", "shown_path", "recorded_arguments", "parse_ncu_csv", "missing_metrics_message", "environment_from", "ncu_version",
            "build_result", "main"]
 
 # One list, so that the command, the parser and the result agree. Every name is checked against the CSV: a
@@ -46,10 +47,10 @@ METRICS = (
 )
 KERNEL_NAME = "flash_{stage}_kernel"  # the __global__ function of every CUDA C++ rung (flash_wmma_kernel<...>)
 DEFAULT_PROBLEM = {"B": 4, "H": 16, "L": 4096, "D": 128, "dtype": "float16", "causal": False}
-_ENVIRONMENT_TAG = "wb_ncu_environment "  # the child's line that carries where it ran, among ncu's output
+ENVIRONMENT_TAG = "wb_ncu_environment "  # the child's line that carries where it ran, among ncu's output
 
 # ncu --print-units base still names a unit per value; these scale it to bytes and seconds.
-_UNIT_SCALE = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6,
+UNIT_SCALE = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6,
                "msecond": 1e-3, "second": 1.0, "ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
@@ -78,13 +79,59 @@ def ncu_command(ncu: str, stages, problem: dict, warmup: int) -> list:
             "--launch-count", str(len(stages)), *child]
 
 
+def recorded_command(command_line: list) -> list:
+    """`command_line` as a results file records it: ncu and this Python by their file names (``ncu``, ``python3``),
+    not by where this machine keeps them (the command still runs them by their full paths)."""
+    return [Path(part).name if n == 0 or part == sys.executable else part for n, part in enumerate(command_line)]
+
+
+def shown_path(path, root: Path) -> str:
+    """`path` relative to the repository `root` when it lies inside, else its file name alone (no machine paths in
+    results)."""
+    try:
+        return Path(path).resolve().relative_to(root).as_posix()
+    except ValueError:
+        return Path(path).name
+
+
+def recorded_arguments(argv, root: Path, path_options=("--json",)) -> str:
+    """The command-line arguments as a results file records them: the value of each option of `path_options`
+    (``--json PATH`` or ``--json=PATH``) as :func:`shown_path` shows it."""
+    given = list(argv)
+    for n, argument in enumerate(given):
+        option, equals, value = argument.partition("=")
+        if option not in path_options:
+            continue
+        if equals:
+            given[n] = f"{option}={shown_path(value, root)}"
+        elif n + 1 < len(given):
+            given[n + 1] = shown_path(given[n + 1], root)
+    return " ".join(given)
+
+
 def _value(row: dict, kernel: str) -> float:
     text = (row.get("Metric Value") or "").replace(",", "").strip()
     try:
         value = float(text)
     except ValueError:
         raise ValueError(f"ncu gave no number for {row.get('Metric Name')} of {kernel}: {text!r}") from None
-    return value * _UNIT_SCALE.get((row.get("Metric Unit") or "").strip(), 1.0)
+    return value * unit_scale(row)
+
+
+def unit_scale(row: dict) -> float:
+    """What multiplies a row's value to bytes or seconds (1 for a unit :data:`UNIT_SCALE` does not name)."""
+    return UNIT_SCALE.get((row.get("Metric Unit") or "").strip(), 1.0)
+
+
+def ncu_csv_rows(text: str) -> list:
+    """The rows (dicts by column name) of the table in ``ncu --csv`` output: from its header (the line naming
+    "Kernel Name" and "Metric Name") on, the quoted lines only, so that the program's own output is skipped.
+    Raises ValueError when there is no such table."""
+    lines = text.splitlines()
+    start = next((n for n, line in enumerate(lines) if '"Kernel Name"' in line and '"Metric Name"' in line), None)
+    if start is None:
+        raise ValueError('no ncu CSV table (a header with "Kernel Name" and "Metric Name") in the output')
+    return list(csv.DictReader(io.StringIO("\n".join(line for line in lines[start:] if line.startswith('"')))))
 
 
 def parse_ncu_csv(text: str, stages) -> dict:
@@ -93,12 +140,8 @@ def parse_ncu_csv(text: str, stages) -> dict:
 
     Raises ValueError when the table is missing, when a stage has no profiled launch or more than one, or when
     a metric of :data:`METRICS` is missing (with its name)."""
-    lines = text.splitlines()
-    start = next((n for n, line in enumerate(lines) if '"Kernel Name"' in line and '"Metric Name"' in line), None)
-    if start is None:
-        raise ValueError('no ncu CSV table (a header with "Kernel Name" and "Metric Name") in the output')
     launches: dict = {}  # (launch ID, kernel name) -> {metric: value}
-    for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+    for row in ncu_csv_rows(text):
         kernel = row.get("Kernel Name") or ""
         if _stage_of(kernel, stages) is None or row.get("Metric Name") not in METRICS:
             continue
@@ -134,10 +177,11 @@ def missing_metrics_message(ncu_output: str):
             "\nncu said:\n" + "\n".join(refused))
 
 
-def _environment_from(text: str):
+def environment_from(text: str):
+    """The environment a ``--child`` run printed on its :data:`ENVIRONMENT_TAG` line among ncu's output, else None."""
     for line in text.splitlines():
-        if line.startswith(_ENVIRONMENT_TAG):
-            return json.loads(line[len(_ENVIRONMENT_TAG):])
+        if line.startswith(ENVIRONMENT_TAG):
+            return json.loads(line[len(ENVIRONMENT_TAG):])
     return None
 
 
@@ -192,7 +236,7 @@ def run_child(stages, problem: dict, warmup: int) -> None:
     for stage in stages:  # the launches ncu profiles
         wb.attention(q, k, v, stage=stage, causal=problem["causal"])
     wb.timing.synchronize()
-    print(_ENVIRONMENT_TAG + json.dumps(environment()), flush=True)
+    print(ENVIRONMENT_TAG + json.dumps(environment()), flush=True)
 
 
 def _check_stages(parser, stages, problem: dict) -> None:
@@ -213,7 +257,8 @@ def _check_stages(parser, stages, problem: dict) -> None:
             parser.error(f"stage {stage!r} takes head dims {', '.join(map(str, info.head_dims))}, not {problem['D']}")
 
 
-def _ncu_version(ncu: str):
+def ncu_version(ncu: str):
+    """The last line of ``ncu --version`` (None when ncu does not answer)."""
     try:
         text = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
@@ -265,12 +310,13 @@ def main(argv=None) -> int:
     from .results import REPO_ROOT, save_results
 
     out = args.json or REPO_ROOT / "results" / stages[-1] / "smem_traffic.json"
-    command = "python -m wb_kernels.bench.ncu_traffic " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m wb_kernels.bench.ncu_traffic " + recorded_arguments(
+        argv if argv is not None else sys.argv[1:], REPO_ROOT, ("--json", "--from-csv"))
     if args.from_csv:
         if not args.from_csv.is_file():
             parser.error(f"--from-csv: no file {args.from_csv}")
         text = args.from_csv.read_text()
-        environment = _environment_from(text) or {"gpu": args.device_name or None}
+        environment = environment_from(text) or {"gpu": args.device_name or None}
         command_line, version = None, None
     else:
         _check_stages(parser, stages, problem)
@@ -282,7 +328,7 @@ def main(argv=None) -> int:
         if shutil.which(args.ncu) is None:
             parser.error(f"ncu not found ({args.ncu}): install Nsight Compute or name it with --ncu PATH")
         command_line = ncu_command(args.ncu, stages, problem, args.warmup)
-        version = _ncu_version(args.ncu)
+        version = ncu_version(args.ncu)
         print("running:", " ".join(command_line), file=sys.stderr)
         try:
             done = subprocess.run(command_line, capture_output=True, text=True, timeout=args.timeout)
@@ -296,12 +342,13 @@ def main(argv=None) -> int:
             sys.exit(refused)
         if done.returncode != 0:
             sys.exit(f"ncu failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-        environment = _environment_from(done.stdout) or {}
+        environment = environment_from(done.stdout) or {}
     try:
         measured = parse_ncu_csv(text, stages)
     except ValueError as problem_in_csv:
         sys.exit(f"error: {problem_in_csv}")
-    result = build_result(measured, problem, environment, command=command, ncu_command_line=command_line,
+    result = build_result(measured, problem, environment, command=command,
+                          ncu_command_line=recorded_command(command_line) if command_line else None,
                           ncu_version=version)
     save_results(result, out)
     for stage, numbers in result["stages"].items():

@@ -22,8 +22,6 @@ date, the commit and the exact ncu command of each run; :func:`summary` reads th
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import re
 import shutil
@@ -142,19 +140,15 @@ def parse_ncu_csv(text: str) -> list:
     skipped), in launch order: ``[{"id", "name", "metrics": {metric: value}}]``. Bytes stay bytes, times become
     seconds (``ncu_traffic``'s unit table), percentages stay percentages; a value that is not a number is kept as
     text. Raises ValueError when there is no ncu table at all."""
-    lines = text.splitlines()
-    start = next((n for n, line in enumerate(lines) if '"Kernel Name"' in line and '"Metric Name"' in line), None)
-    if start is None:
-        raise ValueError('no ncu CSV table (a header with "Kernel Name" and "Metric Name") in the output')
     kernels: dict = {}
-    for row in csv.DictReader(io.StringIO("\n".join(line for line in lines[start:] if line.startswith('"')))):
+    for row in ncu_traffic.ncu_csv_rows(text):
         if not row.get("Metric Name"):
             continue
         key = row.get("ID") or str(len(kernels))
         kernel = kernels.setdefault(key, {"id": key, "name": row.get("Kernel Name") or "", "metrics": {}})
         value = _number(row.get("Metric Value"))
         if isinstance(value, float):
-            value *= ncu_traffic._UNIT_SCALE.get((row.get("Metric Unit") or "").strip(), 1.0)
+            value *= ncu_traffic.unit_scale(row)
         kernel["metrics"][row["Metric Name"]] = value
     return sorted(kernels.values(), key=lambda k: int(k["id"]) if str(k["id"]).isdigit() else 0)
 
@@ -268,7 +262,7 @@ def run_child(contender: str, shape, dtype: str, warmup: int) -> None:
     torch.cuda.profiler.stop()  # ... to here: the kernels of this one call
     from ...bench.results import environment
 
-    print(ncu_traffic._ENVIRONMENT_TAG + json.dumps(environment()), flush=True)
+    print(ncu_traffic.ENVIRONMENT_TAG + json.dumps(environment()), flush=True)
     print(_CHILD_TAG + json.dumps({"contender": contender, "shape": list(shape), "dtype": dtype}), flush=True)
 
 
@@ -296,7 +290,7 @@ def profile_one(ncu: str, contender: str, shape, dtype: str, warmup: int, metric
     metrics = list(metrics)
     for _ in range(4):
         command = ncu_command(ncu, contender, shape, dtype, warmup, metrics)
-        record["ncu_command"] = command
+        record["ncu_command"] = ncu_traffic.recorded_command(command)  # no machine paths in the results
         print("running:", " ".join(command[:12]), "...", contender, shape, file=sys.stderr, flush=True)
         start = time.monotonic()
         try:
@@ -326,7 +320,7 @@ def profile_one(ncu: str, contender: str, shape, dtype: str, warmup: int, metric
                            for k in kernels],
                   metrics={m: measured.get(m) for m in METRICS},
                   missing=[m for m in METRICS if not isinstance(measured.get(m), float)],
-                  environment=ncu_traffic._environment_from(done.stdout))
+                  environment=ncu_traffic.environment_from(done.stdout))
     record["summary"] = summary(record)
     return record
 
@@ -352,12 +346,7 @@ def build_result(runs: list, *, command: str, ncu_version, metrics_missing, envi
     }
 
 
-def _shown(path: Path, root: Path) -> str:
-    """`path` relative to the repository when it lies inside, else its file name alone (no machine paths in results)."""
-    try:
-        return Path(path).resolve().relative_to(root).as_posix()
-    except ValueError:
-        return Path(path).name
+_shown = ncu_traffic.shown_path  # the name tests/test_mma.py calls
 
 
 def _shape(text: str):
@@ -401,10 +390,9 @@ def main(argv=None) -> int:
     requested = [m for m in METRICS if m not in missing]
     runs = []
     out = args.json
-    given = list(argv if argv is not None else sys.argv[1:])
-    if out is not None and "--json" in given:  # the output as the repository names it, not as this machine does
-        given[given.index("--json") + 1] = _shown(out, REPO_ROOT)
-    command = "python -m wb_kernels.stages.mma.profile " + " ".join(given)
+    # the output as the repository names it, not as this machine does
+    command = "python -m wb_kernels.stages.mma.profile " + ncu_traffic.recorded_arguments(
+        argv if argv is not None else sys.argv[1:], REPO_ROOT)
     for shape in args.shapes:
         for contender in args.contenders:
             run = profile_one(args.ncu, contender, shape, args.dtype, args.warmup, requested, args.timeout)
@@ -415,7 +403,7 @@ def main(argv=None) -> int:
                 f"occupancy {s['achieved_occupancy_pct']}%" if run["status"] == "ok" and s.get("duration_ms")
                 else f" ({run.get('reason', '')})"), flush=True)
             result = build_result([dict(r) for r in runs], command=command,
-                                  ncu_version=ncu_traffic._ncu_version(args.ncu),
+                                  ncu_version=ncu_traffic.ncu_version(args.ncu),
                                   metrics_missing=set(missing).union(*(r.get("refused", []) for r in runs)))
             if out is None:
                 gpu = (result.get("gpu") or "gpu").lower()
