@@ -470,11 +470,6 @@ def _readme_blocks(results: dict) -> list:
     return blocks
 
 
-def _readme_block(results: dict) -> tuple:
-    """The first block :func:`_readme_blocks` names (the one a file of a single kind fills)."""
-    return _readme_blocks(results)[0]
-
-
 def update_readme(results_path, readme=REPO_ROOT / "README.md") -> Path:
     """Rewrite the README blocks that `results_path` fills (:func:`_readme_blocks`). Each table's caption says how
     its file was timed (:func:`timing_method`), so tables timed differently are labelled so."""
