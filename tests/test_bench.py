@@ -728,7 +728,7 @@ def test_timing_method_reads_the_committed_files():
     assert bench.timing_method(bench.load_results(root / "decode" / "bench_h100.json")) == DEVICE_TIME
     assert bench.timing_method(bench.load_results(root / "mma" / "bench_h100.json")) == EVENTS_AROUND_CALL
     assert bench.timing_method(bench.load_results(root / "bench" / "simulator_smoke.json")) is None
-    written = _gpu_file([], timing=DEVICE_TIME.as_record())
+    written = _gpu_file([], timing=dict(DEVICE_TIME))
     assert bench.timing_method(written) == DEVICE_TIME
 
 
@@ -762,7 +762,7 @@ def test_a_run_refuses_to_add_records_timed_another_way(tmp_path):
         stamp_timing(old, bench.TimingPolicy(), tmp_path / "old.json")
     fresh = _gpu_file([])
     stamp_timing(fresh, bench.TimingPolicy(), tmp_path / "new.json")
-    assert fresh["timing"] == bench.TimingPolicy().method.as_record()
+    assert fresh["timing"] == dict(bench.TimingPolicy().method)
 
 
 def test_readme_tables_say_how_their_file_was_timed_and_one_file_fills_both_prefill_tables(tmp_path):
@@ -770,7 +770,7 @@ def test_readme_tables_say_how_their_file_was_timed_and_one_file_fills_both_pref
 
     results = bench.load_results(bench.REPO_ROOT / "results" / "mma" / "bench_h100.json")
     assert "flushed by zeroing" in bench.readme_table(results) and "no kernel queued" in bench.readme_table(results)
-    both = dict(results, presets=["mma", "public"], timing=bench.TimingPolicy().method.as_record())
+    both = dict(results, presets=["mma", "public"], timing=dict(bench.TimingPolicy().method))
     path = tmp_path / "both.json"
     bench.save_results(both, path)
     readme = tmp_path / "README.md"
@@ -828,7 +828,7 @@ def test_overview_of_files_timed_one_way_is_one_comparison():
 
     prefill = bench.load_results(bench.REPO_ROOT / "results" / "mma" / "bench_h100.json")
     decode = bench.load_results(bench.REPO_ROOT / "results" / "decode" / "bench_h100.json")
-    prefill = dict(prefill, timing=DEVICE_TIME.as_record())  # as a run under DEVICE_TIME writes it
+    prefill = dict(prefill, timing=dict(DEVICE_TIME))  # as a run under DEVICE_TIME writes it
     lines = dashboard.overview_lines({"prefill": prefill, "decode": decode})
     assert lines[0] == f"every rung, timed one way: {DEVICE_TIME.label()}"
     assert [line.split()[0] for line in lines[2:]] == ["wmma", "mma", "decode", "decode"]

@@ -67,3 +67,15 @@ def test_cuda_timing_and_memory():
     assert small.device == "cuda" and big.median_ms > 4 * small.median_ms
     _, use = wb.peak_memory(lambda: torch.empty(2**26, device="cuda").fill_(1))
     assert 2**28 <= use.peak_bytes <= 2**28 + 2**21
+
+
+def test_a_timing_method_is_the_mapping_of_time_calls_keywords_and_round_trips_through_a_record():
+    from wb_kernels.timing import DEVICE_TIME, EVENTS_AROUND_CALL, TimingMethod
+
+    for method in (DEVICE_TIME, EVENTS_AROUND_CALL):
+        record = dict(method)
+        assert list(record) == ["flush_l2", "flush_mode", "hold_us"]  # the order a results file has always had
+        assert TimingMethod.from_record(record) == method and len(method) == 3
+    with pytest.raises(KeyError):
+        DEVICE_TIME["label"]
+    assert wb.time_call(lambda: None, warmup=0, repeats=2, device="cpu", **DEVICE_TIME).device == "cpu"

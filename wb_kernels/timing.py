@@ -20,7 +20,7 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .backend import BACKEND
 
@@ -115,25 +115,23 @@ class TimingMethod(Mapping):
     kind, :data:`DEVICE_TIME`, is what every benchmark preset times with (prefill and decode alike); results files
     record it, and :func:`wb_kernels.bench.results.timing_method` reads it back, so that two files timed differently
     are not set side by side as if they were one measurement. It is also a mapping of :func:`time_call`'s keyword
-    arguments: ``time_call(fn, **DEVICE_TIME)``."""
+    arguments: ``time_call(fn, **DEVICE_TIME)``; ``dict(DEVICE_TIME)`` is what a results file records."""
 
     flush_l2: bool = True
     flush_mode: str = "read"
     hold_us: float = 300.0
 
-    # the Mapping protocol: the keyword arguments of time_call
+    # the Mapping protocol, over the fields: time_call's keyword arguments, and dict(method) is what results record
     def __getitem__(self, name):
-        if name not in self._KEYS:
+        if name not in self.__dataclass_fields__:
             raise KeyError(name)
         return getattr(self, name)
 
     def __iter__(self):
-        return iter(self._KEYS)
+        return (f.name for f in fields(self))
 
     def __len__(self):
-        return len(self._KEYS)
-
-    _KEYS = ("flush_l2", "flush_mode", "hold_us")
+        return len(fields(self))
 
     @property
     def device_time(self) -> bool:
@@ -163,11 +161,9 @@ class TimingMethod(Mapping):
         return clock + (" with the L2 cache flushed by zeroing a buffer twice its size (which leaves dirty lines that "
                         "the timed call writes back)")
 
-    def as_record(self) -> dict:
-        return {"flush_l2": self.flush_l2, "flush_mode": self.flush_mode, "hold_us": self.hold_us}
-
     @classmethod
     def from_record(cls, record: dict) -> "TimingMethod":
+        """The method a results file recorded as ``dict(method)`` (older files: the defaults of that time)."""
         return cls(flush_l2=bool(record.get("flush_l2", True)), flush_mode=record.get("flush_mode") or "write",
                    hold_us=float(record.get("hold_us") or 0.0))
 

@@ -617,7 +617,7 @@ def stamp_timing(results: dict, policy: TimingPolicy, out_path: Path) -> None:
     if before is not None and before != policy.method:
         raise Refused(f"{out_path} was timed as: {before.label()}; this run times as: {policy.method.label()}. "
                       "Write to another file (--out) or start over (--fresh).")
-    results["timing"] = policy.method.as_record()
+    results["timing"] = dict(policy.method)
 
 
 def store_record(results: dict, record: dict, out_path: Path, log, derive=add_speedups) -> None:
