@@ -10,7 +10,7 @@ errored and were skipped, with the machine (GPU name or "CPU, N cores"), version
 installed: the README's quick start quotes both for ``make test`` on a CPU-only machine.
 
 ``scripts/gpu_check.sh`` records its steps into ``results/status/<gpu>.json``; ``make test``'s run on a CPU-only
-machine is recorded as ``results/status/cpu.json`` (``make status``). ``tests/test_status.py`` fails when the
+machine is recorded as ``results/status/cpu.json`` (``make status-cpu``). ``tests/test_status.py`` fails when the
 README's block differs from what the committed files render.
 """
 
