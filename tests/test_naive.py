@@ -112,3 +112,30 @@ def test_the_puzzles_problems_make_the_lessons_mistakes_show():
     probs = wb.safe_softmax(np.where(allowed, scale * np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k), -np.inf))
     weight = probs.max(axis=-2)  # (B, H, Lk): the most weight any row gives each key
     assert (weight > 1e-3)[np.broadcast_to(mask[:, None, :], weight.shape)].all()  # every kept key counts
+
+
+@simulator_only  # NumPy buffers stand in for the GPU's
+def test_the_puzzles_guard_rows_catch_a_write_past_the_last_row():
+    """A GPU checks no bounds: a softmax kernel whose threads past the last row write anyway lands in the guard rows
+    after the last (batch, head), and the grader says so. Faked here by kernels that write into the guard directly."""
+    import numpy as np
+
+    from wb_kernels.stages.naive.exercises import _LaunchedWithScale
+
+    class Fake:
+        def __init__(self, overrun):
+            self.overrun = overrun
+
+        def __getitem__(self, config):
+            def launch(scores, scale, probs, lse):
+                probs[...] = 0.5
+                lse[...] = 1.0
+                if self.overrun:
+                    np.asarray(probs).base[-1] = 0.5  # the buffer behind the view: its last guard row
+            return launch
+
+    scores, probs, lse = np.zeros((2, 3, 4), np.float32), np.empty((2, 3, 4), np.float32), np.empty((2, 3), np.float32)
+    for overrun in (False, True):
+        launched = _LaunchedWithScale(Fake(overrun), 1.0)
+        launched[(1, 2), 128](scores, probs, lse)
+        assert launched.overran == overrun and (probs == 0.5).all() and (lse == 1.0).all()

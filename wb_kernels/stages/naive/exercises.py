@@ -7,12 +7,16 @@ want them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import math
 from types import SimpleNamespace
 
 import numpy as np
 
+from ... import device
+from ...backend import BACKEND
 from ...exercises import Exercise, Puzzle, check_answers, check_puzzle
 from .kernel import global_memory_traffic, grid_shapes, naive_forward, scores_kernel, weighted_sum_kernel, workspace_bytes
 
@@ -61,27 +65,51 @@ def check(answer_1, answer_2, answer_3) -> None:
 
 class _LaunchedWithScale:
     """A scaled softmax kernel in the softmax's place in ``naive_forward``, which launches its softmax with
-    ``(scores, probs, lse)``: the scale goes in between."""
+    ``(scores, probs, lse)``: the scale goes in between.
+
+    The kernel gets its arrays as the front of buffers with guard rows after the last row of the last (batch,
+    head): a thread past the last row that reads and writes anyway (no ``if i >= scores.shape[1]: return``) raises
+    IndexError on the simulator; a GPU checks no bounds, and its writes land in the guard rows, which ``overran``
+    then reports."""
 
     def __init__(self, kernel, scale):
         self.kernel, self.scale = kernel, np.float32(scale)
+        self.overran = False
 
     def __getitem__(self, config):
         launch = self.kernel[config]
+        grid, block = config[0], config[1]
+        rows_launched = (grid if isinstance(grid, int) else grid[0]) * (block if isinstance(block, int) else block[0])
 
         def launch_with_scale(scores, probs, lse):
-            for output in (probs, lse):  # NaN where the kernel writes nothing: not an earlier run's right answer
-                _fill_nan(output)
-            launch(scores, self.scale, probs, lse)
+            scores, probs, lse = (_as_buffer(x) for x in (scores, probs, lse))
+            shape, guard = tuple(scores.shape), rows_launched * scores.shape[2]
+            size = shape[0] * shape[1] * shape[2]
+            padded = device.zeros((size + guard,))  # guard rows of scores: 0, a finite score
+            padded[:size] = scores.reshape(-1)
+            # NaN where the kernel writes nothing (not an earlier run's right answer), in the guard rows too
+            padded_probs, padded_lse = device.empty((size + guard,)), device.empty((size // shape[2] + rows_launched,))
+            padded_probs[...] = np.nan
+            padded_lse[...] = np.nan
+            front = (padded[:size].reshape(shape), padded_probs[:size].reshape(shape),
+                     padded_lse[:size // shape[2]].reshape(shape[:2]))
+            view = device.kernel_view
+            launch(view(front[0]), self.scale, view(front[1]), view(front[2]))
+            probs[...] = front[1]
+            lse[...] = front[2]
+            guards = (padded_probs[size:], padded_lse[size // shape[2]:])
+            self.overran |= not all(bool((guard != guard).all()) for guard in guards)  # still all NaN?
         return launch_with_scale
 
 
-def _fill_nan(array):
-    nan = np.full(array.shape, np.nan, dtype=np.float32)
-    if isinstance(array, np.ndarray):  # the simulator's buffers are NumPy arrays
-        array[...] = nan
-    else:  # a device view on a GPU
-        array.copy_to_device(nan)
+def _as_buffer(view):
+    """The buffer behind a kernel view: a torch CUDA tensor on a GPU (zero copy), the NumPy array itself on the
+    simulator."""
+    if BACKEND.is_gpu:
+        import torch
+
+        return torch.as_tensor(view, device="cuda")
+    return view
 
 
 def puzzle_problems():
@@ -110,12 +138,21 @@ def check_scaled_softmax_puzzle(scaled_softmax_kernel) -> None:
     with scale 1, the learner's kernel given the scale) and hold the output and LSE to the float64 reference."""
     import wb_kernels as wb
 
+    overran = []  # why the kernel failed before its output could be compared, if it did
+
     def run():
         for q, k, v, causal, mask, scale in puzzle_problems():
-            kernels = (scores_kernel, _LaunchedWithScale(scaled_softmax_kernel, scale), weighted_sum_kernel)
+            softmax = _LaunchedWithScale(scaled_softmax_kernel, scale)
+            kernels = (scores_kernel, softmax, weighted_sum_kernel)
             try:
                 out, lse = naive_forward(q, k, v, causal=causal, key_padding_mask=mask, scale=1.0, kernels=kernels)
             except (ArithmeticError, ValueError):  # the simulator's math.exp/log raise where the GPU gives inf/NaN
+                return SimpleNamespace(passed=False)
+            except IndexError:  # the simulator checks bounds: a thread read or wrote past an array's end
+                overran.append("on the simulator your kernel read or wrote past the end of an array (IndexError)")
+                return SimpleNamespace(passed=False)
+            if softmax.overran:  # a GPU checks no bounds: the guard rows past the last row show it
+                overran.append("your kernel wrote past the last row of its arrays")
                 return SimpleNamespace(passed=False)
             result = wb.check("your softmax", out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask,
                               scale=scale, verbose=False, raise_on_failure=False)
@@ -123,9 +160,18 @@ def check_scaled_softmax_puzzle(scaled_softmax_kernel) -> None:
                 return result
         return result
 
-    check_puzzle("puzzle", run, hint="Scale each score where you read it; three passes over the row: the maximum "
-                        "of the scaled row, the sum of exp(scale*s - max), then each probability; a row whose "
-                        "maximum is -inf gets zeros and lse = -inf.")
+    with contextlib.redirect_stdout(io.StringIO()) as line:
+        check_puzzle("puzzle", run, hint=_PUZZLE_HINT)
+    if overran:  # the output was never compared: say what happened instead
+        print(f"puzzle: not solved yet: {overran[0]}: a thread whose row i is past the last one "
+              f"(i >= scores.shape[1]) must return before it reads or writes.")
+    else:
+        print(line.getvalue(), end="")
+
+
+_PUZZLE_HINT = ("Scale each score where you read it; three passes over the row: the maximum of the scaled row, the "
+                "sum of exp(scale*s - max), then each probability; a row whose maximum is -inf gets zeros and "
+                "lse = -inf.")
 
 
 def _solution_with(*edits):
@@ -168,6 +214,8 @@ PUZZLE = Puzzle(
         "forgets the scale (lesson 02's kernel)": lambda: _solution_with(("scale * scores", "scores")),
         "the maximum of the unscaled row": lambda: _solution_with(
             ("max(row_max, scale * scores[bh, i, j])", "max(row_max, scores[bh, i, j])")),
+        "no bounds check: threads past the last row read and write anyway": lambda: _solution_with(
+            ("    if i >= scores.shape[1]:\n        return\n", "")),
         "the stub as shipped (writes nothing)": lambda: _solution_with(
             ("    n = scores.shape[2]\n", "    return\n    n = scores.shape[2]\n")),
     },
