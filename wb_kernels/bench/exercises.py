@@ -37,8 +37,9 @@ def _causal_tflops(seconds, causal=True, scale=1e12):
 
 
 def _intensity(itemsize=2, tensors=4):
-    return attention_flops(1, 1, 4096, 4096, 128, causal=False) / (
-        minimum_bytes(1, 1, 4096, 4096, 128, itemsize=itemsize) * tensors / 4)
+    # L = 6144, D = 64: a shape no lesson prints (lesson 06 prints L = 4096, lesson 08 L = 16384)
+    return attention_flops(1, 1, 6144, 6144, 64, causal=False) / (
+        minimum_bytes(1, 1, 6144, 6144, 64, itemsize=itemsize) * tensors / 4)
 
 
 def _zeroing_extra_us(hold_us=0.0):

@@ -4,7 +4,7 @@ when you are right."""
 import statistics
 
 answer_1 = 4 * 4 * 16 * 4096**2 * 128 / 2 / 0.5e-3 / 1e12  # causal: half of 4*B*H*L*L*D, over 0.5 ms, in TFLOP/s
-answer_2 = 4096 / 2                                        # 4*L*L*D FLOPs / (2 bytes * 4*L*D): L/2
+answer_2 = 6144 / 2                                        # 4*L*L*D FLOPs / (2 bytes * 4*L*D): L/2
 answer_3 = 312e12 / 1555e9                                 # FLOP/s over byte/s
 answer_4 = "l2"                                            # 8 MiB stays in the L2 between back-to-back calls
 answer_5 = (0.2324 - 0.18426) * 1e3                        # the file's B1 Hk32 wb.decode rows: write, no hold - read, hold
