@@ -27,7 +27,8 @@ from ..stages import available_stages
 from ..timing import DEVICE_TIME
 from .decode import default_decode_output, run_decode
 from .measure import TimingPolicy, _device, contenders, run
-from .results import default_output, load_results, update_readme
+from .ncu_traffic import recorded_arguments
+from .results import REPO_ROOT, default_output, load_results, update_readme
 from .sweeps import (ALL_PRESETS, BASELINE_HELP, BASELINES, DECODE_PRESETS, GPU_PRESETS, PRESET_HELP, PRESETS,
                      TOKENS, Config, Refused, Sweep)
 
@@ -178,7 +179,9 @@ def main(argv=None) -> int:
             folder = args.out.is_dir() or str(args.out).endswith(("/", "\\"))
             out = args.out / out.name if folder else args.out
         print(f"writing {out}")
-        command = "python -m wb_kernels.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+        # the output path as the repository shows it (no machine paths in a committed file)
+        command = "python -m wb_kernels.bench " + recorded_arguments(argv if argv is not None else sys.argv[1:],
+                                                                      REPO_ROOT, ("--out", "--json"))
         if decode:
             workloads = [w for p in decode for w in DECODE_PRESETS[p]]
             run_decode(workloads, out, presets=decode, policy=policy, resume=not args.fresh, seed=args.seed,
