@@ -111,3 +111,49 @@ def test_simulator_gives_a_block_one_shared_array_per_call_site():
     for t in threads:
         t.join()
     assert len(got) == 32 and len(set(got)) == 1
+
+
+@simulator_only
+def test_the_bug_hunt_gives_a_verdict_when_the_kernel_raises(capsys):
+    """A kernel that reads past an array's end raises IndexError on the simulator: the bug hunt says "not solved
+    yet" and what was raised, not a traceback. The same line whichever thread raised first."""
+    from wb_kernels.exercises import puzzle_verdict
+    from wb_kernels.stages.tiled import exercises
+
+    unguarded = exercises._scores_kernel_with(
+        ("            if j0 + ty < Lk and d0 + tx < D:\n", "            if True:\n"))
+    line = puzzle_verdict(exercises.PUZZLE, unguarded)
+    assert line.startswith("bug hunt: not solved yet: your kernel raised IndexError (index ") and "tid=" not in line
+
+
+def test_the_bug_hunts_races_are_listed_wrong_answers():
+    from wb_kernels.stages.tiled import exercises
+
+    assert exercises.RACES and exercises.RACES <= set(exercises.PUZZLE.wrong)
+
+
+@simulator_only
+def test_the_bug_hunts_gpu_grading_runs_the_kernel_again_at_its_tile(monkeypatch, capsys):
+    """The stricter grading a GPU gets (more launches, a larger tile), run here at simulator sizes: the solution
+    still passes, each launch builds and runs the learner's kernel at that tile, and a wrong one fails."""
+    from types import SimpleNamespace
+
+    from wb_kernels.exercises import puzzle_verdict
+    from wb_kernels.stages.tiled import exercises, solutions
+
+    monkeypatch.setattr(exercises, "BACKEND", SimpleNamespace(is_gpu=True))
+    monkeypatch.setattr(exercises, "_GPU_TILE", 4)
+    monkeypatch.setattr(exercises, "_GPU_LAUNCHES", 2)
+    monkeypatch.setattr(exercises, "_GPU_PROBLEM", (1, 1, 9, 10, 8))
+    tiles = []
+
+    def recorded(make):
+        def factory(tile):
+            tiles.append(tile)
+            return make(tile)
+        return factory
+
+    assert "solved ✓" in puzzle_verdict(exercises.PUZZLE, recorded(solutions.make_scores_kernel))
+    assert tiles == [8, 4, 4]
+    wrong = exercises.PUZZLE.wrong["no barrier at all"]()
+    assert "not solved yet" in puzzle_verdict(exercises.PUZZLE, wrong)

@@ -5,13 +5,18 @@ The worked answers (and the fixed kernel) are in ``solutions.py`` next to this f
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import math
+import re
+from types import SimpleNamespace
 
+from ...backend import BACKEND
 from ...exercises import Exercise, Puzzle, check_answers, check_puzzle
 from .kernel import make_block_softmax_kernel, make_tiled_weighted_sum_kernel, shared_bytes_per_block, tiled_forward
 
-__all__ = ["EXERCISES", "PUZZLE", "check", "check_scores_puzzle"]
+__all__ = ["EXERCISES", "PUZZLE", "RACES", "check", "check_scores_puzzle"]
 
 EXERCISES = (
     Exercise("exercise 1", lambda: 2 * 16 * 16 * math.ceil(64 / 16),
@@ -35,22 +40,65 @@ def check(answer_1, answer_2, answer_3) -> None:
     check_answers(EXERCISES, answer_1, answer_2, answer_3)
 
 
+# On a GPU the bug hunt's wrong kernels are races: whether a missing barrier shows depends on how the warps of a
+# block happen to interleave, which the simulator (a Python thread per CUDA thread, switched often) does reliably and
+# a GPU may not. So on a GPU the grader also runs the kernel at tile 32 (32 warps per block, each free to run ahead
+# of the others), on a problem of 4 steps of the head dim (so a tile is overwritten while others may still read it)
+# and 800 blocks, and launches it several times: any wrong result fails the puzzle.
+_GPU_TILE, _GPU_LAUNCHES, _GPU_PROBLEM = 32, 8, (2, 4, 300, 290, 128)  # (B, H, Lq, Lk, D)
+
+
 def check_scores_puzzle(make_scores_kernel, tile: int = 8) -> None:
     """Run tiled attention with the learner's scores kernel (``make_scores_kernel(tile)``) and our softmax and
-    weighted sum, on a problem of several tiles with both masks, and check it against the float64 reference."""
+    weighted sum, on a problem of several tiles with both masks, and check it against the float64 reference. On a
+    GPU, also :data:`_GPU_LAUNCHES` launches at tile 32 on a larger problem (see above). A kernel that raises (an
+    index past an array's end on the simulator, say) is not solved either, and the verdict says what it raised."""
     import wb_kernels as wb
 
-    def run():
-        q, k, v = wb.random_qkv(1, 2, 19, 32, Lk=21, seed=13)
-        mask = wb.random_padding_mask(1, 21, seed=14)
-        kernels = (make_scores_kernel(tile), make_block_softmax_kernel(16), make_tiled_weighted_sum_kernel(tile))
-        out, lse = tiled_forward(q, k, v, causal=True, key_padding_mask=mask, tile=tile, softmax_threads=16,
-                                 kernels=kernels)
+    raised = []
+
+    def grade(q, k, v, mask, tile, softmax_threads):
+        kernels = (make_scores_kernel(tile), make_block_softmax_kernel(softmax_threads),
+                   make_tiled_weighted_sum_kernel(tile))
+        out, lse = tiled_forward(q, k, v, causal=True, key_padding_mask=mask, tile=tile,
+                                 softmax_threads=softmax_threads, kernels=kernels)
         return wb.check("your scores kernel", out, q, k, v, lse=lse, causal=True, key_padding_mask=mask,
                         verbose=False, raise_on_failure=False)
 
-    check_puzzle("bug hunt", run, hint="Compare the kernel with make_tiled_scores_kernel above, line by line: "
-                        "what must every thread of the block wait for before it reads a tile?")
+    def run():
+        try:
+            q, k, v = wb.random_qkv(1, 2, 19, 32, Lk=21, seed=13)
+            result = grade(q, k, v, wb.random_padding_mask(1, 21, seed=14), tile, 16)
+            if result.passed and BACKEND.is_gpu:
+                B, H, Lq, Lk, D = _GPU_PROBLEM
+                q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, seed=13)
+                mask = wb.random_padding_mask(B, Lk, seed=14)
+                for _ in range(_GPU_LAUNCHES):
+                    result = grade(q, k, v, mask, _GPU_TILE, 128)
+                    if not result.passed:
+                        break
+            return result
+        except Exception as error:  # the learner's code raised: a verdict, not a traceback
+            raised.append(error)
+            return SimpleNamespace(passed=False)
+
+    with contextlib.redirect_stdout(io.StringIO()) as line:
+        check_puzzle("bug hunt", run, hint=_HINT)
+    if raised:
+        print(f"bug hunt: not solved yet: your kernel raised {_describe(raised[0])}. {_HINT}")
+    else:
+        print(line.getvalue(), end="")
+
+
+_HINT = ("Compare the kernel with make_tiled_scores_kernel above, line by line: what must every thread of the block "
+         "wait for before it reads a tile?")
+
+
+def _describe(error: Exception) -> str:
+    """``IndexError (index 9 is out of bounds ...)``: the simulator's note of which thread raised dropped, so that
+    the line is the same from run to run."""
+    message = re.sub(r"^tid=\[[^\]]*\] ctaid=\[[^\]]*\]:\s*", "", str(error).strip()).splitlines()
+    return f"{type(error).__name__} ({message[0][:160]})" if message else type(error).__name__
 
 
 def _scores_kernel_with(*edits):
@@ -69,6 +117,15 @@ def _scores_kernel_with(*edits):
 _LOADS_K = "            if j0 + ty < Lk and d0 + tx < D:\n"
 _FIRST_BARRIER = "            cuda.syncthreads()  # the tiles are complete before anyone reads them\n"
 _SECOND_BARRIER = "            cuda.syncthreads()  # everyone is done with the tiles before the next step overwrites them\n"
+
+# The wrong answers below whose failure is a race (a barrier missing): the simulator shows every one of them, a GPU
+# may by chance not, even with the strict grading above. Tests that run the grader on a GPU skip these labels there.
+RACES = frozenset({
+    "as shipped: no barrier between loading the tiles and reading them",
+    "the barrier after loading q_tile only (k_tile still read half-written)",
+    "the barrier moved instead of added (none after the multiply)",
+    "no barrier at all",
+})
 
 PUZZLE = Puzzle(
     check=check_scores_puzzle,
