@@ -174,6 +174,9 @@ def test_each_puzzle_solves_with_its_solution_and_rejects_every_listed_wrong_ans
     puzzle, solution = _puzzle(package)
     assert len(puzzle.wrong) >= 2, "list the plausible wrong answers the grader must reject"
     assert "solved ✓" in puzzle_verdict(puzzle, solution)
+    # a wrong answer that is a race (a missing barrier) fails reliably only on the simulator, which switches threads
+    # at every step; a GPU may happen to order the threads so that it gives the right numbers
+    races = getattr(_modules(package)[0], "RACES", frozenset()) if wb.BACKEND.is_gpu else frozenset()
     fooled = {label: line for label, build in puzzle.wrong.items()
-              if "✓" in (line := puzzle_verdict(puzzle, build()))}
+              if label not in races and "✓" in (line := puzzle_verdict(puzzle, build()))}
     assert not fooled, f"the grader passes wrong answers: {fooled}"
