@@ -22,7 +22,9 @@ def test_readme_status_is_what_the_recorded_runs_render():
 
 
 def test_every_recorded_run_names_its_machine_date_and_commit():
-    for path in status.STATUS_DIR.glob("*.json"):
+    runs = list(status.STATUS_DIR.glob("*.json"))
+    assert runs, "no run recorded in results/status/: the README's status would be empty"
+    for path in runs:
         data = json.loads(path.read_text())
         assert data["date"] and data["machine"]["git_commit"] and data["suites"], path.name
 
