@@ -121,7 +121,8 @@ def puzzle_verdict(puzzle: Puzzle, answer) -> str:
 
 def check_puzzle(name: str, run: Callable, *, hint: str = "") -> None:
     """Run the learner's kernel with ``run()`` (which returns a :class:`wb_kernels.check.CheckResult`, the
-    result of ``wb.check(..., verbose=False)``) and print whether the puzzle is solved. Returns nothing, so that
+    result of ``wb.check(..., verbose=False)``, or any object with ``passed=False`` and a ``reason`` when the kernel
+    failed before its output could be compared) and print whether the puzzle is solved. Returns nothing, so that
     the lesson's cell shows that one line."""
     with warnings.catch_warnings():
         # a wrong kernel computes with garbage (unset shared or device memory); on the simulator NumPy then warns
@@ -130,5 +131,7 @@ def check_puzzle(name: str, run: Callable, *, hint: str = "") -> None:
         result = run()
     if result.passed:
         print(f"{name}: solved ✓ (the output matches the float64 reference)")
+    elif getattr(result, "reason", None):  # the kernel failed before its output could be compared: say how
+        print(f"{name}: not solved yet: {result.reason}")
     else:
         print(f"{name}: not solved yet: the output does not match the float64 reference. {hint}".rstrip())
