@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["reference", "attention_mask", "causal_offset", "repeat_kv_heads", "CAUSAL_ALIGNMENTS", "safe_softmax",
+__all__ = ["reference", "reference_backward", "sum_kv_groups", "attention_mask", "causal_offset", "repeat_kv_heads", "CAUSAL_ALIGNMENTS", "safe_softmax",
            "naive_softmax"]
 
 # The values of ``causal`` that name an alignment; True means "top_left".
@@ -126,3 +126,55 @@ def reference(q, k, v, *, causal=False, key_padding_mask=None, scale: float | No
         finite_max = np.where(np.isfinite(row_max), row_max, 0.0)
         lse = finite_max + np.log(np.exp(scores - finite_max[..., None]).sum(axis=-1))
     return out, lse
+
+
+def sum_kv_groups(grad, Hk: int):
+    """A gradient (B, H, L, D) with respect to repeated K or V heads, summed back to the Hk heads (B, Hk, L, D).
+
+    The transpose of :func:`repeat_kv_heads`: key/value head j was read by query heads j*group .. (j+1)*group - 1,
+    so its gradient is the sum of theirs (GQA). NumPy arrays and torch tensors; `grad` itself when Hk = H.
+    """
+    B, H, L, D = grad.shape
+    if H == Hk:
+        return grad
+    return grad.reshape(B, Hk, H // Hk, L, D).sum(2)
+
+
+def reference_backward(q, k, v, dout, *, causal=False, key_padding_mask=None, scale: float | None = None):
+    """The gradients of :func:`reference` in float64: ``(dq, dk, dv)`` for the loss gradient `dout` = dL/d(out).
+
+    With S = scale * q kᵀ (masked to -inf), P = softmax(S) row by row and out = P v:
+
+        dv = Pᵀ dout                    dP = dout vᵀ
+        D_i = sum_d dout_id * out_id    (= sum_j P_ij dP_ij: the softmax's Jacobian, one number per row)
+        dS = P * (dP - D)               dq = scale * dS k,   dk = scale * dSᵀ q
+
+    and dk, dv summed over the query heads that share a key/value head (GQA). A row that sees no key has P = 0,
+    so it gets zero gradients and gives none. Accepts what :func:`reference` accepts, and `dout` shaped like q.
+    """
+    validate_inputs_lazily(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    if tuple(dout.shape) != tuple(q.shape):
+        raise ValueError(f"dout: expected the output's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    q, k, v, dout = (_as_float64(x) for x in (q, k, v, dout))
+    B, H, Lq, D = q.shape
+    Hk, Lk = k.shape[1], k.shape[2]
+    k, v = repeat_kv_heads(k, H), repeat_kv_heads(v, H)
+    scale = 1.0 / np.sqrt(D) if scale is None else float(scale)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf inputs propagate, silently
+        scores = scale * np.einsum("bhqd,bhkd->bhqk", q, k)
+        scores = np.where(attention_mask(Lq, Lk, causal, key_padding_mask, batch=B), scores, -np.inf)
+        probs = safe_softmax(scores)  # P (B, H, Lq, Lk), recomputed: the forward need not keep it
+        out = np.einsum("bhqk,bhkd->bhqd", probs, v)
+        dv = np.einsum("bhqk,bhqd->bhkd", probs, dout)
+        dprobs = np.einsum("bhqd,bhkd->bhqk", dout, v)
+        row_dot = (dout * out).sum(-1, keepdims=True)  # D_i
+        dscores = probs * (dprobs - row_dot)
+        dq = scale * np.einsum("bhqk,bhkd->bhqd", dscores, k)
+        dk = scale * np.einsum("bhqk,bhqd->bhkd", dscores, q)
+    return dq, sum_kv_groups(dk, Hk), sum_kv_groups(dv, Hk)
+
+
+def validate_inputs_lazily(q, k, v, **options):
+    from .api import validate_inputs  # here, not at the top: api imports this module
+
+    return validate_inputs(q, k, v, **options)

@@ -17,7 +17,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["Stage", "available_stages", "get_stage"]
+__all__ = ["Stage", "Backward", "available_stages", "get_stage", "available_backwards", "get_backward"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,23 @@ class Stage:
     non_finite_in_kernel: bool = False
 
 
+@dataclass(frozen=True)
+class Backward:
+    """The gradients of one stage's forward pass (lesson 08_backward; the ``backward`` rung registers them).
+
+    ``gradients(q, k, v, out, lse, dout, *, causal, key_padding_mask, scale) -> (dq, dk, dv)`` receives what
+    :mod:`wb_kernels.api` validated and made contiguous, the forward's ``out`` and ``lse`` (the only things the forward
+    saves) and ``dout``, the gradient of the loss with respect to ``out``; it returns gradients shaped like q, k and v
+    (dk and dv summed over each group of query heads that share a key/value head, GQA). A row that sees no key gets
+    zero gradients.
+    """
+
+    stage: str  # the forward stage whose gradients these are
+    summary: str  # one line for listings and error messages
+    gradients: Callable
+    deterministic: bool = True  # False: the result may differ in its last bits from run to run (atomics)
+
+
 _FOUND: dict = {}  # the registry, filled by the first lookup: folders are walked once per process, not per call
 
 
@@ -50,16 +67,41 @@ def available_stages() -> dict:
     return dict(_FOUND)
 
 
-def _discover() -> dict:
-    found = []
+def _rung_modules():
     for module_info in pkgutil.iter_modules(__path__):
-        if module_info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{__name__}.{module_info.name}")
-        stage = getattr(module, "STAGE", None)
-        if isinstance(stage, Stage):
-            found.append(stage)
+        if not module_info.name.startswith("_"):
+            yield importlib.import_module(f"{__name__}.{module_info.name}")
+
+
+def _discover() -> dict:
+    found = [module.STAGE for module in _rung_modules() if isinstance(getattr(module, "STAGE", None), Stage)]
     return {s.name: s for s in sorted(found, key=lambda s: s.order)}
+
+
+_BACKWARDS: dict = {}
+
+
+def available_backwards() -> dict:
+    """{stage name: Backward} for every stage that has a backward pass, in ladder order (a copy).
+
+    A rung folder registers gradients by defining ``BACKWARDS``, a tuple of :class:`Backward` (the ``backward`` rung
+    holds them all: its lesson teaches them).
+    """
+    if not _BACKWARDS:
+        found = {b.stage: b for module in _rung_modules() for b in getattr(module, "BACKWARDS", ())}
+        order = list(available_stages())
+        _BACKWARDS.update(sorted(found.items(), key=lambda item: order.index(item[0])))
+    return dict(_BACKWARDS)
+
+
+def get_backward(name: str) -> Backward:
+    """The Backward of stage `name`; a ValueError that names the stages with a backward when it has none."""
+    found = _BACKWARDS.get(name) or available_backwards().get(name)
+    if found is None:
+        get_stage(name)  # an unknown stage gets that error first
+        raise ValueError(f"stage {name!r} computes the forward pass only and has no backward; the stages with "
+                         f"gradients are {', '.join(available_backwards())}")
+    return found
 
 
 def get_stage(name: str) -> Stage:

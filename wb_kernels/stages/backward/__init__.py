@@ -1,0 +1,20 @@
+"""Rung 08, ``backward``: the gradients of attention, from the float64 derivation to tensor cores.
+
+This rung has no forward stage of its own: it gives the ``reference``, ``flash`` and ``mma`` stages their backward
+passes (``BACKWARDS``, found by :func:`wb_kernels.stages.available_backwards`), so that ``wb.attention`` is
+differentiable with them.
+
+Lesson: ``notebooks/08_backward.ipynb``; tests: ``tests/test_backward.py``.
+"""
+
+from ...reference import reference_backward
+from .. import Backward
+
+
+def _reference_gradients(q, k, v, out, lse, dout, *, causal=False, key_padding_mask=None, scale=None):
+    return reference_backward(q, k, v, dout, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+
+
+BACKWARDS = (
+    Backward("reference", "float64 NumPy: P recomputed in full, O(L^2) memory", _reference_gradients),
+)
