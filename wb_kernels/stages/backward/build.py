@@ -1,0 +1,138 @@
+"""The tensor-core backward's build: ``flash_backward.cu`` described to the shared :mod:`wb_kernels.cuda_build`
+(lesson 08_backward).
+
+``flash_backward.cu`` uses the forward's tensor-core product, ldmatrix, swizzle and cp.async helpers without a copy
+of them: its line ``// wb:shared-regions NAME ...`` stands for those regions of ``wb_kernels/stages/mma/flash_mma.cu``,
+and :func:`package_source` puts them there (with ``#line`` directives, so that compiler messages still name the
+right file and line).
+
+- :func:`build` / :func:`extension` (need a CUDA GPU and a CUDA build of torch): the extension with
+  ``flash_backward``, built once and cached on disk.
+- :func:`nvcc_compile_report` (needs only nvcc): registers, spills and shared memory of every kernel the launcher
+  can choose, for sm_80, sm_90 or sm_90a, on a machine without a GPU (CI).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...cuda_build import CudaBuildError, EditableSource, build_extension, compile_cubin, ptxas_entries
+from ...sync import module_regions
+from ..mma import build as mma_build
+
+__all__ = ["SOURCE", "SOURCE_NAME", "VARIANTS", "Variant", "KernelResources", "package_source", "build", "extension",
+           "shared_memory_bytes", "nvcc_compile_report"]
+
+SOURCE = EditableSource(Path(__file__).resolve().parent / "flash_backward.cu")
+SOURCE_NAME = SOURCE.name  # "wb_kernels/stages/backward/flash_backward.cu"
+LINE_NAME = SOURCE.file_name
+_FUNCTIONS = ["flash_backward"]
+_CPP_DECLARATION = (
+    "std::vector<torch::Tensor> flash_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, "
+    "torch::Tensor lse, torch::Tensor dout, torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale, "
+    "int64_t block_m, int64_t block_n);"
+)
+_SHARED = re.compile(r"^// wb:shared-regions (.+)$", re.M)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One v1 launch configuration: ``block_m`` query rows per step of the KV-stationary dK/dV kernel, ``block_n``
+    keys per step of the Q-stationary dQ kernel (both kernels: 4 warps, each owning 16 keys or 16 query rows)."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+
+    @property
+    def label(self) -> str:
+        return f"D={self.head_dim} dK/dV: 64 keys x {self.block_m} queries, dQ: 64 queries x {self.block_n} keys"
+
+
+# As WB_FOR_EACH_BACKWARD_VARIANT in flash_backward.cu lists them.
+VARIANTS = tuple(Variant(*v) for v in ((64, 64, 64), (128, 32, 64)))
+
+
+def _with_forward_regions(source: str) -> str:
+    """`source` with its ``// wb:shared-regions`` line replaced by those regions of the forward's file."""
+    match = _SHARED.search(source)
+    if match is None:
+        return source
+    forward_path = mma_build.SOURCE.path
+    forward_lines = forward_path.read_text().splitlines()
+    regions = module_regions(forward_path)
+    pieces = []
+    for name in match.group(1).split():
+        if name not in regions:
+            raise KeyError(f"{mma_build.SOURCE_NAME} has no region {name!r}")
+        first_line = forward_lines.index(f"// region: {name}") + 2  # 1-based number of the region's first line
+        pieces.append(f'#line {first_line} "{mma_build.LINE_NAME}"\n{regions[name]}')
+    resume = source[:match.end()].count("\n") + 2  # the line after the marker, 1-based
+    return (source[:match.start()] + "\n".join(pieces) + f'\n#line {resume} "{LINE_NAME}"' + source[match.end():])
+
+
+def package_source() -> str:
+    """The file as the package ships it, with the forward's shared regions put in: what nvcc compiles."""
+    return _with_forward_regions(SOURCE.package_source())
+
+
+def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
+    """Compile (or load from the cache) the backward's extension; returns the Python module. Needs a CUDA GPU."""
+    source = package_source() if source is None else source
+    return build_extension(source, file_name=LINE_NAME, declarations=_CPP_DECLARATION, functions=_FUNCTIONS,
+                           flags=flags, verbose=verbose, display_name=SOURCE_NAME)
+
+
+extension = functools.cache(build)  # extension(): the package's extension, built or loaded once per process
+
+
+def shared_memory_bytes(variant: Variant, kernel: str) -> int:
+    """Dynamic shared memory per block, as ``backward_smem_bytes`` in flash_backward.cu: four 16-bit tiles and two
+    fp32 rows of per-query statistics (LSE, Delta)."""
+    if kernel == "preprocess":
+        return 0
+    q_rows = variant.block_m if kernel == "dkdv" else 64
+    kv_rows = 64 if kernel == "dkdv" else variant.block_n
+    return 2 * (kv_rows + q_rows) * variant.head_dim * 2 + 2 * q_rows * 4
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reports for one kernel (per thread, except shared memory)."""
+
+    arch: str
+    kernel: str  # "preprocess", "dkdv" or "dq"
+    dtype: str
+    head_dim: int
+    tile: int  # block_m (dkdv), block_n (dq), 0 (preprocess)
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared_bytes: int
+
+
+# preprocess_kernel<T, D>, dkdv_kernel<T, D, BLOCK_M>, dq_kernel<T, D, BLOCK_N> as the compiler mangles them
+_MANGLED = re.compile(r"(preprocess|dkdv|dq)_kernelI(6__half|13__nv_bfloat16)Li(\d+)E(?:Li(\d+)E)?")
+
+
+def nvcc_compile_report(arch: str = "sm_90", source: str | None = None) -> list:
+    """Compile every kernel with nvcc for `arch` ("sm_80", "sm_90"; "sm_90a" compiles the same code for sm_90,
+    as mma.sync needs no Hopper-only feature); returns one :class:`KernelResources` per kernel."""
+    source = package_source() if source is None else source
+    _, log = compile_cubin(arch.rstrip("a"), source, LINE_NAME, SOURCE_NAME)
+    found = []
+    for entry in ptxas_entries(log):
+        match = _MANGLED.search(entry.function)
+        if match is None:
+            continue
+        kernel, dtype = match.group(1), "float16" if match.group(2) == "6__half" else "bfloat16"
+        head_dim, tile = int(match.group(3)), int(match.group(4) or 0)
+        variant = Variant(head_dim, tile if kernel == "dkdv" else 64, tile if kernel == "dq" else 64)
+        found.append(KernelResources(entry.arch, kernel, dtype, head_dim, tile, entry.registers, entry.spill_stores,
+                                     entry.spill_loads, shared_memory_bytes(variant, kernel)))
+    if not found:
+        raise CudaBuildError(f"nvcc for {arch} reported no kernel; its output was:\n{log[-2000:]}")
+    return found
