@@ -268,12 +268,56 @@ def test_non_contiguous_inputs(name):
 
 @pytest.mark.parametrize("name", ALL)
 def test_torch_inputs_that_require_grad(name):
-    """The stages compute forward only; a tensor that requires grad is used detached (numba cannot take it)."""
+    """Nothing is detached silently: a stage with a backward gives an output that carries the gradient, a stage
+    without one refuses (naming those with one) while grad mode is on, and runs forward-only under no_grad."""
     stage = STAGES[name]
     q, k, v = make_inputs(stage, 1, 1, 5, head_dim(stage), seed=6)
     if not hasattr(q, "detach"):
         q, k, v = (torch.from_numpy(x) for x in (q, k, v))
     q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
-    out = wb.attention(q, k, v, stage=name)
+    if name in wb.stages.available_backwards():
+        out = wb.attention(q, k, v, stage=name)
+        assert out.requires_grad and out.grad_fn is not None
+    else:
+        with pytest.raises(ValueError, match=f"stage '{name}' computes the forward pass only.*"
+                                             f"{', '.join(wb.stages.available_backwards())}"):
+            wb.attention(q, k, v, stage=name)
+    with torch.no_grad():
+        out = wb.attention(q, k, v, stage=name)
     assert isinstance(out, torch.Tensor) and not out.requires_grad
     wb.check(name, out, q.detach(), k.detach(), v.detach(), verbose=False)
+
+
+# --- read-only inputs, dtypes -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL)
+def test_read_only_numpy_inputs(name, tmp_path):
+    """Inputs loaded with ``np.load(mmap_mode="r")`` or marked read-only work (the simulator copies kernel arguments
+    back into the arrays they came from, which a read-only array refuses), and are left as they were."""
+    stage = STAGES[name]
+    q, k, v = make_inputs(stage, 1, 2, 7, head_dim(stage), Lk=9, seed=8)
+    if hasattr(q, "detach"):
+        pytest.skip("the stage takes torch tensors here (a GPU, or bfloat16)")
+    np.save(tmp_path / "q.npy", q)
+    mapped = np.load(tmp_path / "q.npy", mmap_mode="r")
+    k, v = k.copy(), v.copy()
+    k.setflags(write=False)
+    v.setflags(write=False)
+    before = [x.copy() for x in (mapped, k, v)]
+    keep = np.ones((1, 9), dtype=bool)
+    keep[0, 2] = False
+    keep.setflags(write=False)
+    out = wb.attention(mapped, k, v, stage=name, causal=True, key_padding_mask=keep)
+    wb.check(name, out, q, k, v, causal=True, key_padding_mask=keep, verbose=False)
+    assert all(np.array_equal(a, b) for a, b in zip(before, (mapped, k, v)))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_output_dtype_is_the_inputs(name):
+    """Every dtype a stage takes comes back as it went in; the LSE is float32 (float64 for float64 inputs)."""
+    stage = STAGES[name]
+    for dtype in stage.dtypes:
+        q, k, v = make_inputs(stage, 1, 1, 3, head_dim(stage), seed=9, dtype=dtype)
+        out, lse = wb.attention(q, k, v, stage=name, return_lse=True)
+        assert dtype_name(out) == dtype, (name, dtype)
+        assert dtype_name(lse) == ("float64" if dtype == "float64" else "float32"), (name, dtype)

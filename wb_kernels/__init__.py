@@ -4,23 +4,26 @@
     q, k, v = wb.random_qkv(B=1, H=2, Lq=64, D=32)
     out = wb.attention(q, k, v, stage="reference", causal=True)
     wb.check("reference", out, q, k, v, causal=True)
+    dq, dk, dv = wb.attention_backward(q, k, v, dout, causal=True)  # dout = dL/d(out); or torch autograd
+    wb.check_gradients("reference", (dq, dk, dv), q, k, v, dout, causal=True)
 
 The backend (real GPU or numba's CUDA simulator) is chosen first, before numba can be imported
 by anything else in the package; see :mod:`wb_kernels.backend`.
 """
 
 from .backend import BACKEND, banner, device_name  # noqa: I001  (must come first: sets NUMBA_ENABLE_CUDASIM)
-from .api import attention, validate
-from .check import CheckFailed, CheckResult, check
+from .api import attention, attention_backward, validate
+from .check import CheckFailed, CheckResult, GradientCheckResult, check, check_gradients
 from .decoding import decode
 from .inputs import random_padding_mask, random_qkv
 from .reference import attention_mask, reference, safe_softmax
-from .stages import available_stages, get_stage
+from .stages import available_backwards, available_stages, get_backward, get_stage
 from .timing import peak_memory, time_call
 
 __all__ = [
-    "BACKEND", "banner", "device_name", "attention", "decode", "validate", "check", "CheckFailed", "CheckResult",
-    "random_qkv", "random_padding_mask", "reference", "attention_mask", "safe_softmax", "available_stages", "get_stage", "peak_memory",
-    "time_call",
+    "BACKEND", "banner", "device_name", "attention", "attention_backward", "decode", "validate", "check",
+    "check_gradients", "CheckFailed", "CheckResult", "GradientCheckResult", "random_qkv", "random_padding_mask",
+    "reference", "attention_mask", "safe_softmax", "available_stages", "get_stage", "available_backwards",
+    "get_backward", "peak_memory", "time_call",
 ]
 __version__ = "0.1.0"

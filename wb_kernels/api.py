@@ -10,237 +10,35 @@ even from kernels compiled with fast math, which may assume that no value is eve
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import numbers
-import os
+import sys
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 
 from .backend import BACKEND
 from .device import ValidatedCalls, cuda_signature, is_torch, like_input
-from .reference import CAUSAL_ALIGNMENTS, attention_mask, causal_offset
-from .stages import available_stages, get_stage
+from .reference import attention_mask
+from .stages import available_stages, get_backward, get_stage  # noqa: F401  (names tests patch here)
+# validation lives in its own module (imports run validation <- reference <- api); its names stay importable here
+from .validation import (CAUSAL_ALIGNMENTS, SIMULATOR_MAX_SECONDS, Inputs, _as_flag, _check_causal,  # noqa: F401
+                         _check_scale, _device_of, _dtype_name, _kind, require_array, validate, validate_gradient,
+                         validate_inputs)
 
-__all__ = ["attention", "validate", "validate_inputs", "require_array", "Inputs", "propagate_non_finite",
-           "SIMULATOR_MAX_SECONDS"]
+__all__ = ["attention", "attention_backward", "validate", "validate_inputs", "require_array", "Inputs",
+           "propagate_non_finite", "SIMULATOR_MAX_SECONDS"]
 
 # CUDA inputs' signatures that passed validate, and its Stage: a signature checked once is not checked again (the
 # checks cost more than a small kernel's launch; see device.ValidatedCalls)
 _VALIDATED = ValidatedCalls()
-# Sizes the simulator would need longer than this for are refused (override: WB_SIM_MAX_SECONDS).
-SIMULATOR_MAX_SECONDS = float(os.environ.get("WB_SIM_MAX_SECONDS", "120"))
-
-
-def _dtype_name(x) -> str:
-    return str(x.dtype).replace("torch.", "")
-
-
-def _device_of(x) -> str:
-    return str(x.device) if is_torch(x) else "cpu"
-
-
-def _free_bytes(on_cuda: bool) -> int:
-    if on_cuda:
-        import torch
-
-        return torch.cuda.mem_get_info()[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-@functools.lru_cache(maxsize=None)
-def _total_gpu_bytes(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).total_memory
-
-
-def _may_not_fit(need: int, on_cuda: bool) -> bool:
-    """Whether a buffer of `need` bytes is large enough to ask the device how much memory is free.
-
-    Asking the GPU (``cudaMemGetInfo``) costs tens of microseconds, a noticeable part of a small call; a buffer under
-    1/16 of the GPU's memory is left to PyTorch's allocator, whose own out-of-memory error is clear enough.
-    """
-    if not on_cuda:
-        return True
-    import torch
-
-    return need > _total_gpu_bytes(torch.cuda.current_device()) // 16
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def _kind(x) -> str:
-    return "torch tensor" if is_torch(x) else "NumPy array"
-
-
-def _as_flag(name: str, value, expected: str = "True or False (or 0/1)") -> bool:
-    """True/False from a bool-like value; refuses strings ("False" is truthy) and other numbers."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)) and value in (0, 1):
-        return bool(value)
-    if (isinstance(value, np.ndarray) or is_torch(value)) and tuple(value.shape) == () \
-            and _dtype_name(value) == "bool":
-        return bool(value.item())
-    raise TypeError(f"{name}: expected {expected}, got {value!r} of type {type(value).__name__}")
-
-
-def _check_causal(causal):
-    """`causal` as the stages take it: False, "top_left" or "bottom_right" (True and bool-likes mean "top_left").
-
-    An unknown alignment name is a ValueError that lists the accepted values (:func:`causal_offset`); any other
-    type a TypeError, as for a flag.
-    """
-    if isinstance(causal, str):
-        causal_offset(causal, 0, 0)
-        return causal
-    alignments = " or ".join(map(repr, CAUSAL_ALIGNMENTS))
-    return "top_left" if _as_flag("causal", causal, f"True or False (or 0/1), or {alignments}") else False
-
-
-def _check_scale(scale):
-    if scale is None:
-        return None
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale: expected a finite number or None (= 1/sqrt(D)), got {scale!r} of type "
-                        f"{type(scale).__name__}")
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"scale: expected a finite number or None (= 1/sqrt(D)), got {scale!r}")
-    return float(scale)
-
-
-def require_array(name: str, x, dtypes=None):
-    """Raise a TypeError naming `name` unless `x` is a NumPy array or a torch tensor (of one of `dtypes`)."""
-    if not (is_torch(x) or isinstance(x, np.ndarray)):
-        raise TypeError(f"{name}: expected a NumPy array or torch tensor, got {type(x).__name__}")
-    if dtypes is not None and _dtype_name(x) not in dtypes:
-        raise TypeError(f"{name}: expected a dtype among {', '.join(dtypes)}, got {_dtype_name(x)}")
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """What :func:`validate_inputs` found out about valid q, k, v."""
-
-    B: int
-    H: int  # query heads
-    Hk: int  # key/value heads: H, or a divisor of H (grouped-query attention)
-    Lq: int
-    Lk: int
-    D: int
-    dtype: str  # e.g. "float32"
-    device: str  # "cpu", "cuda:0", ...
-
-
-def validate_inputs(q, k, v, *, causal=False, key_padding_mask=None, scale=None) -> Inputs:
-    """Raise a clear ValueError/TypeError for inputs that no stage takes; the rules every entry point shares.
-
-    wb.attention (through :func:`validate`), wb.reference and wb.check call this, so that a mistake gets
-    the same message from each. What a stage adds (dtypes, head dims, a GPU, memory) is in :func:`validate`.
-    """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        require_array(name, x)
-        if x.ndim != 4:
-            raise ValueError(f"{name}: expected rank 4 (B, H, L, D), got rank {x.ndim} with shape {tuple(x.shape)}")
-    kinds = {name: _kind(x) for name, x in (("q", q), ("k", k), ("v", v))}
-    if len(set(kinds.values())) != 1:
-        raise TypeError(f"q, k, v: expected all NumPy arrays or all torch tensors, got "
-                        + ", ".join(f"{name} a {kind}" for name, kind in kinds.items()))
-    (B, H, Lq, D), (Bk, Hk, Lk, Dk), (Bv, Hv, Lv, Dv) = q.shape, k.shape, v.shape
-    shapes = f"q has (B, H)=({B}, {H}), k ({Bk}, {Hk}), v ({Bv}, {Hv})"
-    if Bk != B or Bv != B:
-        raise ValueError(f"batch/heads differ: {shapes}; the batch sizes must match")
-    if Hv != Hk:
-        raise ValueError(f"batch/heads differ: {shapes}; k and v must have the same number of heads Hk")
-    if Hk and H % Hk:
-        raise ValueError(f"heads: q has H={H} heads, k and v have Hk={Hk}; Hk must divide H (Hk = H, or "
-                         "grouped-query attention: query head h uses key/value head h // (H // Hk))")
-    if Dk != D or Dv != D:
-        raise ValueError(f"head dim differs: q has D={D}, k D={Dk}, v D={Dv}; they must match")
-    if Lv != Lk:
-        raise ValueError(f"v has Lk={Lv} keys but k has Lk={Lk}; k and v must have the same length")
-    if min(B, H, Hk, Lq, Lk, D) == 0:
-        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}; every dimension must be >= 1")
-
-    dtypes = {_dtype_name(x) for x in (q, k, v)}
-    if len(dtypes) != 1:
-        raise TypeError(f"q, k, v have different dtypes ({_dtype_name(q)}, {_dtype_name(k)}, {_dtype_name(v)}); "
-                        "use one dtype")
-    devices = {_device_of(x) for x in (q, k, v)}
-    if len(devices) != 1:
-        raise ValueError(f"q, k, v are on different devices {sorted(devices)}; put them on one device")
-    device = devices.pop()
-
-    if key_padding_mask is not None:
-        if not (is_torch(key_padding_mask) or isinstance(key_padding_mask, np.ndarray)):
-            raise TypeError(f"key_padding_mask: expected a bool array of shape (B, Lk)=({B}, {Lk}), got {type(key_padding_mask).__name__}")
-        if tuple(key_padding_mask.shape) != (B, Lk):
-            raise ValueError(f"key_padding_mask: expected shape (B, Lk)=({B}, {Lk}), got {tuple(key_padding_mask.shape)}")
-        if _dtype_name(key_padding_mask) != "bool":
-            raise TypeError(f"key_padding_mask: expected dtype bool (True = key takes part), got {_dtype_name(key_padding_mask)}")
-        mask_device = _device_of(key_padding_mask)
-        if mask_device not in ("cpu", device):
-            raise ValueError(f"key_padding_mask: is on {mask_device} but q, k, v are on {device}; "
-                             "put it on the CPU or on their device")
-    _check_causal(causal)
-    _check_scale(scale)
-    return Inputs(B, H, Hk, Lq, Lk, D, dtypes.pop(), device)
-
-
-def validate(q, k, v, *, stage: str = "reference", causal=False, key_padding_mask=None, scale=None):
-    """Raise a clear ValueError/TypeError/MemoryError for anything `stage` cannot run. Returns the Stage.
-
-    First the stage name, then the rules of every entry point (:func:`validate_inputs`), then the stage's
-    own: where it runs (a GPU-only stage says so before anything else: the right dtype would not help on
-    the CPU), its dtypes and head dims, and the memory and simulator time the sizes need.
-    """
-    if not isinstance(stage, str):
-        raise TypeError(f"stage: expected a stage name (str), one of {', '.join(available_stages())}; "
-                        f"got {stage!r} of type {type(stage).__name__}")
-    spec = get_stage(stage)  # ValueError naming the stages there are
-    inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    B, H, Lq, Lk, D, device = inputs.B, inputs.H, inputs.Lq, inputs.Lk, inputs.D, inputs.device
-
-    if spec.needs_gpu and not device.startswith("cuda"):
-        raise ValueError(
-            f"stage {stage!r} runs only on a CUDA GPU and takes CUDA torch tensors; got inputs on {device}"
-            + ("" if BACKEND.is_gpu else " (and this machine has no CUDA GPU)"))
-    if inputs.dtype not in spec.dtypes:
-        raise TypeError(f"q, k, v: stage {stage!r} does not take dtype {inputs.dtype}; it accepts {', '.join(spec.dtypes)}")
-    if spec.head_dims is not None and D not in spec.head_dims:
-        raise ValueError(f"stage {stage!r} does not support head dim D={D}; it supports D in {list(spec.head_dims)}")
-    if device.startswith("cuda") and not BACKEND.is_gpu:
-        raise ValueError(f"inputs are on {device}, but wb_kernels runs on the CUDA simulator; pass CPU data")
-
-    if spec.workspace_bytes is not None:
-        need = spec.workspace_bytes(B, H, Lq, Lk, D)
-        on_cuda = BACKEND.is_gpu and spec.name != "reference"
-        free = _free_bytes(on_cuda) if _may_not_fit(need, on_cuda) else need
-        if need > free:
-            flash = [name for name, st in available_stages().items() if st.linear_memory]
-            raise MemoryError(
-                f"stage {stage!r} needs {_gib(need)} of {'GPU' if on_cuda else 'host'} memory for the "
-                f"Lq x Lk = {Lq} x {Lk} score and probability matrices (B*H = {B * H}), but only {_gib(free)} "
-                f"is free. The flash stages keep memory O(L): try stage={'/'.join(flash) or 'flash'}.")
-    if BACKEND.is_simulator and spec.simulator_seconds is not None:
-        seconds = spec.simulator_seconds(B, H, Lq, Lk, D)
-        if seconds > SIMULATOR_MAX_SECONDS:
-            raise ValueError(
-                f"stage {stage!r} at B={B} H={H} Lq={Lq} Lk={Lk} D={D} would take about {seconds:.0f} s on the "
-                f"CUDA simulator (limit {SIMULATOR_MAX_SECONDS:.0f} s, set WB_SIM_MAX_SECONDS to change it); "
-                "use smaller sizes here, or run on a GPU.")
-    return spec
 
 
 def _contiguous(x):
     """`x` as a C-contiguous array of the same kind, copied only if it is not one already.
 
-    Kernels index raw memory, and ``torch.from_numpy`` refuses negative strides; torch tensors are
-    also detached, because the stages compute forward only (no autograd).
+    Kernels index raw memory, and ``torch.from_numpy`` refuses negative strides. Torch tensors are detached: the
+    stages' kernels know nothing of autograd. This is reached only where no gradient is asked for, or inside the
+    registered op (:mod:`wb_kernels.autograd`), whose autograd formula gives the inputs their gradients.
     """
     if is_torch(x):
         return x.detach().contiguous()
@@ -324,8 +122,12 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
         (GQA; MQA when Hk = 1), as SDPA's ``enable_gqa=True``: query head h uses key/value head
         h // (H // Hk). The kernels read that head in place; nothing is copied. All NumPy arrays or all
         torch tensors (CPU, or CUDA on a GPU), of one dtype the stage accepts (``wb.get_stage(name).dtypes``)
-        and a head dim D it supports. Non-contiguous inputs (slices, transposes) are copied once; torch
-        tensors are used detached (forward only, no autograd).
+        and a head dim D it supports. Non-contiguous inputs (slices, transposes) are copied once. Torch
+        tensors are differentiable (``loss.backward()`` reaches q, k and v) with every stage that has a
+        backward (``wb.stages.available_backwards()``); asking a gradient of another stage raises a
+        ValueError naming those that have one. The call is the registered op ``torch.ops.wb.attention``
+        when a gradient is needed, under ``torch.compile`` and for meta/fake tensors
+        (:mod:`wb_kernels.autograd`); CUDA tensors that need no gradient take a direct, cheaper path.
     causal
         ``False`` (no mask), ``True`` or ``"top_left"``, or ``"bottom_right"``: query i attends keys
         j <= i + offset, where the offset is 0 at the top left and Lk - Lq at the bottom right
@@ -351,8 +153,9 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     scale
         a finite number; defaults to 1/sqrt(D).
 
-    Returns the output (B, H, Lq, D) in the caller's kind (NumPy, or torch on q's device), and with
-    ``return_lse=True`` also the per-row log-sum-exp (B, H, Lq) (float32; float64 for the reference).
+    Returns the output (B, H, Lq, D) in the caller's kind (NumPy, or torch on q's device) and dtype, and with
+    ``return_lse=True`` also the per-row log-sum-exp (B, H, Lq) (float32; float64 for float64 input). The LSE
+    carries no gradient (torch marks it non-differentiable): differentiate through the output.
 
     Edge cases, the same for every stage:
         - A row that sees no key (every key masked) gets zeros and LSE -inf, never NaN.
@@ -381,6 +184,10 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     take minutes for), MemoryError (a stage's Lq x Lk
     buffers would not fit: the message says how much they need and suggests the flash stages).
     """
+    torch = sys.modules.get("torch")  # None: no torch tensor can have been given
+    if torch is not None and (torch.compiler.is_compiling() or (isinstance(q, torch.Tensor) and _needs_op(torch, q, k, v))):
+        return _through_op(torch, q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask,
+                           scale=scale, return_lse=return_lse, check_finite=check_finite)
     key = cuda_signature(q, k, v, key_padding_mask)
     if key is not None and isinstance(scale, (float, int, type(None))) and isinstance(causal, (bool, str)):
         key = (key, stage, causal, scale)  # CUDA inputs: the checks read shapes, dtypes and devices only
@@ -390,7 +197,65 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     if spec is None:
         spec = _VALIDATED.remember(key, validate(q, k, v, stage=stage, causal=causal,
                                                  key_padding_mask=key_padding_mask, scale=scale))
+    out, lse = run_forward(spec, q, k, v, causal=_check_causal(causal), key_padding_mask=key_padding_mask,
+                           scale=_check_scale(scale), check_finite=check_finite)
+    if return_lse:
+        return out, lse
+    return out
+
+
+def _needs_op(torch, q, k, v) -> bool:
+    """Whether an eager torch call must go through the registered op: a gradient is asked for, or the tensors are
+    not plain ones (meta, fake or functional tensors: torch.export, shape inference). (A compiler's tracing is
+    tested before, and without :func:`is_torch`, whose cache of types a compiler cannot guard on.) A CUDA call that
+    needs none of this keeps the direct path: a few attribute reads here."""
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return False  # mixed kinds: validation says what is wrong
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+        return True
+    return type(q) is not torch.Tensor or q.is_meta
+
+
+def _through_op(torch, q, k, v, *, stage, causal, key_padding_mask, scale, return_lse, check_finite):
+    """wb.attention as ``torch.ops.wb.attention``. In eager mode everything is validated here, before anything
+    runs, and a stage without a backward is refused before its forward when a gradient is asked for; while a
+    compiler traces, by the op's fake implementation (shapes) and its real one (everything, at run time)."""
+    from .autograd import register
+
+    register()
+    traced = torch.compiler.is_compiling() or type(q) is not torch.Tensor or q.is_meta
+    if not traced or not isinstance(stage, str):
+        validate(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     causal, scale = _check_causal(causal), _check_scale(scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        get_backward(stage)  # ValueError naming the stages that have one, before the forward runs
+    out, lse = torch.ops.wb.attention(q, k, v, key_padding_mask, stage, causal or "", scale, bool(check_finite))
+    return (out, lse) if return_lse else out
+
+
+def _in_dtype(x, dtype: str):
+    """`x` (NumPy or torch) in dtype `dtype`, the same object when it is already."""
+    if _dtype_name(x) == dtype:
+        return x
+    if is_torch(x):
+        import torch
+
+        return x.to(getattr(torch, dtype))
+    return x.astype(dtype)
+
+
+def _lse_dtype(dtype: str) -> str:
+    # the kernels keep the LSE in float32; a float64 caller gets the float64 reference's
+    return "float64" if dtype == "float64" else "float32"
+
+
+def run_forward(spec, q, k, v, *, causal, key_padding_mask, scale, check_finite=True):
+    """A validated call of `spec`'s forward: ``(out, lse)`` in the caller's kind, out in q's dtype.
+
+    What both ``wb.attention``'s direct path and the registered op's real implementation run: inputs made
+    contiguous, the NaN/Inf pass (:func:`propagate_non_finite`), results moved back to the caller. `causal` and
+    `scale` are already checked (:func:`_check_causal`, :func:`_check_scale`).
+    """
     caller_q = q
     q, k, v = (_contiguous(x) for x in (q, k, v))
     if key_padding_mask is not None:
@@ -405,10 +270,59 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
             # are the right answer here; a GPU computes the same silently
             warnings.simplefilter("ignore", RuntimeWarning)
         out, lse = spec.forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    out, lse = like_input(out, caller_q), like_input(lse, caller_q)
+    dtype = _dtype_name(caller_q)
+    out = _in_dtype(like_input(out, caller_q), dtype)
+    lse = _in_dtype(like_input(lse, caller_q), _lse_dtype(dtype))
     if non_finite:
         out, lse = propagate_non_finite(out, lse, q, k, causal=causal, key_padding_mask=key_padding_mask,
                                         scale=scale)
-    if return_lse:
-        return out, lse
-    return out
+    return out, lse
+
+
+def run_backward(backward, q, k, v, out, lse, dout, *, causal, key_padding_mask, scale):
+    """A validated call of a :class:`~wb_kernels.stages.Backward`: ``(dq, dk, dv)`` in the caller's kind, each in
+    its input's dtype. What ``wb.attention_backward`` and the registered backward op run."""
+    caller = (q, k, v)
+    q, k, v, out, lse, dout = (_contiguous(x) for x in (q, k, v, out, lse, dout))
+    if key_padding_mask is not None:
+        key_padding_mask = _contiguous(key_padding_mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NaN/Inf inputs: their NaN gradients are the answer
+        grads = backward.gradients(q, k, v, out, lse, dout, causal=causal, key_padding_mask=key_padding_mask,
+                                   scale=scale)
+    return tuple(_in_dtype(like_input(g, x), _dtype_name(x)) for g, x in zip(grads, caller))
+
+
+def attention_backward(q, k, v, dout, *, stage: str = "reference", causal=False, key_padding_mask=None,
+                       scale: float | None = None, out=None, lse=None):
+    """The gradients of :func:`attention` with respect to q, k and v: ``(dq, dk, dv)`` for `dout` = dL/d(out).
+
+    For NumPy users (the lesson runs it on a laptop) and anyone who wants gradients without autograd. Inputs and
+    options are those of :func:`attention`, validated alike; `dout` is shaped like the output (B, H, Lq, D), of
+    q's kind, dtype and device. `out` and `lse` are what ``attention(..., return_lse=True)`` returned for these
+    inputs; when not given, the forward runs first (the backward needs them: the forward saves nothing else).
+    dk and dv are summed over each group of query heads that share a key/value head (GQA). A row that sees no key
+    gets zero gradients. Returns the gradients in the caller's kind and each input's dtype, without autograd
+    history (no double backward).
+
+    Raises the errors :func:`attention` raises, a ValueError naming the stages that have a backward when `stage`
+    has none, and TypeError/ValueError for a `dout`, `out` or `lse` of the wrong kind, shape, dtype or device.
+    """
+    spec = validate(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    backward = get_backward(stage)
+    inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    validate_gradient(dout, q, inputs)
+    causal, scale = _check_causal(causal), _check_scale(scale)
+    if (out is None) != (lse is None):
+        raise ValueError("out, lse: pass both (what attention(..., return_lse=True) returned) or neither")
+    if out is None:
+        out, lse = run_forward(spec, q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    else:
+        for name, given, shape in (("out", out, (inputs.B, inputs.H, inputs.Lq, inputs.D)),
+                                   ("lse", lse, (inputs.B, inputs.H, inputs.Lq))):
+            require_array(name, given)
+            if _kind(given) != _kind(q) or tuple(given.shape) != shape:
+                raise ValueError(f"{name}: expected a {_kind(q)} of shape {shape} (from attention(..., "
+                                 f"return_lse=True)), got a {_kind(given)} of shape {tuple(given.shape)}")
+    return run_backward(backward, q, k, v, out, lse, dout, causal=causal, key_padding_mask=key_padding_mask,
+                        scale=scale)

@@ -28,6 +28,11 @@ lucky. The LSE floor is 1.3-2x PyTorch's LSE error.
 
 ``check`` prints one fixed-format line and raises ``CheckFailed`` (an AssertionError) when the
 rule is broken, so a failing check fails a notebook under nbval as well as a pytest test.
+
+``check_gradients`` grades a backward pass by the same rule: each of dq, dk and dv may be wrong by at most twice
+PyTorch's own error (autograd through SDPA in the inputs' dtype, on their device) against the float64
+``reference_backward``, plus the storage floor, and PyTorch's error counts as at least the probabilistic
+rounding bound of the longest float32 sum a backward makes (:func:`gradient_floor`).
 """
 
 from __future__ import annotations
@@ -36,12 +41,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .api import require_array, validate_inputs
 from .inputs import DTYPES
-from .reference import attention_mask, reference, repeat_kv_heads
+from .reference import attention_mask, reference, reference_backward, repeat_kv_heads
+from .validation import require_array, validate_inputs
 
-__all__ = ["CheckFailed", "CheckResult", "check", "torch_error", "storage_floor", "dot_product_floor",
-           "output_floor"]
+__all__ = ["CheckFailed", "CheckResult", "GradientCheckResult", "check", "check_gradients", "torch_error",
+           "torch_gradient_error", "storage_floor", "dot_product_floor", "output_floor", "gradient_floor"]
 
 
 class CheckFailed(AssertionError):
@@ -269,6 +274,107 @@ def check(name: str, out, q, k, v, *, lse=None, causal=False, key_padding_mask=N
                                                        key_padding_mask=key_padding_mask, scale=scale))
         lse_tol = multiplier * pt_lse_err + storage_floor(lse_ref, lse_dtype)
     result = CheckResult(name, err, tol, lse_err, lse_tol)
+    if verbose:
+        print(result.line())
+    if raise_on_failure and not result.passed:
+        raise CheckFailed(result.line())
+    return result
+
+
+@dataclass(frozen=True)
+class GradientCheckResult:
+    """The errors of (dq, dk, dv) against the float64 reference's gradients, and their tolerances."""
+
+    name: str
+    errors: tuple  # max |err| of dq, dk, dv
+    tols: tuple
+
+    @property
+    def passed(self) -> bool:
+        return all(err <= tol for err, tol in zip(self.errors, self.tols))
+
+    def line(self) -> str:
+        parts = (f"{what} max |err| {err:.1e} {'≤' if err <= tol else '>'} tol {tol:.1e}"
+                 for what, err, tol in zip(("dq", "dk", "dv"), self.errors, self.tols))
+        return f"{self.name} gradients: {', '.join(parts)} {'✓' if self.passed else '✗'}"
+
+
+def torch_gradient_error(q, k, v, dout, refs, *, dtype: str, device: str, causal=False, key_padding_mask=None,
+                         scale=None) -> tuple:
+    """PyTorch's own error in (dq, dk, dv) against `refs` (float64 NumPy) when autograd runs SDPA in `dtype` on
+    `device`, with the masks as a boolean ``attn_mask`` and GQA as repeated K/V heads (their gradients summed back).
+
+    A row that sees no key is given every key and a zero ``dout`` instead: SDPA's backends disagree on such rows
+    (zeros or NaN), and so changed the row adds exactly nothing to any gradient and gets dq = 0, the reference's.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    def leaf(x):
+        x = x.detach() if hasattr(x, "detach") else torch.from_numpy(np.asarray(x, dtype=np.float64))
+        return x.to(device=device, dtype=getattr(torch, dtype)).requires_grad_(True)
+
+    tq, tk, tv = leaf(q), leaf(k), leaf(v)
+    B, H, Lq, D = tq.shape
+    Lk = tk.shape[2]
+    allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)  # (B, 1, Lq, Lk)
+    empty = ~allowed.any(-1)  # (B, 1, Lq): rows that see no key
+    allowed = allowed | empty[..., None]
+    tdout = leaf(dout).detach().masked_fill(torch.from_numpy(empty[..., None]).to(device), 0.0)
+    out = F.scaled_dot_product_attention(tq, repeat_kv_heads(tk, H), repeat_kv_heads(tv, H),
+                                         attn_mask=torch.from_numpy(allowed).to(device), scale=scale)
+    grads = torch.autograd.grad(out, (tq, tk, tv), tdout)
+    return tuple(_max_abs_err(_to_numpy64(g), ref) for g, ref in zip(grads, refs))
+
+
+def gradient_floor(ref: np.ndarray, *, dtype: str, terms: int) -> float:
+    """The least PyTorch's error in a gradient counts as: the probabilistic rounding bound of a sum of `terms`
+    float32 terms (float64 for float64 inputs), ``u sqrt(terms)``, relative to the gradient's largest entry.
+
+    A tiny problem can let PyTorch round its few sums exactly by luck; twice "by luck" is no bar (module docstring).
+    """
+    finite = np.abs(ref[np.isfinite(ref)])
+    unit_roundoff = 2.0 ** -53 if dtype == "float64" else 2.0 ** -24
+    return unit_roundoff * np.sqrt(terms) * float(finite.max()) if finite.size else 0.0
+
+
+def check_gradients(stage_or_name, grads, q, k, v, dout, *, causal=False, key_padding_mask=None,
+                    scale: float | None = None, ref=None, multiplier: float = 2.0, verbose: bool = True,
+                    raise_on_failure: bool = True) -> GradientCheckResult:
+    """Compare `grads` = (dq, dk, dv) with the float64 reference's (:func:`reference_backward`); print one line;
+    raise :class:`CheckFailed` when one is wrong by more than `multiplier` x PyTorch's error in the same precision
+    plus the storage floor (module docstring).
+
+    `stage_or_name` names the line: a stage name, or a Stage or Backward. `ref` may hold precomputed reference
+    gradients. PyTorch's error is measured in each gradient's dtype, on its device (the CPU for NumPy arrays).
+    Bad q, k, v or options raise the errors :func:`wb_kernels.attention` raises; a gradient that is not an array
+    of a dtype the package knows raises a TypeError; one of the wrong shape fails the check (CheckFailed).
+    """
+    name = stage_or_name if isinstance(stage_or_name, str) else getattr(stage_or_name, "name", None) or \
+        getattr(stage_or_name, "stage", str(stage_or_name))
+    inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    if not isinstance(grads, (tuple, list)) or len(grads) != 3:
+        raise TypeError(f"grads: expected (dq, dk, dv), got {type(grads).__name__}"
+                        + (f" of length {len(grads)}" if isinstance(grads, (tuple, list)) else ""))
+    require_array("dout", dout, DTYPES)
+    for what, given, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        require_array(what, given, DTYPES)
+        if tuple(given.shape) != tuple(like.shape):
+            raise CheckFailed(f"{name}: {what} shape {tuple(given.shape)} != its input's shape {tuple(like.shape)}")
+    refs = ref if ref is not None else reference_backward(q, k, v, dout, causal=causal,
+                                                          key_padding_mask=key_padding_mask, scale=scale)
+    dtype = _dtype_name(grads[0])
+    device = _floor_device(grads[0])
+    pt_errors = torch_gradient_error(q, k, v, dout, refs, dtype=dtype, device=device, causal=causal,
+                                     key_padding_mask=key_padding_mask, scale=scale)
+    # the longest sum a backward makes: over keys (dq), over the queries of a head group (dk, dv), over D
+    terms = max(inputs.Lk, inputs.Lq * inputs.H // inputs.Hk, inputs.D)
+    errors, tols = [], []
+    for given, reference_grad, pt_err in zip(grads, refs, pt_errors):
+        pt_err = max(pt_err, gradient_floor(reference_grad, dtype=dtype, terms=terms))
+        errors.append(_max_abs_err(_to_numpy64(given), reference_grad))
+        tols.append(multiplier * pt_err + storage_floor(reference_grad, _dtype_name(given)))
+    result = GradientCheckResult(name, tuple(errors), tuple(tols))
     if verbose:
         print(result.line())
     if raise_on_failure and not result.passed:

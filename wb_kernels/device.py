@@ -70,11 +70,20 @@ class ValidatedCalls:
 
 
 def to_work(x, dtype=np.float32):
-    """The caller's array as a contiguous `dtype` buffer where the kernels run."""
+    """The caller's array as a contiguous `dtype` buffer where the kernels run.
+
+    A read-only NumPy array (``np.load(..., mmap_mode="r")``, ``setflags(write=False)``) is copied: the simulator
+    copies every kernel argument back into the array it came from after the launch, which a read-only array
+    refuses (after the kernel ran), and ``torch.from_numpy`` warns about one. A writable one is used in place.
+    """
+    if not is_torch(x):
+        x = np.asarray(x)
+        if not x.flags.writeable:
+            x = np.array(x, dtype=dtype, order="C")
     if BACKEND.is_gpu:
         import torch
 
-        t = x if is_torch(x) else torch.from_numpy(np.asarray(x))
+        t = x if is_torch(x) else torch.from_numpy(x)
         return t.to(device="cuda", dtype=getattr(torch, np.dtype(dtype).name)).contiguous()
     if is_torch(x):
         x = x.detach().cpu().numpy()

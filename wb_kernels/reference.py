@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .validation import CAUSAL_ALIGNMENTS, validate_inputs
+
 __all__ = ["reference", "reference_backward", "sum_kv_groups", "attention_mask", "causal_offset", "repeat_kv_heads", "CAUSAL_ALIGNMENTS", "safe_softmax",
            "naive_softmax"]
-
-# The values of ``causal`` that name an alignment; True means "top_left".
-CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
-
 
 def _as_float64(x) -> np.ndarray:
     if hasattr(x, "detach"):  # a torch tensor, on any device
@@ -103,10 +101,8 @@ def reference(q, k, v, *, causal=False, key_padding_mask=None, scale: float | No
 
     Accepts NumPy arrays or torch tensors (any device and dtype, one for all three): converted to float64
     on the CPU first, so the reference never inherits the rounding of the stage it checks.
-    Bad input gets the errors :func:`wb_kernels.attention` gives (:func:`wb_kernels.api.validate_inputs`).
+    Bad input gets the errors :func:`wb_kernels.attention` gives (:func:`wb_kernels.validation.validate_inputs`).
     """
-    from .api import validate_inputs  # here, not at the top: api imports this module
-
     validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     q, k, v = _as_float64(q), _as_float64(k), _as_float64(v)
     B, H, Lq, D = q.shape
@@ -152,7 +148,7 @@ def reference_backward(q, k, v, dout, *, causal=False, key_padding_mask=None, sc
     and dk, dv summed over the query heads that share a key/value head (GQA). A row that sees no key has P = 0,
     so it gets zero gradients and gives none. Accepts what :func:`reference` accepts, and `dout` shaped like q.
     """
-    validate_inputs_lazily(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     if tuple(dout.shape) != tuple(q.shape):
         raise ValueError(f"dout: expected the output's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
     q, k, v, dout = (_as_float64(x) for x in (q, k, v, dout))
@@ -173,8 +169,3 @@ def reference_backward(q, k, v, dout, *, causal=False, key_padding_mask=None, sc
         dk = scale * np.einsum("bhqk,bhqd->bhkd", dscores, q)
     return dq, sum_kv_groups(dk, Hk), sum_kv_groups(dv, Hk)
 
-
-def validate_inputs_lazily(q, k, v, **options):
-    from .api import validate_inputs  # here, not at the top: api imports this module
-
-    return validate_inputs(q, k, v, **options)
