@@ -1,6 +1,6 @@
 """Where the numba kernels run: a real CUDA GPU, or numba's CUDA simulator on the CPU.
 
-Used by every lesson (01-08): `import wb_kernels` imports this module before anything else,
+Used by every lesson (01-09): `import wb_kernels` imports this module before anything else,
 so a learner never has to think about it.
 
 Why the import order matters: numba reads ``NUMBA_ENABLE_CUDASIM`` once, when numba itself is

@@ -1,4 +1,4 @@
-"""Seeded random inputs for every lesson (01-08), the tests and the benchmark.
+"""Seeded random inputs for every lesson (01-09), the tests and the benchmark.
 
 The values are drawn once in float64 with NumPy's PCG64 generator and then cast, so the same seed
 gives the same numbers as NumPy or torch, on the CPU or a GPU, in any dtype.
