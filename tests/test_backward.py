@@ -27,7 +27,7 @@ from wb_kernels.stages import get_stage
 from wb_kernels.stages.backward import cuda_cores as cc
 
 U32 = 2.0**-24  # float32's unit roundoff
-simulator_only = pytest.mark.skipif(not wb.BACKEND.is_simulator, reason="sizes for numba's CUDA simulator")
+gpu_only = pytest.mark.skipif(not wb.BACKEND.is_gpu, reason="needs a CUDA GPU (runs on the numba simulator here)")
 
 
 def make_problem(B, H, Lq, Lk, D, *, Hk=None, seed=0, std=1.0):
@@ -77,8 +77,9 @@ def rounding_bound(q, k, v, dout, *, causal=False, key_padding_mask=None, scale=
     return tuple(n * U32 * m for m in (m_dq, m_dk, m_dv))
 
 
-def run_backward(B, H, Lq, D, *, Lk=None, Hk=None, causal=False, mask=None, seed=0, std=1.0, scale=None):
-    """Forward, then the gradients; returns (gradients, reference, bound) as float64 NumPy."""
+def run_backward(B, H, Lq, D, *, Lk=None, Hk=None, causal=False, mask=None, seed=0, std=1.0, scale=None,
+                 forward="flash"):
+    """The `forward` stage's (out, lse), then the gradients; returns (gradients, reference, bound) as float64 NumPy."""
     Lk = Lq if Lk is None else Lk
     q, k, v, dout = make_problem(B, H, Lq, Lk, D, Hk=Hk, seed=seed, std=std)
     if mask is not None and wb.BACKEND.is_gpu:
@@ -86,7 +87,7 @@ def run_backward(B, H, Lq, D, *, Lk=None, Hk=None, causal=False, mask=None, seed
 
         mask = torch.from_numpy(mask).cuda()
     options = dict(causal=causal, key_padding_mask=mask, scale=scale)
-    out, lse = get_stage("flash").forward(q, k, v, **options)
+    out, lse = get_stage(forward).forward(q, k, v, **options)
     grads = cc.flash_gradients(q, k, v, out, lse, dout, **options)
     reference = reference_backward(q, k, v, dout, **options)
     bound = rounding_bound(q, k, v, dout, **options)
@@ -119,14 +120,12 @@ CASES = [  # (B, H, Lq, Lk, D, Hk, causal)
 ]
 
 
-@simulator_only
 @pytest.mark.parametrize("B,H,Lq,Lk,D,Hk,causal", CASES)
 def test_gradients_match_the_float64_reference(B, H, Lq, Lk, D, Hk, causal):
     grads, reference, bound = run_backward(B, H, Lq, D, Lk=Lk, Hk=Hk, causal=causal, seed=Lq * 31 + Lk)
     assert_within_bound(grads, reference, bound, f"B{B} H{H} Lq{Lq} Lk{Lk} D{D} Hk{Hk} {causal}")
 
 
-@simulator_only
 @pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
 def test_key_padding_with_a_batch_that_sees_no_key(causal):
     """Batch 1 keeps no key at all: its rows have LSE -inf, and must give zero gradients, not NaN."""
@@ -140,7 +139,6 @@ def test_key_padding_with_a_batch_that_sees_no_key(causal):
         assert not g[1].any(), "a batch that sees no key must get exactly zero gradients"
 
 
-@simulator_only
 def test_masked_keys_get_exactly_zero_dk_dv():
     """A padded key takes part in no row, and a key past every row's causal limit in none either."""
     Lq, Lk = 9, 14
@@ -152,7 +150,6 @@ def test_masked_keys_get_exactly_zero_dk_dv():
     assert not dk[0, :, Lq:].any() and not dv[0, :, Lq:].any()  # top-left: keys >= Lq are seen by no row
 
 
-@simulator_only
 def test_negative_scale_and_peaked_scores():
     """The backward keeps no running maximum, so any scale works; large logits test the exponent's range."""
     grads, reference, bound = run_backward(1, 1, 20, 16, Lk=20, std=3.0, scale=-0.4, causal=True, seed=3)
@@ -175,8 +172,35 @@ def test_the_bound_catches_a_missing_term():
 
 # --- the launcher's contract ----------------------------------------------------------------------------------------
 
-def test_grid_uses_x_for_batch_and_heads():
-    """(batch, head, tile) all go into gridDim.x: a batch of 70,000 short sequences needs more than y's 65,535."""
+def test_gradients_are_the_same_bits_on_every_run():
+    """No atomics: the GQA group's heads are summed inside one block in a fixed order."""
+    q, k, v, dout = make_problem(1, 4, 11, 13, 16, Hk=1, seed=2)
+    out, lse = get_stage("flash").forward(q, k, v, causal="bottom_right", key_padding_mask=None, scale=None)
+    first, second = (cc.flash_gradients(q, k, v, out, lse, dout, causal="bottom_right") for _ in range(2))
+    for a, b in zip(first, second):
+        assert np.array_equal(as_numpy(a), as_numpy(b))
+
+
+@gpu_only
+@pytest.mark.parametrize("D,causal", [(64, False), (64, "top_left"), (128, "bottom_right"), (32, True), (16, False)])
+def test_gradients_at_gpu_sizes(D, causal):
+    """Several tiles each way with the GPU tile shapes, lengths that are not tile multiples, GQA and padding."""
+    mask = np.ones((2, 517), dtype=bool)
+    mask[1, 400:] = False
+    grads, reference, bound = run_backward(2, 4, 300, D, Lk=517, Hk=2, causal=causal, mask=mask, seed=D)
+    assert_within_bound(grads, reference, bound, f"D{D} {causal}")
+
+
+@gpu_only
+def test_a_batch_larger_than_grid_y_allows():
+    """(batch, head, tile) all go into gridDim.x: 70,000 short sequences need more blocks than y's 65,535.
+
+    (out, lse) come from the float64 reference: the flash forward puts (batch, head) in gridDim.y."""
+    grads, reference, bound = run_backward(70_000, 1, 3, 16, Lk=5, causal="bottom_right", seed=1, forward="reference")
+    assert_within_bound(grads, reference, bound, "B = 70,000")
+
+
+def test_more_blocks_than_grid_x_takes_are_refused():
     assert cc.MAX_GRID_X == 2**31 - 1
     with pytest.raises(ValueError, match="thread blocks"):
         q = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (2**30, 1, 48, 16), (0, 0, 0, 0))
