@@ -449,3 +449,41 @@ def test_random_qkv_names_the_dtypes_it_accepts(dtype, framework):
 def test_random_inputs_name_the_frameworks_they_accept(make, framework):
     with expect(ValueError, r"^framework:", "'numpy' or 'torch'", f"got {framework!r}"):
         make(framework)
+
+
+# --- where validation lives ----------------------------------------------------------------------------------------
+
+def _imported_modules(module) -> set:
+    """The package-relative modules that `module`'s source imports anywhere (top level or inside a function)."""
+    import ast
+    import inspect
+
+    found = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found.add(node.module or "")
+    return found
+
+
+def test_validation_imports_run_one_way():
+    """validation <- reference <- api: validation imports neither, the reference does not import the API (not even
+    inside a function, the old workaround), and importing the package does not import torch."""
+    import importlib
+    import subprocess
+    import sys
+
+    # (the package's `reference` attribute is the function: import the modules by name)
+    reference, validation = (importlib.import_module(f"wb_kernels.{name}") for name in ("reference", "validation"))
+    assert not _imported_modules(validation) & {"api", "reference"}
+    assert "api" not in _imported_modules(reference) and "validation" in _imported_modules(reference)
+    run = subprocess.run([sys.executable, "-c", "import sys, wb_kernels; assert 'torch' not in sys.modules"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_names_stay_importable_from_api():
+    from wb_kernels import validation
+
+    for name in ("validate", "validate_inputs", "require_array", "Inputs", "SIMULATOR_MAX_SECONDS", "_check_scale",
+                 "_check_causal", "_dtype_name"):
+        assert getattr(api, name) is getattr(validation, name), name

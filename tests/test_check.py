@@ -205,3 +205,79 @@ def test_output_floor_in_chunks_equals_whole():
     ref = wb.reference(q, k, v, causal=True)
     whole = output_floor(q, k, v, *ref, dtype="float32", causal=True)
     assert np.isclose(whole, output_floor(q, k, v, *ref, dtype="float32", causal=True, rows_per_chunk=5))
+
+
+# --- check_gradients: the same rule for dq, dk, dv ---------------------------------------------------------------
+
+def _sdpa_gradients(q, k, v, dout, dtype, causal=False, keep=None):
+    """PyTorch's own gradients in `dtype` (GQA as repeated heads, the masks as a boolean attn_mask)."""
+    t = [torch.from_numpy(np.ascontiguousarray(x)).to(dtype).requires_grad_(True) for x in (q, k, v)]
+    H = q.shape[1]
+    allowed = torch.from_numpy(wb.attention_mask(q.shape[2], k.shape[2], causal, keep, batch=q.shape[0]))
+    out = F.scaled_dot_product_attention(t[0], *(x.repeat_interleave(H // k.shape[1], 1) for x in t[1:]),
+                                         attn_mask=allowed)
+    return torch.autograd.grad(out, t, torch.from_numpy(dout).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_pytorch_gradients_pass(dtype, capsys):
+    q, k, v = wb.random_qkv(2, 4, 9, 16, Lk=13, seed=7)
+    k, v = k[:, :2].copy(), v[:, :2].copy()
+    dout = wb.random_qkv(2, 4, 9, 16, seed=8)[0]
+    keep = wb.random_padding_mask(2, 13, seed=3)
+    grads = _sdpa_gradients(q, k, v, dout, dtype, "bottom_right", keep)
+    result = wb.check_gradients("sdpa", grads, q, k, v, dout, causal="bottom_right", key_padding_mask=keep)
+    assert result.passed
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("sdpa gradients: dq max |err| ") and ", dk max |err| " in line and ", dv max |err| " in line
+    assert line.endswith("✓")
+
+
+@pytest.mark.parametrize("bug", ["dq perturbed", "dk not summed over the group", "dv of the wrong mask", "nan",
+                                 "no scale in dq"])
+def test_wrong_gradients_fail(bug, capsys):
+    q, k, v = wb.random_qkv(1, 4, 12, 16, seed=9)
+    k, v = k[:, :2].copy(), v[:, :2].copy()
+    dout = wb.random_qkv(1, 4, 12, 16, seed=10)[0]
+    dq, dk, dv = (g.numpy() for g in _sdpa_gradients(q, k, v, dout, torch.float32, causal=True))
+    if bug == "dq perturbed":
+        dq = dq + 1e-3
+    elif bug == "dk not summed over the group":
+        dk = dk / 2  # the average of the group's gradients, not the sum
+    elif bug == "dv of the wrong mask":
+        dv = _sdpa_gradients(q, k, v, dout, torch.float32, causal=False)[2].numpy()
+    elif bug == "nan":
+        dv = dv.copy()
+        dv[0, 1, 3, 2] = np.nan
+    else:
+        dq = dq * np.sqrt(16)
+    with pytest.raises(wb.CheckFailed, match="✗"):
+        wb.check_gradients(bug, (dq, dk, dv), q, k, v, dout, causal=True)
+    assert capsys.readouterr().out.strip().endswith("✗")
+
+
+def test_gradient_shapes_and_kinds_are_checked():
+    q, k, v = wb.random_qkv(1, 2, 5, 8, seed=11)
+    dout = np.ones_like(q)
+    dq, dk, dv = wb.attention_backward(q, k, v, dout)
+    with pytest.raises(wb.CheckFailed, match=r"dk shape \(1, 2, 4, 8\) != its input's shape \(1, 2, 5, 8\)"):
+        wb.check_gradients("reference", (dq, dk[:, :, :4], dv), q, k, v, dout)
+    with pytest.raises(TypeError, match=r"grads: expected \(dq, dk, dv\), got tuple of length 2"):
+        wb.check_gradients("reference", (dq, dk), q, k, v, dout)
+    with pytest.raises(TypeError, match="dv: expected a NumPy array or torch tensor, got list"):
+        wb.check_gradients("reference", (dq, dk, dv.tolist()), q, k, v, dout)
+    stage = wb.get_backward("reference")  # a Backward (or a Stage) names the line as well as a string
+    assert wb.check_gradients(stage, (dq, dk, dv), q, k, v, dout, verbose=False).name == "reference"
+
+
+def test_rows_that_see_no_key_must_have_zero_gradients():
+    q, k, v = wb.random_qkv(2, 1, 4, 8, seed=12)
+    dout = np.ones_like(q)
+    keep = np.ones((2, 4), dtype=bool)
+    keep[1] = False
+    dq, dk, dv = wb.attention_backward(q, k, v, dout, key_padding_mask=keep)
+    assert wb.check_gradients("reference", (dq, dk, dv), q, k, v, dout, key_padding_mask=keep, verbose=False).passed
+    dq = dq.copy()
+    dq[1] = 1e-3
+    assert not wb.check_gradients("stray", (dq, dk, dv), q, k, v, dout, key_padding_mask=keep, verbose=False,
+                                  raise_on_failure=False).passed

@@ -1,6 +1,7 @@
 """Property tests (hypothesis): every stage against the float64 reference with the tolerance rule, on random
 shapes, key/value head counts (GQA), head dims, dtypes, masks (both causal alignments), scales, logit sizes and
-memory layouts (issue: robustness).
+memory layouts (issue: robustness); and every stage with a backward (``wb.available_backwards()``) against the
+float64 ``reference_backward`` with ``wb.check_gradients``, on the same random problems.
 
 Two profiles, chosen automatically (or by HYPOTHESIS_PROFILE=ci|gpu):
 
@@ -44,14 +45,15 @@ CI_MAX_LENGTH = 24
 CI_MAX_EXAMPLES = 25
 
 
-def plan(stage, profile=None) -> dict:
-    """Sizes and number of examples for `stage` under `profile` (default: the active one)."""
+def plan(stage, profile=None, cost_factor: float = 1.0) -> dict:
+    """Sizes and number of examples for `stage` under `profile` (default: the active one); `cost_factor` prices an
+    example at that many forwards."""
     if (profile or PROFILE) == "gpu":
         return {"max_len": 700, "max_b": 4, "max_h": 4, "max_bh": 16, "head_dims": stage.head_dims or (16, 32, 64, 128),
                 "dtypes": stage.dtypes, "examples": settings.get_profile("gpu").max_examples}
     D = head_dim(stage)
     cost = (stage.simulator_seconds(2, 1, CI_MAX_LENGTH, CI_MAX_LENGTH, D) * COST_MODEL_SLACK
-            if stage.simulator_seconds else 0.05)
+            if stage.simulator_seconds else 0.05) * cost_factor
     examples = int(max(3, min(CI_MAX_EXAMPLES, CI_SECONDS_PER_STAGE / cost)))
     dtypes = tuple(d for d in stage.dtypes if d in ("float32", "float64")) or (run_dtype(stage),)
     return {"max_len": CI_MAX_LENGTH, "max_b": 2, "max_h": 2, "max_bh": 2, "head_dims": (D,), "dtypes": dtypes,
@@ -141,17 +143,26 @@ def multiplier(name, problem) -> float:
     return 2.0
 
 
-@pytest.mark.parametrize("name", stage_params())
-def test_stage_matches_reference_on_random_problems(name):
-    stage = STAGES[name]
-    p = plan(stage)
-
+def run_random_problems(name, p, what: str, check_one) -> None:
+    """`check_one(problem)` on `p["examples"]` random problems for stage `name`; prints how many passed, for the log
+    (pytest -rP shows it; hypothesis' own statistics are not reported from pytest-xdist workers, and the GPU check
+    runs one stage per worker; scripts/gpu_check.sh greps "random problems matched")."""
     checked = []
 
     @settings(parent=settings.get_profile(PROFILE), max_examples=p["examples"])
-    @given(problem=problems(stage, p))
+    @given(problem=problems(STAGES[name], p))
     def one_problem(problem):
-        note(f"{name}: {problem}")
+        note(f"{name} {what}: {problem}")
+        check_one(problem)
+        checked.append(problem)
+
+    one_problem()
+    print(f"{name}: {len(checked)} random problems matched the reference ({what}, {PROFILE} profile)")
+
+
+@pytest.mark.parametrize("name", stage_params())
+def test_stage_matches_reference_on_random_problems(name):
+    def check_one(problem):
         q, k, v, keep, mask = build(problem)
         out, lse = wb.attention(q, k, v, stage=name, causal=problem["causal"], key_padding_mask=mask,
                                 scale=problem["scale"], return_lse=True)
@@ -160,12 +171,45 @@ def test_stage_matches_reference_on_random_problems(name):
             assert out.device == q.device
         wb.check(name, out, q, k, v, lse=lse, causal=problem["causal"], key_padding_mask=keep,
                  scale=problem["scale"], verbose=False, multiplier=multiplier(name, problem))
-        checked.append(problem)
 
-    one_problem()
-    # how many problems passed, for the log (pytest -rP shows it; hypothesis' own statistics are not
-    # reported from pytest-xdist workers, and the GPU check runs one stage per worker)
-    print(f"{name}: {len(checked)} random problems matched the reference ({PROFILE} profile)")
+    run_random_problems(name, plan(STAGES[name]), "forward", check_one)
+
+
+# A forward and a backward cost about 3.5 forwards (the backward recomputes P and makes five matrix products)
+BACKWARD_COST = 3.5
+CI_MAX_GRADIENT_EXAMPLES = 12
+
+
+def gradient_plan(stage, profile=None) -> dict:
+    """:func:`plan` for the gradient property: in the ci profile, each example priced as a forward and a backward,
+    and at most CI_MAX_GRADIENT_EXAMPLES (each also runs the reference's and PyTorch's backward, about 0.5 s here)."""
+    p = plan(stage, profile, cost_factor=BACKWARD_COST)
+    if (profile or PROFILE) == "ci":
+        p["examples"] = min(p["examples"], CI_MAX_GRADIENT_EXAMPLES)
+    return p
+
+
+@pytest.mark.parametrize("name", stage_params(list(wb.available_backwards())))
+def test_gradients_match_reference_on_random_problems(name):
+    """wb.attention_backward (and, for torch inputs, autograd through wb.attention) against reference_backward,
+    by check_gradients' rule: GQA, both causal alignments, padding, batches with no key, scales, layouts."""
+    def check_one(problem):
+        q, k, v, keep, mask = build(problem)
+        dout = wb.random_qkv(problem["B"], problem["H"], problem["Lq"], problem["D"], dtype=problem["dtype"],
+                             framework=problem["framework"], device="cuda" if ON_GPU else None,
+                             seed=problem["seed"] + 1)[0]
+        options = dict(causal=problem["causal"], scale=problem["scale"])
+        checking = dict(key_padding_mask=keep, verbose=False, multiplier=multiplier(name, problem), **options)
+        grads = wb.attention_backward(q, k, v, dout, stage=name, key_padding_mask=mask, **options)
+        wb.check_gradients(name, grads, q, k, v, dout, **checking)
+        if hasattr(q, "detach"):  # the same through autograd
+            import torch
+
+            leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+            out = wb.attention(*leaves, stage=name, key_padding_mask=mask, **options)
+            wb.check_gradients(f"{name} autograd", torch.autograd.grad(out, leaves, dout), q, k, v, dout, **checking)
+
+    run_random_problems(name, gradient_plan(STAGES[name]), "gradients", check_one)
 
 
 def test_ci_plan_fits_the_time_budget():
@@ -180,6 +224,8 @@ def test_ci_plan_fits_the_time_budget():
         D = p["head_dims"][0]
         per_example = stage.simulator_seconds(2, 1, CI_MAX_LENGTH, CI_MAX_LENGTH, D) if stage.simulator_seconds else 0.01
         total += p["examples"] * per_example
+        if stage.name in wb.available_backwards():
+            total += gradient_plan(stage)["examples"] * per_example * BACKWARD_COST
         assert p["examples"] >= 3
     assert total < 60, f"the ci profile would need about {total:.0f} s of simulator time"
 
