@@ -9,7 +9,8 @@ the same bits on every run:
    that every ``exp2(score - lse)`` of that row is exactly 0 (no -inf ever reaches a fastmath kernel, no NaN);
 2. the KV-stationary kernel (``dkdv_kernel``): a block owns ``block_n`` keys of one key/value head, keeps their dK and
    dV in registers and streams the query tiles of every query head of the GQA group past them: it recomputes
-   ``P = exp(scale q k - lse)``, then ``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P * (dP - D)``, ``dK += scale dSᵀ Q``.
+   ``P = exp(scale q k - lse)``, then ``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P * (dP - D)``,
+   ``dK += scale dSᵀ Q``.
    The group's heads are summed inside the block, in a fixed order;
 3. the Q-stationary kernel (``dq_kernel``): a block owns ``block_m`` query rows, streams the key tiles past them
    (the forward's loop order) and accumulates ``dQ += scale dS K``.
@@ -25,7 +26,8 @@ rows + 1), so one copy of Q, dO, K or V serves both "row . row" products (scores
 No warp shuffles, so the same code runs on numba's CUDA simulator.
 
 Layout of the dynamic shared memory (float32 words), see :func:`backward_shared_layout`:
-``Kᵀ | Vᵀ (D x block_n+1 each) | Qᵀ | dOᵀ (D x block_m+1 each) | Pᵀ | dSᵀ (block_n x block_m+pad each) | lse2 | D``.
+``Kᵀ | Vᵀ (D x block_n+1 each) | Qᵀ | dOᵀ (D x block_m+1 each) | Pᵀ | dSᵀ (block_n x block_m+pad each) |``
+``lse2 | D (block_m each)``.
 The dq kernel uses the same layout: its dS (block_m x block_n+pad) goes into the dSᵀ words; it leaves Pᵀ unused.
 
 Launch: (batch, head, tile) flattened into gridDim.x (limit 2^31 - 1), so a large batch of short sequences fits
@@ -297,7 +299,7 @@ def make_backward_kernels(D, config):
             load_transposed(smem, DO0, QS, dout[b, h], row0, BM, t, DKDV_THREADS)
             load_row_stats(smem, lse2[b, h], delta[b, h], row0, t, DKDV_THREADS)
             cuda.syncthreads()
-            key_products(smem, s, dp, K0, V0, KS, Q0, DO0, QS, g, c)  # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: TS keys x TMR rows
+            key_products(smem, s, dp, K0, V0, KS, Q0, DO0, QS, g, c)  # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: TS x TMR
             # Pᵀ and dSᵀ = Pᵀ * (dPᵀ - D), shared with the block: each thread needs every query row of its keys
             for i in range(TS):
                 key = k0 + g + KEY_GROUPS * i
@@ -488,3 +490,67 @@ def simulator_seconds(B, H, Lq, Lk, D):
 # the tile shapes used on a GPU, known to CI (tests/test_ptx_compile.py compiles every registered kernel)
 for _D, _config in sorted(GPU_CONFIGS.items()):
     get_kernels(_D, _config)
+
+
+def bench_main(argv=None) -> int:
+    """``python -m wb_kernels.stages.backward.cuda_cores`` on a GPU: checks a small problem against the float64
+    reference, then times :func:`flash_gradients` (after the flash forward) against SDPA's fp32 backward (autograd
+    through ``scaled_dot_product_attention``, its default backend) at B4 H16 L4096, D 64 and 128, causal and not, with
+    the benchmark's one timing method (:data:`wb_kernels.timing.DEVICE_TIME`). Prints one line per shape;
+    ``--json PATH`` also writes them with the GPU's name."""
+    import argparse
+    import json
+
+    import torch
+    import torch.nn.functional as F
+
+    from ...reference import reference_backward
+    from ...timing import DEVICE_TIME, time_call
+    from ..flash.kernel import flash_forward
+
+    parser = argparse.ArgumentParser(description=bench_main.__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--length", type=int, default=4096)
+    args = parser.parse_args(argv)
+    if not BACKEND.is_gpu:
+        print("needs a CUDA GPU (on the simulator, tests/test_backward.py checks the kernels)")
+        return 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def problem(B, H, L, D, causal):
+        q, k, v, dout = (torch.randn(B, H, L, D, device="cuda", generator=gen) for _ in range(4))
+        return (q, k, v) + flash_forward(q, k, v, causal=causal) + (dout,)
+
+    for D in (64, 128):  # a check with the GPU tile shapes before anything is timed
+        q, k, v, out, lse, dout = problem(1, 4, 333, D, "bottom_right")
+        grads = flash_gradients(q, k, v, out, lse, dout, causal="bottom_right")
+        ref = reference_backward(q, k, v, dout, causal="bottom_right")
+        worst = max(float((g.double().cpu() - torch.from_numpy(r)).abs().max()) / abs(r).max()
+                    for g, r in zip(grads, ref))
+        print(f"check B1 H4 L333 D{D}: largest error / largest gradient {worst:.2e}")
+    rows = []
+    B, H, L = 4, 16, args.length
+    for D in (64, 128):
+        for causal in (False, True):
+            q, k, v, out, lse, dout = problem(B, H, L, D, causal)
+            ours = time_call(flash_gradients, q, k, v, out, lse, dout, causal=causal, **DEVICE_TIME).median_ms
+            forward = time_call(flash_forward, q, k, v, causal=causal, **DEVICE_TIME).median_ms
+            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+            sdpa_out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+            sdpa = time_call(lambda: torch.autograd.grad(sdpa_out, (qg, kg, vg), dout, retain_graph=True),
+                             **DEVICE_TIME).median_ms
+            flops = 2.5 * 4 * B * H * L * L * D / (2 if causal else 1)  # five products against the forward's two
+            row = dict(B=B, H=H, L=L, D=D, causal=causal, ms=ours, forward_ms=forward, sdpa_fp32_ms=sdpa,
+                       tflops=flops / ours / 1e9, x_sdpa=sdpa / ours)
+            rows.append(row)
+            print(f"B{B} H{H} L{L} D{D} causal={causal}: {ours:.2f} ms ({row['tflops']:.1f} TFLOP/s), "
+                  f"{ours / forward:.1f}x the forward, SDPA fp32 backward {sdpa:.2f} ms ({row['x_sdpa']:.2f}x ours)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, timing=dict(DEVICE_TIME),
+                           rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(bench_main())
