@@ -78,7 +78,7 @@ def rounding_bound(q, k, v, dout, *, causal=False, key_padding_mask=None, scale=
 
 
 def run_backward(B, H, Lq, D, *, Lk=None, Hk=None, causal=False, mask=None, seed=0, std=1.0, scale=None,
-                 forward="flash"):
+                 forward="flash", config=None):
     """The `forward` stage's (out, lse), then the gradients; returns (gradients, reference, bound) as float64 NumPy."""
     Lk = Lq if Lk is None else Lk
     q, k, v, dout = make_problem(B, H, Lq, Lk, D, Hk=Hk, seed=seed, std=std)
@@ -88,7 +88,7 @@ def run_backward(B, H, Lq, D, *, Lk=None, Hk=None, causal=False, mask=None, seed
         mask = torch.from_numpy(mask).cuda()
     options = dict(causal=causal, key_padding_mask=mask, scale=scale)
     out, lse = get_stage(forward).forward(q, k, v, **options)
-    grads = cc.flash_gradients(q, k, v, out, lse, dout, **options)
+    grads = cc.flash_gradients(q, k, v, out, lse, dout, config=config, **options)
     reference = reference_backward(q, k, v, dout, **options)
     bound = rounding_bound(q, k, v, dout, **options)
     return tuple(map(as_numpy, grads)), reference, bound
@@ -172,6 +172,16 @@ def test_the_bound_catches_a_missing_term():
 
 # --- the launcher's contract ----------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("config,causal", [
+    (cc.BackwardConfig(block_m=8, block_n=16, per_thread=2, threads_per_row=4), "top_left"),
+    (cc.BackwardConfig(block_m=16, block_n=8, per_thread=2, threads_per_row=4), "bottom_right"),
+])
+def test_tiles_of_unequal_sides(config, causal):
+    """block_m != block_n (as the GPU shape for D = 128): the causal tile skipping counts in the right unit."""
+    grads, reference, bound = run_backward(1, 2, 29, 16, Lk=35, Hk=1, causal=causal, seed=9, config=config)
+    assert_within_bound(grads, reference, bound, f"{config} {causal}")
+
+
 def test_gradients_are_the_same_bits_on_every_run():
     """No atomics: the GQA group's heads are summed inside one block in a fixed order."""
     q, k, v, dout = make_problem(1, 4, 11, 13, 16, Hk=1, seed=2)
@@ -220,6 +230,34 @@ def test_configs_are_valid_and_fit_shared_memory():
     cc.SIMULATOR_CONFIG.validate(16)
     with pytest.raises(ValueError, match="power of two"):
         cc.SIMULATOR_CONFIG.validate(24)
+
+
+def conflict_free(addresses):
+    """One warp's shared-memory access hits each bank once (lanes reading the same word are a broadcast)."""
+    words = set(addresses)
+    return len({a % 32 for a in words}) == len(words)
+
+
+@pytest.mark.parametrize("D", sorted(cc.GPU_CONFIGS))
+def test_shared_memory_layout_has_no_bank_conflicts(D):
+    """The addresses of every shared-memory access in both kernels, for the first warp, as the kernels compute them."""
+    config = cc.GPU_CONFIGS[D]
+    lay = cc.backward_shared_layout(D, config)
+    tpr, ts = config.threads_per_row, config.per_thread
+    lanes = range(32)
+    g, c = [x // tpr for x in lanes], [x % tpr for x in lanes]
+    for groups, a_stride, b_stride, stored_stride in (
+            (config.block_n // ts, lay["k_stride"], lay["q_stride"], lay["pt_stride"]),  # dkdv
+            (config.block_m // ts, lay["q_stride"], lay["k_stride"], lay["ds_stride"])):  # dq
+        for i in range(ts):
+            assert conflict_free([3 * a_stride + g[x] + groups * i for x in lanes])  # score step, stationary tile
+            assert conflict_free([(g[x] + groups * i) * stored_stride + c[x] + tpr * 1 for x in lanes])  # P, dS stores
+            assert conflict_free([(g[x] + groups * i) * stored_stride + 5 for x in lanes])  # P, dS reads
+        assert conflict_free([3 * b_stride + c[x] + tpr * 1 for x in lanes])  # score step, streamed tile
+        assert conflict_free([(c[x] + tpr * 1) * b_stride + 5 for x in lanes])  # accumulation: dO, Q (dkdv), K (dq)
+        if D >= 32:  # with D = 16 a warp stores two rows of a tile: a 2-way conflict, in the loads only
+            assert conflict_free([(x & (D - 1)) * a_stride + (x >> (D.bit_length() - 1)) for x in lanes])
+    assert lay["bytes"] == 4 * lay["words"]
 
 
 def test_kernels_are_registered_for_the_ptx_compile():
