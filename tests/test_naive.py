@@ -59,8 +59,8 @@ def test_workspace_and_traffic_formulas():
 def test_grid_shapes_cover_every_element():
     for (B, H, Lq, Lk, D) in [(1, 1, 1, 1, 16), (2, 3, 100, 37, 64)]:
         grids = naive.grid_shapes(B, H, Lq, Lk, D)
-        (gx, gy, gz), (bx, by) = grids["scores_kernel"]
-        assert gx * bx >= Lk > (gx - 1) * bx and gy * by >= Lq > (gy - 1) * by and gz == B * H
+        (gx, gy, gz), (bx, by) = grids["scores_kernel"]  # (batch, head) in x; queries in y, keys in z
+        assert gx == B * H and gy * by >= Lq > (gy - 1) * by and gz * bx >= Lk > (gz - 1) * bx
 
 
 # --- the lesson's slider logic ----------------------------------------------------------------------

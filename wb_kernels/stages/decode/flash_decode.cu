@@ -153,16 +153,17 @@ __global__ void decode_merge_kernel(const float* part_out, const float* part_lse
 // endregion
 
 // region: split_kernel_setup
-// Grid: (splits, B * Hk, ceil(G / ROWS)). Block: NUM_WARPS warps. LANES_PER_KEY = D / 8 lanes share a key, so a
-// warp reads 32 / LANES_PER_KEY keys per step and a block NUM_WARPS times that.
+// Grid: (B * Hk, splits, ceil(G / ROWS)): (sequence, KV head) in x, the one dimension past 65,535 blocks. Block:
+// NUM_WARPS warps. LANES_PER_KEY = D / 8 lanes share a key, so a warp reads 32 / LANES_PER_KEY keys per step and a
+// block NUM_WARPS times that.
 template <typename T, int D, int ROWS, int NUM_WARPS, int KEYS_IN_FLIGHT>
 __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const DecodeParams p) {
     constexpr int LANES_PER_KEY = D / 8;
     constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
     constexpr int KEYS_PER_STEP = KEYS_PER_WARP * NUM_WARPS;
 
-    const int split = blockIdx.x;
-    const int b = blockIdx.y / p.Hk, kv_head = blockIdx.y % p.Hk;
+    const int b = blockIdx.x / p.Hk, kv_head = blockIdx.x % p.Hk;
+    const int split = blockIdx.y;
     const int group = p.H / p.Hk;
     const int head0 = kv_head * group + blockIdx.z * ROWS;  // this block's first query head
     const int rows = min(ROWS, kv_head * group + group - head0);
@@ -388,7 +389,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
     __threadfence();
     __syncthreads();  // also: every thread is done with s_acc, which the merge reuses for the splits' weights
     __shared__ bool s_last;
-    int* counter = p.counters + (size_t)blockIdx.y * gridDim.z + blockIdx.z;
+    int* counter = p.counters + (size_t)blockIdx.x * gridDim.z + blockIdx.z;  // one per (sequence, KV head, rows)
     if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == p.num_splits - 1;
     __syncthreads();
     if (!s_last) return;
@@ -439,7 +440,8 @@ namespace wb {
 template <typename T, int D, int ROWS>
 void launch_decode(const DecodeParams& params, cudaStream_t stream) {
     const int group = params.H / params.Hk;
-    const dim3 grid(params.num_splits, params.B * params.Hk, (group + ROWS - 1) / ROWS);
+    // (sequence, KV head) in x: up to 2^31 - 1 blocks, where y and z stop at 65,535 (num_splits <= 12288: checked below)
+    const dim3 grid(params.B * params.Hk, params.num_splits, (group + ROWS - 1) / ROWS);
     decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight><<<grid, kDecodeWarps * 32, 0, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (params.counters != nullptr) return;  // merged by the split kernel's last blocks

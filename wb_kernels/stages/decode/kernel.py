@@ -187,7 +187,7 @@ def write_partial(part_out, part_lse, m_run, l_run, acc, split, b, kv_head, grou
 
 # region: decode_partial
 def make_partial_kernel(D: int, config: DecodeConfig):
-    """The split-KV kernel for head dim D: one block per (split, sequence x KV head, chunk of query rows)."""
+    """The split-KV kernel for head dim D: one block per (sequence x KV head, split, chunk of query rows)."""
     BN, ROWS = config.block_n, config.rows
     OWNED = config.owned(D)
 
@@ -213,11 +213,11 @@ def make_partial_kernel(D: int, config: DecodeConfig):
         l_run = cuda.local.array(OWNED, float32)
         acc = cuda.local.array(OWNED, float32)
 
-        split = cuda.blockIdx.x
         Lq, Hk = q.shape[2], k_pages.shape[1]
         group = q.shape[1] // Hk  # query heads per KV head
-        b = cuda.blockIdx.y // Hk
-        kv_head = cuda.blockIdx.y % Hk
+        b = cuda.blockIdx.x // Hk  # (sequence, KV head) in x, the one grid dimension past 65,535 blocks: a large
+        kv_head = cuda.blockIdx.x % Hk  # batch runs
+        split = cuda.blockIdx.y
         row0 = cuda.blockIdx.z * ROWS  # this block's rows among the group's group * Lq rows
         length = seq_lens[b]
         start = split * keys_per_split

@@ -23,6 +23,7 @@ from ...device import empty, is_torch, kernel_view, to_work
 from . import build
 from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, NEG_HALF, config_for, get_partial_kernel,
                      merge_kernel)
+from ..naive.kernel import check_grid
 from .splitkv import choose_num_splits, split_bounds
 
 __all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "cuda_blocks_per_sm", "cuda_row_chunks", "uses_cuda_kernel", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES"]
@@ -98,7 +99,10 @@ def split_kv_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal=False
     keep = to_work(key_padding_mask, dtype=np.uint8) if key_padding_mask is not None else empty((1, 1), np.uint8)
     part_out = empty((num_splits, B, H, Lq, D))
     part_lse = empty((num_splits, B, H, Lq))
-    kernel[(num_splits, B * Hk, row_chunks), config.threads](
+    # (sequence, KV head) in x, which allows 2**31 - 1 blocks; splits and row chunks in y and z, 65,535 each
+    grid = (B * Hk, num_splits, row_chunks)
+    check_grid("decode", grid, ("B*Hk", "num_splits", f"H/Hk * Lq / {config.rows}"))
+    kernel[grid, config.threads](
         kernel_view(qw), kernel_view(kw), kernel_view(vw), kernel_view(table), kernel_view(lens), kernel_view(keep),
         int(key_padding_mask is not None), CAUSAL_MODES[causal],
         np.float32(scale), keys_per_split, kernel_view(part_out), kernel_view(part_lse))

@@ -35,6 +35,7 @@ from ...device import empty, is_torch, kernel_view, to_work
 from ...reference import causal_offset
 from ...resources import register_kernel
 from .. import Stage
+from ..naive.kernel import check_grid
 
 __all__ = ["FlashConfig", "make_flash_kernel", "flash_forward", "shared_layout", "config_for", "get_kernel",
            "jit_options", "allow_shared_bytes", "kernel_name", "kernel_signature", "SIGNATURE",
@@ -171,12 +172,13 @@ def make_flash_kernel(D, config):
                      score_scale):  # turns the kernel's scores into scaled scores: the softmax scale, or 1
         smem = cuda.shared.array(0, float32)
         H, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
-        b = cuda.blockIdx.y // H
-        h = cuda.blockIdx.y % H
+        b = cuda.blockIdx.x // H  # (batch, head) in x, the one grid dimension past 65,535 blocks: a large batch
+        h = cuda.blockIdx.x % H   # of short sequences runs
         kv = h // (H // k.shape[1])  # the key/value head of query head h: H // Hk share one (GQA)
         q_bh, k_bh, v_bh, out_bh, lse_bh = q[b, h], k[b, kv], v[b, kv], out[b, h], lse[b, h]
-        # Heaviest tiles first: under a causal mask the last query tiles see the most keys.
-        row0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BM
+        # Heaviest tiles first: under a causal mask the last query tiles see the most keys. Blocks start in x-fastest
+        # order, so every (batch, head)'s heaviest tile starts before any head's second heaviest.
+        row0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * BM
         t = cuda.threadIdx.x
         g = t // TPR  # row group
         c = t % TPR  # position inside the row group
@@ -415,7 +417,8 @@ def flash_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, c
             kernel_view(keep), int(key_padding_mask is not None), int(offset is not None), offset or 0,
             # the max of the scores is the max of the scaled scores only for a positive scale
             np.float32(1.0 if scale > 0 else scale), np.float32(scale if scale > 0 else 1.0))
-    grid = ((Lq + config.block_m - 1) // config.block_m, B * H)
+    grid = (B * H, (Lq + config.block_m - 1) // config.block_m)  # y allows 65,535 blocks: Lq <= 65,535 * block_m
+    check_grid("flash", grid, ("B*H", f"Lq / {config.block_m}"))
     nbytes = shared_layout(D, config)["bytes"]
     allow_shared_bytes(kernel, args, nbytes)
     kernel[grid, config.threads, 0, nbytes](*args)

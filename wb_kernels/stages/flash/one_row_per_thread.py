@@ -17,7 +17,7 @@ from numba import cuda, float32
 
 from ... import device
 from ...resources import register_kernel
-from ..naive.kernel import key_keep_mask
+from ..naive.kernel import check_grid, key_keep_mask
 
 __all__ = ["make_one_row_kernel", "one_row_forward", "SIGNATURE"]
 
@@ -44,8 +44,8 @@ def make_one_row_kernel(D, block_n):
         q_row = cuda.local.array(D, float32)   # this thread's query row, in registers
         acc = cuda.local.array(D, float32)     # its unnormalised output
         s = cuda.local.array(block_n, float32)  # its scores for the current tile
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x  # this thread's query row
-        bh = cuda.blockIdx.y
+        bh = cuda.blockIdx.x  # (batch, head) pair: x, the grid dimension that may exceed 65,535 blocks
+        i = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x  # this thread's query row
         Lq, Lk = q.shape[1], k.shape[1]
         active = i < Lq  # threads past the last row still help load the tiles
         for d in range(D):
@@ -130,7 +130,8 @@ def one_row_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None,
     out = device.empty((B * H, Lq, D))
     lse = device.empty((B * H, Lq))
     view = device.kernel_view
-    grid = (math.ceil(Lq / threads), B * H)  # one thread per query row
+    grid = (B * H, math.ceil(Lq / threads))  # one thread per query row
+    check_grid("flash (one_row_forward)", grid, ("B*H", f"Lq / {threads}"))
     kernel[grid, threads](view(q3), view(k3), view(v3), view(key_keep_mask(key_padding_mask, B, Lk)), H, scale,
                           bool(causal), view(out), view(lse))
     return out.reshape(B, H, Lq, D), lse.reshape(B, H, Lq)

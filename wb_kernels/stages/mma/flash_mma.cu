@@ -267,9 +267,10 @@ flash_mma_kernel(const FlashParams p) {
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int num_m_blocks = (p.Lq + L::BLOCK_M - 1) / L::BLOCK_M;
-    // Causal blocks further down have more keys: start those first so the tail of the grid is short.
-    const int m_block = p.causal ? num_m_blocks - 1 - blockIdx.x : blockIdx.x;
-    const int bh = blockIdx.y;
+    // Causal blocks further down have more keys: start those first so the tail of the grid is short. Blocks start in
+    // x-fastest order, so every (batch, head)'s heaviest block starts before any head's second heaviest.
+    const int m_block = p.causal ? num_m_blocks - 1 - blockIdx.y : blockIdx.y;
+    const int bh = blockIdx.x;  // (batch, head) in x, the one grid dimension past 65,535 blocks
     const int batch = bh / p.H;
     const int m0 = m_block * L::BLOCK_M;
     const T* q = static_cast<const T*>(p.q) + static_cast<size_t>(bh) * p.Lq * HEAD_DIM;
@@ -518,7 +519,11 @@ void launch_flash_mma(const FlashParams& params, cudaStream_t stream) {
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
     constexpr int block_m = NUM_WARPS * ROW_TILES * 16;
-    const dim3 grid((params.Lq + block_m - 1) / block_m, params.B * params.H);
+    // (batch, head) in x, which allows 2^31 - 1 blocks; the query blocks in y, which allows 65,535
+    const int64_t m_blocks = (static_cast<int64_t>(params.Lq) + block_m - 1) / block_m;
+    TORCH_CHECK_VALUE(m_blocks <= 65535, "flash_mma: Lq = ", params.Lq, " needs ", m_blocks, " blocks of ", block_m,
+                      " query rows in gridDim.y, over CUDA's limit of 65,535: Lq <= ", 65535 * block_m);
+    const dim3 grid(params.B * params.H, static_cast<unsigned>(m_blocks));
     kernel<<<grid, NUM_WARPS * 32, smem, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -77,7 +77,8 @@ class _LaunchedWithScale:
     def __getitem__(self, config):
         launch = self.kernel[config]
         grid, block = config[0], config[1]
-        rows_launched = (grid if isinstance(grid, int) else grid[0]) * (block if isinstance(block, int) else block[0])
+        # rows of one (batch, head) the grid's threads cover: the launcher's grid is (B*H, row blocks)
+        rows_launched = grid[1] * (block if isinstance(block, int) else block[0])
 
         def launch_with_scale(scores, probs, lse):
             scores, probs, lse = (_as_buffer(x) for x in (scores, probs, lse))

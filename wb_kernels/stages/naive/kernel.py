@@ -2,7 +2,8 @@
 
 Taught in lesson 02 (``notebooks/02_naive.ipynb``), which shows every region below in full; lesson 03
 compares its tiled kernels with these. The kernels work on (B*H, L, D) views of the (B, H, L, D) inputs,
-so one grid dimension walks the (batch, head) pairs; K and V may have fewer heads Hk (grouped-query
+so one grid dimension walks the (batch, head) pairs: x, the only one CUDA lets grow past 65,535 blocks
+(to 2**31 - 1), so a large batch of short sequences runs. K and V may have fewer heads Hk (grouped-query
 attention), viewed as (B*Hk, Lk, D): pair bh then reads K/V pair bh // (H // Hk).
 
     scores_kernel        S = scale * Q K^T, masked entries -inf      one thread per element of S
@@ -24,7 +25,7 @@ from ...reference import causal_offset
 from ...resources import register_kernel
 from .. import Stage
 
-__all__ = ["scores_kernel", "row_softmax_kernel", "weighted_sum_kernel", "naive_forward", "grid_shapes",
+__all__ = ["scores_kernel", "row_softmax_kernel", "weighted_sum_kernel", "naive_forward", "grid_shapes", "check_grid", "GRID_LIMITS",
            "global_memory_traffic", "workspace_bytes", "STAGE", "SCORES_SIGNATURE", "SOFTMAX_SIGNATURE",
            "WEIGHTED_SUM_SIGNATURE"]
 
@@ -39,9 +40,9 @@ def scores_kernel(q,         # (B*H, Lq, D) float32 queries
                   causal,    # bool: query i sees only keys j <= i + causal_offset
                   causal_offset,  # int: 0 (top-left), or Lk - Lq (bottom-right)
                   scores):   # (B*H, Lq, Lk) float32 output S
-    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x  # key: neighbouring threads write neighbouring S
+    bh = cuda.blockIdx.x  # (batch, head) pair: x, the grid dimension that may exceed 65,535 blocks
     i = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y  # query
-    bh = cuda.blockIdx.z                                       # (batch, head) pair
+    j = cuda.blockIdx.z * cuda.blockDim.x + cuda.threadIdx.x  # key: neighbouring threads write neighbouring S
     kv = bh // (q.shape[0] // k.shape[0])  # = b*Hk + h // (H // Hk): the K/V head query head h shares (GQA)
     if i >= scores.shape[1] or j >= scores.shape[2]:
         return  # the grid is rounded up to whole blocks; these threads have no element
@@ -67,8 +68,8 @@ def scores_kernel(q,         # (B*H, Lq, D) float32 queries
 def row_softmax_kernel(scores,  # (B*H, Lq, Lk) float32 input S
                        probs,   # (B*H, Lq, Lk) float32 output P
                        lse):    # (B*H, Lq) float32 output: log-sum-exp of each row of S
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x  # row (query)
-    bh = cuda.blockIdx.y
+    bh = cuda.blockIdx.x  # (batch, head) pair
+    i = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x  # row (query)
     if i >= scores.shape[1]:
         return
     n = scores.shape[2]
@@ -100,9 +101,9 @@ def row_softmax_kernel(scores,  # (B*H, Lq, Lk) float32 input S
 def weighted_sum_kernel(probs,  # (B*H, Lq, Lk) float32 P
                         v,      # (B*Hk, Lk, D) float32 values; Hk divides H
                         out):   # (B*H, Lq, D) float32 output O
-    d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x  # column of O: neighbours read neighbouring V
+    bh = cuda.blockIdx.x  # (batch, head) pair
     i = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y  # row of O (query)
-    bh = cuda.blockIdx.z
+    d = cuda.blockIdx.z * cuda.blockDim.x + cuda.threadIdx.x  # column of O: neighbours read neighbouring V
     kv = bh // (probs.shape[0] // v.shape[0])  # the K/V pair of scores_kernel (GQA)
     if i >= out.shape[1] or d >= out.shape[2]:
         return
@@ -134,10 +135,26 @@ register_kernel("naive.weighted_sum_kernel", weighted_sum_kernel, WEIGHTED_SUM_S
 def grid_shapes(B, H, Lq, Lk, D, block=16, softmax_threads=128) -> dict:
     """{kernel: (blocks per grid, threads per block)} as the launcher below launches them."""
     return {
-        "scores_kernel": ((math.ceil(Lk / block), math.ceil(Lq / block), B * H), (block, block)),
-        "row_softmax_kernel": ((math.ceil(Lq / softmax_threads), B * H), (softmax_threads,)),
-        "weighted_sum_kernel": ((math.ceil(D / block), math.ceil(Lq / block), B * H), (block, block)),
+        "scores_kernel": ((B * H, math.ceil(Lq / block), math.ceil(Lk / block)), (block, block)),
+        "row_softmax_kernel": ((B * H, math.ceil(Lq / softmax_threads)), (softmax_threads,)),
+        "weighted_sum_kernel": ((B * H, math.ceil(Lq / block), math.ceil(D / block)), (block, block)),
     }
+
+
+# CUDA's limits on a grid's blocks: x up to 2**31 - 1, y and z up to 65,535 each. Every launcher of the package
+# puts the (batch, head) pairs in x, so B*H is never what fails; the lengths in y and z are limited instead
+# (here Lq and Lk at most 65,535 blocks of `block`: 1,048,560 at block 16), which check_grid refuses by name.
+GRID_LIMITS = (2**31 - 1, 65_535, 65_535)
+
+
+def check_grid(stage, grid, what) -> None:
+    """Refuse a launch CUDA would reject (the simulator would not), naming the size to blame, before any work.
+
+    `grid`: the blocks along x, y, z; `what`: what each dimension counts, e.g. ("B*H", "Lq / 16", "Lk / 16")."""
+    for axis, blocks, limit, counts in zip("xyz", grid, GRID_LIMITS, what):
+        if blocks > limit:
+            raise ValueError(f"stage={stage!r}: gridDim.{axis} would be {counts} = {blocks:,} blocks, over CUDA's "
+                             f"limit of {limit:,}; use shorter sequences or another stage")
 
 
 def key_keep_mask(key_padding_mask, B, Lk):
@@ -160,7 +177,8 @@ def naive_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, b
     Hk, Lk = k.shape[1], k.shape[2]
     scale = np.float32(1.0 / math.sqrt(D) if scale is None else scale)  # float32: no float64 math on the GPU
     offset = causal_offset(causal, Lq, Lk)  # query i sees keys j <= i + offset; None: not causal
-    # (B, H, L, D) -> (B*H, L, D): one grid dimension walks the (batch, head) pairs; K and V: (B*Hk, Lk, D)
+    # (B, H, L, D) -> (B*H, L, D): gridDim.x walks the (batch, head) pairs (x allows 2**31 - 1 blocks, y and z
+    # 65,535); K and V: (B*Hk, Lk, D)
     q3 = device.to_work(q).reshape(B * H, Lq, D)
     k3 = device.to_work(k).reshape(B * Hk, Lk, D)
     v3 = device.to_work(v).reshape(B * Hk, Lk, D)
@@ -171,12 +189,13 @@ def naive_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, b
     lse = device.empty((B * H, Lq))
     view = device.kernel_view
 
-    grid = (math.ceil(Lk / block), math.ceil(Lq / block), B * H)  # one thread per element of S
+    grid = (B * H, math.ceil(Lq / block), math.ceil(Lk / block))  # one thread per element of S
+    check_grid("naive", grid, ("B*H", f"Lq / {block}", f"Lk / {block}"))  # the other two grids are smaller
     scores_k[grid, (block, block)](view(q3), view(k3), view(key_keep), H, scale, offset is not None, offset or 0,
                                    view(scores))
-    grid = (math.ceil(Lq / softmax_threads), B * H)  # one thread per row
+    grid = (B * H, math.ceil(Lq / softmax_threads))  # one thread per row
     softmax_k[grid, softmax_threads](view(scores), view(probs), view(lse))
-    grid = (math.ceil(D / block), math.ceil(Lq / block), B * H)  # one thread per element of O
+    grid = (B * H, math.ceil(Lq / block), math.ceil(D / block))  # one thread per element of O
     weighted_sum_k[grid, (block, block)](view(probs), view(v3), view(out))
     return out.reshape(B, H, Lq, D), lse.reshape(B, H, Lq)
 # endregion

@@ -30,15 +30,15 @@ def grid_figure(Lq: int = 40, Lk: int = 56, block: int = 16):
     for bx in range(gx):
         for by in range(gy):
             ax.add_patch(_rect(bx * block, by * block, block, block, face="none", edge="#d62728", lw=1.5))
-            ax.text(bx * block + block / 2, by * block + block / 2, f"block\n({bx},{by})", ha="center",
+            ax.text(bx * block + block / 2, by * block + block / 2, f"block\n(bh,{by},{bx})", ha="center",
                     va="center", fontsize=8, color="#d62728")
-    i, j = block + 3, block + 5  # the thread (threadIdx.x=5, threadIdx.y=3) of block (1, 1)
+    i, j = block + 3, block + 5  # the thread (threadIdx.x=5, threadIdx.y=3) of block (bh, 1, 1)
     ax.add_patch(_rect(j, i, 1, 1, face="k", edge="k"))
-    ax.annotate(f"S[{i}, {j}]: block (1,1), thread (5,3)", (j + 1, i + 0.5), (gx * block * 0.45, -4),
+    ax.annotate(f"S[{i}, {j}]: block (bh,1,1), thread (5,3)", (j + 1, i + 0.5), (gx * block * 0.45, -4),
                 arrowprops={"arrowstyle": "->"}, fontsize=9)
-    ax.set(xlim=(0, gx * block), ylim=(gy * block, -8), xlabel="key j  (x: blockIdx.x*16 + threadIdx.x)",
-           ylabel="query i  (y)", aspect="equal",
-           title=f"grid ({gx}, {gy}, B·H) of {block}×{block} blocks over S ({Lq}×{Lk}); grey: idle threads")
+    ax.set(xlim=(0, gx * block), ylim=(gy * block, -8), xlabel="key j  (blockIdx.z*16 + threadIdx.x)",
+           ylabel="query i  (blockIdx.y*16 + threadIdx.y)", aspect="equal",
+           title=f"grid (B·H, {gy}, {gx}) of {block}×{block} blocks over S ({Lq}×{Lk}); grey: idle threads")
     ax.grid(False)
     return fig
 

@@ -17,8 +17,8 @@ def scaled_row_softmax_kernel(scores,  # (B*H, Lq, Lk) float32 input: unscaled Q
                               scale,   # float32 multiplier of the scores (positive)
                               probs,   # (B*H, Lq, Lk) float32 output P = softmax(scale * S) by rows
                               lse):    # (B*H, Lq) float32 output: log-sum-exp of each row of scale * S
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x  # row (query)
-    bh = cuda.blockIdx.y
+    bh = cuda.blockIdx.x  # (batch, head) pair
+    i = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x  # row (query)
     if i >= scores.shape[1]:
         return
     n = scores.shape[2]

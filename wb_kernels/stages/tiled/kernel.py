@@ -30,7 +30,7 @@ from ...backend import BACKEND
 from ...reference import causal_offset
 from ...resources import register_kernel
 from .. import Stage
-from ..naive.kernel import key_keep_mask, workspace_bytes
+from ..naive.kernel import check_grid, key_keep_mask, workspace_bytes
 
 __all__ = ["make_tiled_scores_kernel", "make_tiled_weighted_sum_kernel", "make_tiled_kernels", "make_block_softmax_kernel",
            "tiled_kernels", "tiled_forward", "TILE_SIZES", "reuse_factor", "shared_bytes_per_block", "STAGE"]
@@ -60,7 +60,7 @@ def make_tiled_scores_kernel(tile):
         q_tile = cuda.shared.array((tile, tile), float32)      # Q[i0 + row, d0 + col]
         k_tile = cuda.shared.array((tile, padded), float32)   # K[j0 + row, d0 + col]; +1 column: see below
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-        i0, j0, bh = cuda.blockIdx.y * tile, cuda.blockIdx.x * tile, cuda.blockIdx.z
+        bh, i0, j0 = cuda.blockIdx.x, cuda.blockIdx.y * tile, cuda.blockIdx.z * tile  # pair in x: see the launcher
         kv = bh // (q.shape[0] // k.shape[0])  # = b*Hk + h // (H // Hk): the K/V head query head h shares (GQA)
         i, j = i0 + ty, j0 + tx  # this thread's element of S
         Lq, Lk, D = scores.shape[1], scores.shape[2], q.shape[2]
@@ -112,7 +112,7 @@ def make_tiled_weighted_sum_kernel(tile):
         p_tile = cuda.shared.array((tile, tile), float32)  # P[i0 + row, j0 + col]
         v_tile = cuda.shared.array((tile, tile), float32)  # V[j0 + row, d0 + col]
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-        i0, d0, bh = cuda.blockIdx.y * tile, cuda.blockIdx.x * tile, cuda.blockIdx.z
+        bh, i0, d0 = cuda.blockIdx.x, cuda.blockIdx.y * tile, cuda.blockIdx.z * tile
         kv = bh // (probs.shape[0] // v.shape[0])  # = b*Hk + h // (H // Hk), as in the scores kernel (GQA)
         i, d = i0 + ty, d0 + tx  # this thread's element of O
         Lq, Lk, D = out.shape[1], v.shape[1], out.shape[2]
@@ -153,7 +153,9 @@ def make_block_softmax_kernel(threads):
                              probs,   # (B*H, Lq, Lk) float32 output P
                              lse):    # (B*H, Lq) float32 output: log-sum-exp of each row
         partial = cuda.shared.array(threads, float32)  # one partial result per thread
-        t, i, bh = cuda.threadIdx.x, cuda.blockIdx.x, cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        # one block per row of all B*H*Lq rows, numbered along x (up to 2**31 - 1 blocks): row i of pair bh
+        bh, i = cuda.blockIdx.x // scores.shape[1], cuda.blockIdx.x % scores.shape[1]
         n = scores.shape[2]
 
         # 1. the row maximum: each thread scans every `threads`-th entry (neighbouring threads read
@@ -269,11 +271,13 @@ def tiled_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, t
     lse = device.empty((B * H, Lq))
     view = device.kernel_view
 
-    grid = (math.ceil(Lk / tile), math.ceil(Lq / tile), B * H)  # one block per tile of S
+    # (batch, head) in x, which allows 2**31 - 1 blocks; y and z allow 65,535: Lq, Lk <= 65,535 * tile
+    grid = (B * H, math.ceil(Lq / tile), math.ceil(Lk / tile))  # one block per tile of S
+    check_grid("tiled", grid, ("B*H", f"Lq / {tile}", f"Lk / {tile}"))  # the other two grids are smaller
     scores_k[grid, (tile, tile)](view(q3), view(k3), view(key_keep), H, scale, offset is not None, offset or 0,
                                  view(scores))
-    softmax_k[(Lq, B * H), softmax_threads](view(scores), view(probs), view(lse))  # one block per row
-    grid = (math.ceil(D / tile), math.ceil(Lq / tile), B * H)  # one block per tile of O
+    softmax_k[B * H * Lq, softmax_threads](view(scores), view(probs), view(lse))  # one block per row
+    grid = (B * H, math.ceil(Lq / tile), math.ceil(D / tile))  # one block per tile of O
     weighted_sum_k[grid, (tile, tile)](view(probs), view(v3), offset is not None, offset or 0, view(out))
     return out.reshape(B, H, Lq, D), lse.reshape(B, H, Lq)
 # endregion

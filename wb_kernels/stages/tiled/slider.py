@@ -34,8 +34,9 @@ def _rect(x, y, w, h, face, edge="k", lw=0.8, alpha=1.0):
 
 
 def tile_picture(ax_q, ax_k, ax_s, *, Lq: int, Lk: int, D: int, tile: int, block=(1, 2)):
-    """Draw Q, K and S with what block (bx, by) of tiled_scores_kernel loads: a strip of Q rows and a
-    strip of K rows, tile columns of D at a time, to make one tile x tile tile of S."""
+    """Draw Q, K and S with what a block of tiled_scores_kernel loads, the one at key block bx and query block by
+    (its blockIdx.z and blockIdx.y; blockIdx.x is its (batch, head) pair): a strip of Q rows and a strip of K rows,
+    tile columns of D at a time, to make one tile x tile tile of S."""
     bx, by = block
     i0, j0 = by * tile, bx * tile
     colors = ["#ff7f0e", "#fdae6b", "#fdd0a2", "#feedde"]
@@ -59,7 +60,7 @@ def tile_picture(ax_q, ax_k, ax_s, *, Lq: int, Lk: int, D: int, tile: int, block
             ax_s.add_patch(_rect(x, y, min(tile, Lk - x), min(tile, Lq - y), face="none", edge="#bbbbbb", lw=0.5))
     ax_s.add_patch(_rect(j0, i0, min(tile, Lk - j0), min(tile, Lq - i0), face=STAGE_COLORS["tiled"], edge="k"))
     ax_s.set(xlim=(0, Lk), ylim=(Lq, 0), aspect="equal", xlabel="key j",
-             title=f"S: block ({bx},{by}) makes one {tile}×{tile} tile")
+             title=f"S: block (bh, {by}, {bx}) makes one {tile}×{tile} tile")
     ax_s.grid(False)
 
 
