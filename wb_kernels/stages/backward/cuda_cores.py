@@ -164,7 +164,12 @@ def preprocess_kernel(out,  # (B, H, Lq, D) float32, the forward's output
 
 _F32_3D, _F32_4D = "float32[:, :, ::1]", "float32[:, :, :, ::1]"
 PREPROCESS_SIGNATURE = f"void({_F32_4D}, {_F32_4D}, {_F32_3D}, {_F32_3D}, {_F32_3D})"
-register_kernel("backward.preprocess_kernel", preprocess_kernel, PREPROCESS_SIGNATURE)
+# importing this module registers the kernel again in a fresh process: the "rebuild" is a function that does nothing
+register_kernel("backward.preprocess_kernel", preprocess_kernel, PREPROCESS_SIGNATURE, (__name__, "_imported", ()))
+
+
+def _imported():
+    return preprocess_kernel
 
 
 # region: backward_constants
