@@ -9,6 +9,7 @@ Lesson: ``notebooks/08_backward.ipynb``; tests: ``tests/test_backward.py``.
 
 from ...reference import reference_backward
 from .. import Backward
+from .cuda_cores import flash_gradients
 from .launcher import mma_gradients
 
 
@@ -18,6 +19,8 @@ def _reference_gradients(q, k, v, out, lse, dout, *, causal=False, key_padding_m
 
 BACKWARDS = (
     Backward("reference", "float64 NumPy: P recomputed in full, O(L^2) memory", _reference_gradients),
+    Backward("flash", "CUDA cores, numba: preprocess for D, KV-stationary dK/dV, Q-stationary dQ; deterministic",
+             flash_gradients),
     Backward("mma", "tensor cores, mma.sync: preprocess for D, KV-stationary dK/dV, Q-stationary dQ; deterministic",
              mma_gradients),
 )
