@@ -78,8 +78,8 @@ def rounding_bound(q, k, v, dout, *, causal=False, key_padding_mask=None, scale=
 
 
 def run_backward(B, H, Lq, D, *, Lk=None, Hk=None, causal=False, mask=None, seed=0, std=1.0, scale=None,
-                 forward="flash", config=None):
-    """The `forward` stage's (out, lse), then the gradients; returns (gradients, reference, bound) as float64 NumPy."""
+                 config=None):
+    """The flash forward's (out, lse), then the gradients; returns (gradients, reference, bound) as float64 NumPy."""
     Lk = Lq if Lk is None else Lk
     q, k, v, dout = make_problem(B, H, Lq, Lk, D, Hk=Hk, seed=seed, std=std)
     if mask is not None and wb.BACKEND.is_gpu:
@@ -87,7 +87,7 @@ def run_backward(B, H, Lq, D, *, Lk=None, Hk=None, causal=False, mask=None, seed
 
         mask = torch.from_numpy(mask).cuda()
     options = dict(causal=causal, key_padding_mask=mask, scale=scale)
-    out, lse = get_stage(forward).forward(q, k, v, **options)
+    out, lse = get_stage("flash").forward(q, k, v, **options)
     grads = cc.flash_gradients(q, k, v, out, lse, dout, config=config, **options)
     reference = reference_backward(q, k, v, dout, **options)
     bound = rounding_bound(q, k, v, dout, **options)
@@ -203,10 +203,8 @@ def test_gradients_at_gpu_sizes(D, causal):
 
 @gpu_only
 def test_a_batch_larger_than_grid_y_allows():
-    """(batch, head, tile) all go into gridDim.x: 70,000 short sequences need more blocks than y's 65,535.
-
-    (out, lse) come from the float64 reference: the flash forward puts (batch, head) in gridDim.y."""
-    grads, reference, bound = run_backward(70_000, 1, 3, 16, Lk=5, causal="bottom_right", seed=1, forward="reference")
+    """(batch, head, tile) all go into gridDim.x: 70,000 short sequences need more blocks than y's 65,535."""
+    grads, reference, bound = run_backward(70_000, 1, 3, 16, Lk=5, causal="bottom_right", seed=1)
     assert_within_bound(grads, reference, bound, "B = 70,000")
 
 
