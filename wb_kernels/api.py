@@ -188,6 +188,16 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     if torch is not None and (torch.compiler.is_compiling() or (isinstance(q, torch.Tensor) and _needs_op(torch, q, k, v))):
         return _through_op(torch, q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask,
                            scale=scale, return_lse=return_lse, check_finite=check_finite)
+    spec = validated(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    out, lse = run_forward(spec, q, k, v, causal=_check_causal(causal), key_padding_mask=key_padding_mask,
+                           scale=_check_scale(scale), check_finite=check_finite)
+    if return_lse:
+        return out, lse
+    return out
+
+
+def validated(q, k, v, *, stage, causal, key_padding_mask, scale):
+    """:func:`validate`'s Stage, from the cache when CUDA inputs of this signature and these options passed before."""
     key = cuda_signature(q, k, v, key_padding_mask)
     if key is not None and isinstance(scale, (float, int, type(None))) and isinstance(causal, (bool, str)):
         key = (key, stage, causal, scale)  # CUDA inputs: the checks read shapes, dtypes and devices only
@@ -197,11 +207,7 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     if spec is None:
         spec = _VALIDATED.remember(key, validate(q, k, v, stage=stage, causal=causal,
                                                  key_padding_mask=key_padding_mask, scale=scale))
-    out, lse = run_forward(spec, q, k, v, causal=_check_causal(causal), key_padding_mask=key_padding_mask,
-                           scale=_check_scale(scale), check_finite=check_finite)
-    if return_lse:
-        return out, lse
-    return out
+    return spec
 
 
 def _needs_op(torch, q, k, v) -> bool:
@@ -225,7 +231,7 @@ def _through_op(torch, q, k, v, *, stage, causal, key_padding_mask, scale, retur
     register()
     traced = torch.compiler.is_compiling() or type(q) is not torch.Tensor or q.is_meta
     if not traced or not isinstance(stage, str):
-        validate(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        validated(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     causal, scale = _check_causal(causal), _check_scale(scale)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         get_backward(stage)  # ValueError naming the stages that have one, before the forward runs
@@ -244,9 +250,16 @@ def _in_dtype(x, dtype: str):
     return x.astype(dtype)
 
 
-def _lse_dtype(dtype: str) -> str:
-    # the kernels keep the LSE in float32; a float64 caller gets the float64 reference's
-    return "float64" if dtype == "float64" else "float32"
+def _in_callers_dtypes(out, lse, q):
+    """out in q's dtype, the LSE in float32 (float64 for float64 q: the reference's). Cheap when they already are
+    (every kernel of a GPU call): dtype objects compared, no names built."""
+    if out.dtype != q.dtype:
+        out = _in_dtype(out, _dtype_name(q))
+    # (float64 is the only 8-byte dtype a stage takes; NumPy and torch dtypes both tell their itemsize)
+    wanted = 8 if q.dtype.itemsize == 8 else 4  # the kernels keep the LSE in float32
+    if lse.dtype.itemsize != wanted:
+        lse = _in_dtype(lse, "float64" if wanted == 8 else "float32")
+    return out, lse
 
 
 def run_forward(spec, q, k, v, *, causal, key_padding_mask, scale, check_finite=True):
@@ -270,9 +283,7 @@ def run_forward(spec, q, k, v, *, causal, key_padding_mask, scale, check_finite=
             # are the right answer here; a GPU computes the same silently
             warnings.simplefilter("ignore", RuntimeWarning)
         out, lse = spec.forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    dtype = _dtype_name(caller_q)
-    out = _in_dtype(like_input(out, caller_q), dtype)
-    lse = _in_dtype(like_input(lse, caller_q), _lse_dtype(dtype))
+    out, lse = _in_callers_dtypes(like_input(out, caller_q), like_input(lse, caller_q), caller_q)
     if non_finite:
         out, lse = propagate_non_finite(out, lse, q, k, causal=causal, key_padding_mask=key_padding_mask,
                                         scale=scale)

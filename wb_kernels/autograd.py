@@ -21,7 +21,7 @@ import torch
 
 from . import api
 from .stages import get_backward
-from .validation import validate, validate_inputs
+from .validation import validate_inputs
 
 __all__ = ["register"]
 
@@ -54,7 +54,7 @@ def _options(causal: str, scale):
 
 def _forward(q, k, v, key_padding_mask, stage, causal, scale, check_finite):
     options = _options(causal, scale)
-    spec = validate(q, k, v, stage=stage, key_padding_mask=key_padding_mask, **options)
+    spec = api.validated(q, k, v, stage=stage, key_padding_mask=key_padding_mask, **options)
     return api.run_forward(spec, q, k, v, key_padding_mask=key_padding_mask, check_finite=check_finite, **options)
 
 
