@@ -7,11 +7,13 @@
     python -m wb_kernels.bench --figures results/bench/FILE.json        # figures/bench_*.png from a results file
     python -m wb_kernels.bench --update-readme results/bench/FILE.json  # README's performance table
     python -m wb_kernels.bench --preset decode --json results/decode/bench_h100.json --time-budget 480  # decode
+    python -m wb_kernels.bench --preset backward --time-budget 540     # gradients: results/backward/bench_<gpu>.json
 
 Flags become :class:`~wb_kernels.bench.sweeps.Sweep` objects and a
 :class:`~wb_kernels.bench.measure.TimingPolicy` for :func:`~wb_kernels.bench.measure.run`, timing every preset
 with :data:`wb_kernels.timing.DEVICE_TIME` (recorded in the results file); the decode presets go to
-:func:`~wb_kernels.bench.decode.run_decode` instead, into a file of their own. A request that cannot run here is a
+:func:`~wb_kernels.bench.decode.run_decode` and the backward presets to :func:`~wb_kernels.bench.backward.run_backward`
+instead, each into a file of its own. A request that cannot run here is a
 one-line error and exit code 2.
 """
 
@@ -25,14 +27,18 @@ from typing import Optional
 
 from ..stages import available_stages
 from ..timing import DEVICE_TIME
+from .backward import PRESET_GROUPS as BACKWARD_GROUPS
+from .backward import default_backward_output, run_backward, update_backward_readme
 from .decode import default_decode_output, run_decode
 from .measure import TimingPolicy, _device, contenders, run
 from .ncu_traffic import recorded_arguments
 from .results import REPO_ROOT, default_output, load_results, update_readme
-from .sweeps import (ALL_PRESETS, BASELINE_HELP, BASELINES, DECODE_PRESETS, GPU_PRESETS, PRESET_HELP, PRESETS,
-                     TOKENS, Config, Refused, Sweep)
+from .sweeps import (ALL_PRESETS, BACKWARD_PRESET_HELP, BASELINE_HELP, BASELINES, DECODE_PRESETS, GPU_PRESETS,
+                     PRESET_HELP, PRESETS, TOKENS, Config, Refused, Sweep)
 
 __all__ = ["main"]
+
+EVERY_PRESET_HELP = {**PRESET_HELP, **BACKWARD_PRESET_HELP}
 
 
 def _ints(text: str) -> tuple:
@@ -44,7 +50,7 @@ def _names(text: str) -> tuple:
 
 
 def _parser() -> argparse.ArgumentParser:
-    presets = "\n".join(f"  {name:15s} {text}" for name, text in PRESET_HELP.items())
+    presets = "\n".join(f"  {name:15s} {text}" for name, text in EVERY_PRESET_HELP.items())
     parser = argparse.ArgumentParser(
         prog="python -m wb_kernels.bench", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Benchmark the attention stages of wb_kernels against PyTorch (SDPA's backends, FlexAttention; "
@@ -57,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                "  python -m wb_kernels.bench --stages flash --baselines sdpa --lengths 1024,4096 --head-dims 64\n"
                "  python -m wb_kernels.bench --figures results/bench/FILE.json\n"
                "  python -m wb_kernels.bench --preset decode --json results/decode/bench_h100.json --time-budget 480")
-    parser.add_argument("--preset", action="append", choices=list(PRESET_HELP), help="a named sweep (repeatable)")
+    parser.add_argument("--preset", action="append", choices=list(EVERY_PRESET_HELP),
+                        help="a named sweep (repeatable)")
     parser.add_argument("--stages", type=_names, help="stages to run, comma-separated (default with free flags: all)")
     parser.add_argument("--baselines", type=_names, help=f"baselines, comma-separated, from: {', '.join(BASELINES)}")
     parser.add_argument("--lengths", type=_ints, help="sequence lengths L (Lq = Lk), e.g. 512,1024")
@@ -122,7 +129,7 @@ def _custom_sweep(args, on_cuda: bool) -> Optional[Sweep]:
 
 
 def _listing() -> str:
-    lines = ["presets:"] + [f"  {n:15s} {t}" for n, t in PRESET_HELP.items()] + ["stages (this package):"]
+    lines = ["presets:"] + [f"  {n:15s} {t}" for n, t in EVERY_PRESET_HELP.items()] + ["stages (this package):"]
     for name, stage in available_stages().items():
         lines.append(f"  {name:15s} {stage.summary} [{', '.join(stage.dtypes)}]"
                      + (" (GPU only)" if stage.needs_gpu else ""))
@@ -142,7 +149,8 @@ def main(argv=None) -> int:
             print(_listing())
             return 0
         if args.update_readme:
-            print(f"updated {update_readme(args.update_readme)}")
+            backward_file = load_results(args.update_readme).get("kind") == "backward"
+            print(f"updated {(update_backward_readme if backward_file else update_readme)(args.update_readme)}")
             return 0
         if isinstance(args.figures, str):
             from .figures import save_all
@@ -158,23 +166,26 @@ def main(argv=None) -> int:
         if not presets and custom is None:
             presets = ["smoke"]
         decode = [p for p in dict.fromkeys(presets) if p in DECODE_PRESETS]
-        if decode and (len(decode) != len(presets) or custom is not None):
-            raise Refused(f"preset {', '.join(decode)} measures decode problems into a file of its own: run it "
-                          "without other presets or free flags (--stages, --lengths, ...)")
+        backward = [p for p in dict.fromkeys(presets) if p in BACKWARD_GROUPS]
+        for own, what in ((decode, "decode problems"), (backward, "gradients")):
+            if own and (len(own) != len(presets) or custom is not None):
+                raise Refused(f"preset {', '.join(own)} measures {what} into a file of its own: run it "
+                              "without other presets or free flags (--stages, --lengths, ...)")
         if not on_cuda:
             gpu_only = [p for p in presets if p in GPU_PRESETS]
             if gpu_only:
                 raise Refused(f"preset {', '.join(gpu_only)} needs a CUDA GPU (sizes up to "
                               f"{'Lk=131072' if decode else 'L=16384'}); this machine runs the CUDA simulator. Use "
-                              + ("--preset decode-smoke." if decode else "--preset smoke, or small free flags such "
-                                                                         "as --lengths 32 --head-dims 16."))
+                              + ("--preset decode-smoke." if decode else "--preset backward-smoke." if backward
+                                 else "--preset smoke, or small free flags such as --lengths 32 --head-dims 16."))
         explicit = tuple(args.stages or ()) + tuple(args.baselines or ())
         seconds = args.seconds if args.seconds is not None else (0.05 if not on_cuda else 0.1 if decode else 0.3)
         # every preset times with the one method, DEVICE_TIME (the object itself); --no-flush alone departs from it
         method = DEVICE_TIME if not args.no_flush else replace(DEVICE_TIME, flush_l2=False)
         policy = TimingPolicy(seconds=seconds, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
                               method=method, time_failed_checks=args.time_failed_checks)
-        out = default_decode_output(on_cuda) if decode else default_output("cuda" if on_cuda else "cpu")
+        out = (default_decode_output(on_cuda) if decode else default_backward_output(on_cuda) if backward
+               else default_output("cuda" if on_cuda else "cpu"))
         if args.out is not None:  # a folder (existing, or written with a trailing slash) gets the default name
             folder = args.out.is_dir() or str(args.out).endswith(("/", "\\"))
             out = args.out / out.name if folder else args.out
@@ -186,13 +197,18 @@ def main(argv=None) -> int:
             workloads = [w for p in decode for w in DECODE_PRESETS[p]]
             run_decode(workloads, out, presets=decode, policy=policy, resume=not args.fresh, seed=args.seed,
                        progress=not args.no_progress, time_budget=args.time_budget, command=command)
+        elif backward:
+            run_backward([group for p in backward for group in BACKWARD_GROUPS[p]], out, policy=policy,
+                         resume=not args.fresh, seed=args.seed, progress=not args.no_progress,
+                         time_budget=args.time_budget, command=command)
         else:
             sweeps = [sweep for p in dict.fromkeys(presets) for sweep in PRESETS.get(p, [])]
             if custom is not None:
                 sweeps.append(custom)
             run(sweeps, out, policy=policy, resume=not args.fresh, seed=args.seed, progress=not args.no_progress,
                 time_budget=args.time_budget, honesty="honesty" in presets, explicit=explicit, command=command)
-        wants_figures = (on_cuda and not args.no_figures) or args.figures is True
+        # (the backward file has its table, not figures of its own yet)
+        wants_figures = not backward and ((on_cuda and not args.no_figures) or args.figures is True)
         if wants_figures and any(r["status"] == "ok" for r in load_results(out)["records"]):
             from .figures import save_all
 

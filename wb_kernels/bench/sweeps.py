@@ -15,7 +15,7 @@ from dataclasses import dataclass
 __all__ = ["Config", "Sweep", "PRESETS", "PRESET_HELP", "GPU_PRESETS", "ALL_PRESETS", "PUBLIC_CONFIGS",
            "LADDER_LENGTHS", "TOKENS", "BASELINES", "BASELINE_HELP", "attention_flops", "minimum_bytes", "record_key",
            "Refused", "DecodeWorkload", "DECODE_PRESETS", "DECODE_BAR", "DECODE_BAR_FRACTION", "DECODE_GOAL_FRACTION", "DECODE_LENGTHS", "DECODE_LAYOUTS",
-           "DECODE_PAGE_SIZE", "decode_kv_bytes", "decode_record_key"]
+           "DECODE_PAGE_SIZE", "decode_kv_bytes", "decode_record_key", "BACKWARD_PRESET_HELP"]
 
 # The configurations other public attention-kernel projects report (B, H, L, D), so that numbers
 # here can be set beside theirs: B*L = 16k tokens, 16 heads of 128, plus the small B=1 L=512 D=64.
@@ -120,7 +120,17 @@ PRESET_HELP = {
     "decode-smoke": "the decode preset at tiny sizes (B<=2, H=4, Lk=32, D=16; fp32, fp16, bf16): what runs on the "
                     "simulator",
 }
-GPU_PRESETS = ("ladder", "flash-fp32", "tensor-cores", "public", "mma", "honesty", "all", "decode", "decode-bar")
+# The gradients' presets (wb_kernels/bench/backward.py), each into a file of its own like the decode ones; the
+# command line offers them beside PRESET_HELP's.
+BACKWARD_PRESET_HELP = {
+    "backward": "the gradients, fwd+bwd and bwd alone: mma (wb.attention + autograd, and its bare backward) vs SDPA "
+                "default/FLASH/cuDNN/EFFICIENT backward, FlexAttention (fp16); fp16/bf16, D=64/128, L=1k/4k/16k, B*L=16k, "
+                "H=16, causal and not; GQA H=32 Hk=8; and the numba flash backward vs SDPA EFFICIENT in fp32 "
+                "(B*L=4k). Own file: results/backward/bench_<gpu>.json (wb_kernels/bench/backward.py)",
+    "backward-smoke": "the backward preset at tiny sizes (B=1 H=2 Hk=1 L=33 D=16 fp32): what runs on the simulator",
+}
+GPU_PRESETS = ("ladder", "flash-fp32", "tensor-cores", "public", "mma", "honesty", "all", "decode", "decode-bar",
+               "backward")
 # What --preset all runs. A configuration that several presets share is measured once (measure.plan). The decode
 # presets are not in it: they measure other problems, into a file of their own.
 ALL_PRESETS = ("public", "ladder", "flash-fp32", "tensor-cores", "mma", "honesty")

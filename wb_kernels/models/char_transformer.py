@@ -335,7 +335,7 @@ def _parser() -> argparse.ArgumentParser:
                                      description="Train the tiny character-level transformer with a stage's "
                                                  "attention and with SDPA (same seed); print and save both loss "
                                                  "curves.")
-    parser.add_argument("--stage", default="mma", help="the stage to train with (default mma; reference on a CPU)")
+    parser.add_argument("--stage", help="the stage to train with (default: mma on a GPU, reference without one)")
     parser.add_argument("--steps", type=int, help="training steps (default: the configuration's)")
     parser.add_argument("--tiny", action="store_true", help="the CPU configuration (default without a GPU)")
     parser.add_argument("--batch", type=int)
@@ -353,7 +353,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     on_gpu = torch.cuda.is_available()
     config = CPU_TINY if args.tiny or not on_gpu else GPU_SMALL
-    stage = args.stage if on_gpu or args.stage != "mma" else "reference"
+    stage = args.stage or ("mma" if on_gpu else "reference")
     changes = {k: v for k, v in (("steps", args.steps), ("batch", args.batch), ("dtype", args.dtype)) if v}
     config = replace(config, **changes)
     if args.kv_heads:
@@ -369,12 +369,15 @@ def main(argv=None) -> int:
               f"{run['seconds']:.1f} s ({run['tokens_per_s']:.0f} tokens/s)")
     print("curves differ by at most {max_abs_diff:.2e}; final {final_mean_diff:.2e}".format(**result["comparison"]))
     if args.json:
-        from ..bench.results import environment
+        from ..bench.ncu_traffic import recorded_arguments
+        from ..bench.results import REPO_ROOT, environment
 
         text = corpus_text()
-        record = {"schema": 1, "kind": "train", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                  "environment": environment(), "command": "python -m wb_kernels.models.char_transformer "
-                  + " ".join(argv if argv is not None else sys.argv[1:]), "stage": stage, "seed": args.seed,
+        now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        # paths as the repository shows them (no machine paths in a committed file)
+        shown = recorded_arguments(argv if argv is not None else sys.argv[1:], REPO_ROOT, ("--json", "--figure"))
+        record = {"schema": 1, "kind": "train", "date": now, "environment": environment(),
+                  "command": f"python -m wb_kernels.models.char_transformer {shown}", "stage": stage, "seed": args.seed,
                   "config": asdict(config), "corpus": {"source": "pydoc_data.topics.topics", "characters": len(text),
                                                        "vocab": len(CharVocab(text)),
                                                        "python": sys.version.split()[0]}, **result}
