@@ -1,7 +1,8 @@
 """Edge cases every stage must get right through wb.attention (issue: robustness): L = 1, Lq != Lk, lengths
 that are not tile multiples, causal with Lq != Lk (top-left, as SDPA, and bottom-right), rows that see no key,
 logits of +-1e4, NaN/Inf in the inputs (the result SDPA gives, see wb.attention's docstring), also with fewer
-key/value heads than query heads (GQA), non-contiguous inputs.
+key/value heads than query heads (GQA), non-contiguous and read-only inputs, tensors that require grad, and the
+output's dtype (the input's; the LSE float32, float64 for float64 inputs).
 
 Stages join by existing; GPU-only ones are skipped on the simulator. Sizes stay small (L <= 20, B*H <= 2,
 the smallest head dim a stage takes), so the whole file runs in about a minute on the simulator.

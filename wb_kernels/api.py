@@ -1,10 +1,13 @@
-"""The one public entry point, ``attention(q, k, v, stage=..., causal=...)`` (all lessons, tests, bench).
+"""The one public entry point, ``attention(q, k, v, stage=..., causal=...)`` (all lessons, tests, bench), and its
+gradients: through torch autograd, or ``attention_backward`` for NumPy users (lesson 08_backward).
 
-Everything is validated here, before any kernel is launched or any buffer allocated, and each
-error names the argument, the value it got and what is accepted (``tests/test_api_errors.py``).
+Everything is validated (:mod:`wb_kernels.validation`) before any kernel is launched or any buffer allocated, and
+each error names the argument, the value it got and what is accepted (``tests/test_api_errors.py``).
 Here, too, the package keeps its promises about edge cases for every stage at once: inputs are made
-contiguous once, and NaN/Inf in the inputs give the result SDPA gives (``tests/test_edge_cases.py``),
-even from kernels compiled with fast math, which may assume that no value is ever NaN or Inf.
+contiguous once, outputs come back in the caller's kind and dtype, and NaN/Inf in the inputs give the result SDPA
+gives (``tests/test_edge_cases.py``), even from kernels compiled with fast math, which may assume that no value is
+ever NaN or Inf. Torch calls that need a gradient, a compiler or fake tensors go through the registered op
+``torch.ops.wb.attention`` (:mod:`wb_kernels.autograd`, ``tests/test_autograd.py``), which runs the same code.
 """
 
 from __future__ import annotations
