@@ -296,9 +296,9 @@ def test_read_only_numpy_inputs(name, tmp_path):
     """Inputs loaded with ``np.load(mmap_mode="r")`` or marked read-only work (the simulator copies kernel arguments
     back into the arrays they came from, which a read-only array refuses), and are left as they were."""
     stage = STAGES[name]
-    q, k, v = make_inputs(stage, 1, 2, 7, head_dim(stage), Lk=9, seed=8)
-    if hasattr(q, "detach"):
-        pytest.skip("the stage takes torch tensors here (a GPU, or bfloat16)")
+    if stage.needs_gpu or run_dtype(stage) == "bfloat16":
+        pytest.skip(f"stage {name!r} takes CUDA torch tensors only")
+    q, k, v = wb.random_qkv(1, 2, 7, head_dim(stage), Lk=9, dtype=run_dtype(stage), seed=8)  # NumPy, on a GPU too
     np.save(tmp_path / "q.npy", q)
     mapped = np.load(tmp_path / "q.npy", mmap_mode="r")
     k, v = k.copy(), v.copy()

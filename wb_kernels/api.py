@@ -130,7 +130,7 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
         backward (``wb.stages.available_backwards()``); asking a gradient of another stage raises a
         ValueError naming those that have one. The call is the registered op ``torch.ops.wb.attention``
         when a gradient is needed, under ``torch.compile`` and for meta/fake tensors
-        (:mod:`wb_kernels.autograd`); CUDA tensors that need no gradient take a direct, cheaper path.
+        (:mod:`wb_kernels.autograd`); plain tensors that need no gradient take a direct, cheaper path.
     causal
         ``False`` (no mask), ``True`` or ``"top_left"``, or ``"bottom_right"``: query i attends keys
         j <= i + offset, where the offset is 0 at the top left and Lk - Lq at the bottom right
