@@ -188,7 +188,8 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     buffers would not fit: the message says how much they need and suggests the flash stages).
     """
     torch = sys.modules.get("torch")  # None: no torch tensor can have been given
-    if torch is not None and (torch.compiler.is_compiling() or (isinstance(q, torch.Tensor) and _needs_op(torch, q, k, v))):
+    if torch is not None and (torch.compiler.is_compiling()
+                              or (isinstance(q, torch.Tensor) and _needs_op(torch, q, k, v))):
         return _through_op(torch, q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask,
                            scale=scale, return_lse=return_lse, check_finite=check_finite)
     spec = validated(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
