@@ -31,6 +31,7 @@ LESSONS = [
     ("05_wmma", "wb_kernels.stages.wmma"),
     ("06_mma", "wb_kernels.stages.mma"),
     ("07_decode", "wb_kernels.stages.decode"),
+    ("08_backward", "wb_kernels.stages.backward"),
     ("09_bench", "wb_kernels.bench"),  # the dashboard lesson: not a rung, its exercises live with the benchmark
 ]
 

@@ -1,0 +1,122 @@
+"""Lesson 08_backward's CPU side: the blockwise NumPy backward (wb_kernels/stages/backward/blockwise.py) against the
+float64 reference's gradients, and the figures and counts of its slider.py. The kernels have their own files
+(tests/test_backward.py, tests/test_backward_mma.py); the exercises and the puzzle are in tests/test_exercises.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wb_kernels as wb
+from wb_kernels.reference import reference, reference_backward
+from wb_kernels.stages.backward import blockwise, slider
+
+
+def _problem(B, H, Hk, Lq, Lk, D, seed):
+    q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, dtype="float64", seed=seed)
+    dout = np.random.default_rng(seed + 100).standard_normal(q.shape)
+    return q, k[:, :Hk].copy(), v[:, :Hk].copy(), dout
+
+
+CASES = [  # (B, H, Hk, Lq, Lk, D, causal, padded, block_m, block_n)
+    (1, 2, 2, 37, 37, 16, False, False, 16, 16),
+    (2, 4, 2, 29, 45, 8, "top_left", True, 8, 16),
+    (2, 4, 1, 45, 29, 8, "bottom_right", True, 16, 8),  # Lq > Lk: the first rows see no key
+    (1, 3, 3, 1, 7, 4, True, False, 4, 4),  # L = 1
+    (1, 2, 1, 17, 17, 32, "bottom_right", False, 64, 64),  # one tile covers everything
+]
+
+
+@pytest.mark.parametrize("B, H, Hk, Lq, Lk, D, causal, padded, block_m, block_n", CASES)
+def test_blockwise_backward_equals_the_reference(B, H, Hk, Lq, Lk, D, causal, padded, block_m, block_n):
+    q, k, v, dout = _problem(B, H, Hk, Lq, Lk, D, seed=Lq + Lk)
+    keep = None
+    if padded:
+        keep = np.ones((B, Lk), dtype=bool)
+        keep[0, :5] = False  # rows early in batch 0 see no key under the causal mask
+        keep[-1, :] = False  # the last batch sees no key at all
+    out, lse = reference(q, k, v, causal=causal, key_padding_mask=keep, scale=0.7)
+    grads = blockwise.blockwise_backward(q, k, v, out, lse, dout, causal=causal, key_padding_mask=keep, scale=0.7,
+                                         block_m=block_m, block_n=block_n)
+    refs = reference_backward(q, k, v, dout, causal=causal, key_padding_mask=keep, scale=0.7)
+    for grad, ref in zip(grads, refs):
+        assert grad.shape == ref.shape and np.isfinite(grad).all()
+        assert np.abs(grad - ref).max() <= 1e-12 * max(1.0, np.abs(ref).max())
+    if padded:
+        assert not grads[0][-1].any() and not grads[1][-1].any() and not grads[2][-1].any()
+
+
+def test_blockwise_backward_refuses_heads_that_do_not_group():
+    q, k, v, dout = _problem(1, 3, 2, 8, 8, 4, seed=1)
+    with pytest.raises(ValueError, match="do not divide"):
+        blockwise.blockwise_backward(q, k, v, q, np.zeros((1, 3, 8)), dout)
+
+
+def test_row_dot_is_the_softmax_jacobians_row_sum():
+    q, k, v, dout = _problem(1, 1, 1, 9, 13, 8, seed=2)
+    out, _ = reference(q, k, v)
+    scores = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(8)
+    probs = wb.safe_softmax(scores)
+    dprobs = np.einsum("bhqd,bhkd->bhqk", dout, v)
+    assert np.allclose(blockwise.row_dot(dout, out), (probs * dprobs).sum(-1), rtol=0, atol=1e-13)
+    row = 3  # the softmax's Jacobian written out for one row, against the formula
+    p = probs[0, 0, row]
+    jacobian = np.diag(p) - np.outer(p, p)
+    assert np.allclose(jacobian.T @ dprobs[0, 0, row], blockwise.softmax_backward(probs, dprobs)[0, 0, row],
+                       rtol=0, atol=1e-14)
+
+
+def test_recompute_probs_gives_zero_not_nan_for_a_row_without_keys():
+    scores = np.array([[1.0, 2.0], [3.0, 4.0]])
+    allowed = np.array([[True, False], [False, False]])
+    lse = np.array([1.0, -np.inf])
+    probs = blockwise.recompute_probs(scores, lse, allowed)
+    assert probs[0, 0] == 1.0 and not probs[0, 1] and not probs[1].any()
+
+
+def test_tile_pairs_skip_tiles_the_mask_hides():
+    allowed = wb.attention_mask(32, 32, "top_left")[0, 0]
+    assert len(blockwise.tile_pairs(32, 32, 16, 16)) == 4
+    assert blockwise.tile_pairs(32, 32, 16, 16, allowed) == [(0, 0), (16, 0), (16, 16)]
+
+
+def test_saved_bytes_and_the_memory_figure():
+    assert slider.saved_bytes("P", 1024, B=1, H=1, dtype_bytes=2) == 2 * 1024**2
+    assert slider.saved_bytes("O+LSE", 1024, B=1, H=1, D=64, dtype_bytes=2) == 1024 * (64 * 2 + 4)
+    ratio = [slider.saved_bytes("P", L) / slider.saved_bytes("O+LSE", L) for L in (1024, 2048)]
+    assert ratio[1] == pytest.approx(2 * ratio[0])  # quadratic over linear
+    with pytest.raises(ValueError, match="keep"):
+        slider.saved_bytes("S", 8)
+    fig = slider.draw_memory(4096)
+    assert len(fig.axes[0].lines) >= 2
+
+
+def test_flop_counts_and_mma_counts():
+    assert slider.flop_ratio("backward (one kernel, atomic dQ)") == 2.5
+    assert slider.flop_ratio("backward (two kernels, deterministic)") == 3.5
+    assert slider.matmul_flops("forward", B=2, H=3, Lq=5, Lk=7, D=11) == 2 * 2 * 2 * 3 * 5 * 7 * 11
+    assert slider.mma_count(64, 32, 128) == 4 * 4 * 8
+    tile = slider.mma_per_tile("dkdv", block_m=32, block_n=64, D=128)
+    assert sorted(tile.values()) == [128] * 4  # each product is 64 x 32 x 128 multiply-adds
+    assert sum(slider.mma_per_tile("dq", block_m=64, block_n=64, D=64).values()) == 3 * 4 * 8 * 4
+    with pytest.raises(ValueError, match="m16n8k16"):
+        slider.mma_count(8, 8, 16)
+    with pytest.raises(ValueError, match="kernel"):
+        slider.mma_per_tile("dv", block_m=16, block_n=16, D=16)
+
+
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+def test_owner_maps_cover_each_pair_once_and_match_the_mask(causal):
+    Lq, Lk, bm, bn = 40, 24, 16, 8
+    dkdv = slider.owner_map("dkdv", Lq, Lk, bm, bn, causal)
+    dq = slider.owner_map("dq", Lq, Lk, bm, bn, causal)
+    assert ((dkdv < 0) == (dq < 0)).all()  # both kernels skip the same pairs
+    columns = np.broadcast_to(np.arange(dkdv.shape[1]), dkdv.shape)
+    rows = np.broadcast_to(np.arange(dq.shape[0])[:, None], dq.shape)
+    assert (dkdv[dkdv >= 0] == columns[dkdv >= 0]).all() and (dq[dq >= 0] == rows[dq >= 0]).all()
+    allowed = wb.attention_mask(Lq, Lk, causal)[0, 0]
+    for i in range(dq.shape[0]):
+        for j in range(dq.shape[1]):
+            assert (dq[i, j] >= 0) == allowed[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].any()
+    fig = slider.draw_schedule(Lq, Lk, block_m=bm, block_n=bn, causal=causal)
+    assert len(fig.axes) == 2
