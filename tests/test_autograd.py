@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import wb_kernels as wb
+from wb_kernels.autograd import register
 
 from stage_cases import ON_GPU, STAGES, head_dim, run_dtype, stage_params
 
@@ -101,12 +102,17 @@ def test_gradcheck_float64_reference(causal):
 
 
 def test_opcheck_on_the_registered_op():
-    """torch.library's own checks: schema, autograd registration, fake tensors, AOT dispatch."""
-    wb.attention(*(torch.zeros(1, 1, 1, 1),) * 3)  # registers the op
+    """torch.library's own checks of both ops: schema, autograd registration, fake tensors, AOT dispatch."""
+    register()  # (wb.attention registers the ops on its first call that needs them)
     q, k, v = _float64_inputs()
     keep = torch.tensor([[True] * 6 + [False]])
     for args in ((q, k, v, None, "reference", "", None, True), (q, k, v, keep, "reference", "bottom_right", 0.5, True)):
         torch.library.opcheck(torch.ops.wb.attention.default, args)
+    out, lse = torch.ops.wb.attention(q, k, v, keep, "reference", "top_left", None, True)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.wb.attention_backward.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, keep, "reference", "top_left",
+                           None))
 
 
 def test_meta_tensors_go_through_the_fake():
