@@ -94,9 +94,10 @@ def test_tiny_run_checks_and_records(tmp_path):
     results = json.loads(out.read_text())
     assert results["kind"] == "backward" and results["complete"]
     records = {r["key"]: r for r in results["records"]}
-    assert len(records) == 2 * 2 * len(names)  # two workloads, two modes
+    workloads = bw.BACKWARD_PRESETS["backward-smoke"][1]
+    assert len(records) == len(workloads) * len(bw.BACKWARD_MODES) * len(names)
     for mode in bw.BACKWARD_MODES:
-        for w in bw.BACKWARD_PRESETS["backward-smoke"][1]:
+        for w in workloads:
             kernel = records[bw.backward_record_key("reference-kernel", mode, w)]
             assert kernel["status"] == "ok" and kernel["check"]["passed"], kernel
             assert kernel["check"]["errors"][0] < 1e-12  # float64 against float64

@@ -140,10 +140,10 @@ def _backward_presets() -> dict:
         "backward": (("mma", "mma-kernel", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"),
                      tensor_cores + gqa),
         "backward-cuda-cores": (("flash", "flash-kernel", "sdpa-efficient", "sdpa"), cuda_cores),
-        # naive: a forward-only rung, recorded as skipped with the reason
+        # naive: a forward-only rung, recorded as skipped with the reason. One workload (GQA, causal, a length that
+        # is no tile multiple): the flash rows take about a minute each on the simulator (calls of seconds)
         "backward-smoke": (("reference", "reference-kernel", "naive", "flash", "flash-kernel", "sdpa", "sdpa-math"),
-                           (BackwardWorkload(1, 2, 1, 33, 16, "float32", False),
-                            BackwardWorkload(1, 2, 1, 33, 16, "float32", True))),
+                           (BackwardWorkload(1, 2, 1, 33, 16, "float32", True),)),
     }
 
 
