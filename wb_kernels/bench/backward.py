@@ -136,9 +136,15 @@ def _backward_presets() -> dict:
     gqa = _tokens_workloads((4096,), (128,), ("float16", "bfloat16"), H=32, Hk=8)
     # the numba rung on CUDA cores in fp32: a smaller size (B*L = 4k), against SDPA's fp32 backward (EFFICIENT)
     cuda_cores = _tokens_workloads((1024, 2048), (64,), ("float32",), tokens=4096)
+    # the bar problems only (fp16, B4 H16 L4096, D 64/128, causal and not; GQA H32 Hk8 D128): what fits in a
+    # few minutes of a GPU, the whole preset being 12-20
+    bar = _tokens_workloads((4096,), (64, 128), ("float16",)) + _tokens_workloads((4096,), (128,), ("float16",),
+                                                                                 H=32, Hk=8)
+    tensor_core_contenders = ("mma", "mma-kernel", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
     return {
-        "backward": (("mma", "mma-kernel", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"),
-                     tensor_cores + gqa),
+        "backward-bar": (tensor_core_contenders, bar),
+        "backward-bar-cuda-cores": (("flash", "flash-kernel", "sdpa-efficient"), cuda_cores[:2]),
+        "backward": (tensor_core_contenders, tensor_cores + gqa),
         "backward-cuda-cores": (("flash", "flash-kernel", "sdpa-efficient", "sdpa"), cuda_cores),
         # naive: a forward-only rung, recorded as skipped with the reason. One workload (GQA, causal, a length that
         # is no tile multiple): the flash rows take about a minute each on the simulator (calls of seconds)
@@ -149,7 +155,8 @@ def _backward_presets() -> dict:
 
 # {preset: ((contender names), (workloads))}; --preset backward runs "backward" and "backward-cuda-cores"
 BACKWARD_PRESETS = _backward_presets()
-PRESET_GROUPS = {"backward": ("backward", "backward-cuda-cores"), "backward-smoke": ("backward-smoke",)}
+PRESET_GROUPS = {"backward": ("backward", "backward-cuda-cores"), "backward-smoke": ("backward-smoke",),
+                 "backward-bar": ("backward-bar", "backward-bar-cuda-cores")}
 
 BACKWARD_NOTES = {
     "modes": "fwd+bwd: out = f(q, k, v), then torch.autograd.grad(out, (q, k, v), dout), timed together; bwd: the "

@@ -127,11 +127,13 @@ BACKWARD_PRESET_HELP = {
                 "default/FLASH/cuDNN/EFFICIENT backward, FlexAttention (fp16); fp16/bf16, D=64/128, L=1k/4k/16k, B*L=16k, "
                 "H=16, causal and not; GQA H=32 Hk=8; and the numba flash backward vs SDPA EFFICIENT in fp32 "
                 "(B*L=4k). Own file: results/backward/bench_<gpu>.json (wb_kernels/bench/backward.py)",
+    "backward-bar": "the backward preset's bar problems only (fp16 B4 H16 L4096 D=64/128 causal and not, GQA H=32 "
+                    "Hk=8 D=128; the numba flash backward at L=1024 fp32): a few minutes on an H100, same file",
     "backward-smoke": "the backward preset at a tiny size (B=1 H=2 Hk=1 L=33 D=16 fp32, causal): what runs on the "
                       "simulator (a few minutes: the flash rows' calls take seconds each)",
 }
 GPU_PRESETS = ("ladder", "flash-fp32", "tensor-cores", "public", "mma", "honesty", "all", "decode", "decode-bar",
-               "backward")
+               "backward", "backward-bar")
 # What --preset all runs. A configuration that several presets share is measured once (measure.plan). The decode
 # presets are not in it: they measure other problems, into a file of their own.
 ALL_PRESETS = ("public", "ladder", "flash-fp32", "tensor-cores", "mma", "honesty")
