@@ -160,3 +160,15 @@ def test_readme_table_from_a_results_file(tmp_path):
     assert "old" not in text and text.startswith("before\n") and text.endswith("after\n") and "| bwd |" in text
     with pytest.raises(wb.bench.Refused, match="not a backward"):
         bw.backward_table({"records": []})
+
+
+def test_backward_overhead_rows_on_the_cpu():
+    """The per-call rows (forward, fwd+bwd) beside SDPA's, with their ratio and the bar; no timing asserted."""
+    from wb_kernels.bench.backward import measure_backward_overhead
+
+    found = measure_backward_overhead(problem=(1, 2, 16, 16, "float32"), stage="reference", device="cpu", calls=2,
+                                      batches=1, warmup=1)
+    rows = {(r["mode"], r["name"]): r for r in found["rows"]}
+    assert set(rows) == {(m, n) for m in ("forward", "fwd+bwd") for n in ("sdpa", "wb.attention(stage='reference')")}
+    ours = rows[("fwd+bwd", "wb.attention(stage='reference')")]
+    assert ours["per_call_us"] > 0 and ours["ratio_to_sdpa"] > 0 and isinstance(ours["meets_bar"], bool)

@@ -52,7 +52,7 @@ from .sweeps import _ITEMSIZE, TOKENS, Refused, attention_flops
 __all__ = ["BackwardWorkload", "BACKWARD_PRESETS", "BACKWARD_MODES", "BackwardContender", "backward_contenders",
            "backward_flops", "pass_flops", "linear_memory_bytes", "quadratic_bytes", "plan_backward",
            "backward_record_key", "run_backward", "default_backward_output", "backward_table",
-           "update_backward_readme", "README_BACKWARD_START", "README_BACKWARD_END", "BACKWARD_NOTES"]
+           "update_backward_readme", "measure_backward_overhead", "README_BACKWARD_START", "README_BACKWARD_END", "BACKWARD_NOTES"]
 
 BACKWARD_MODES = ("fwd+bwd", "bwd")
 README_BACKWARD_START = "<!-- perf-table-backward:start -->"
@@ -535,8 +535,60 @@ def run_backward(presets, out_path, *, policy: Optional[TimingPolicy] = None, re
         _free_device_memory()
         if stopped:
             break
+    if on_cuda and not stopped and "overhead" not in results:
+        results["overhead"] = measure_backward_overhead(seed)
+        log("per-call wall time (us): " + ", ".join(f"{r['name']} {r.get('per_call_us')}"
+                                                     for r in results["overhead"]["rows"]))
     add_speedups(results)
     return finish_results(results, out_path, stopped=stopped, time_budget=time_budget, log=log)
+
+
+OVERHEAD_PROBLEM = (1, 16, 512, 64, "float16")  # B, H, L, D, dtype: the small public problem, as the decode preset's
+
+
+def measure_backward_overhead(seed: int = 0, *, problem=OVERHEAD_PROBLEM, stage: str = "mma", device: str = "cuda",
+                              **timing) -> dict:
+    """Per-call wall time, back to back, of what a user calls on a small problem, beside SDPA's: the forward with no
+    grad (``wb.attention``, the direct path) and forward + backward through autograd (the ``torch.library`` op).
+    The bar (issue #29): eager per-call cost at most twice SDPA's. `timing` goes to ``per_call_seconds``."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    import wb_kernels as wb
+
+    from ..inputs import random_qkv
+    from .decode import OVERHEAD_BAR, per_call_seconds
+
+    B, H, L, D, dtype = problem
+    q, k, v = random_qkv(B, H, L, D, dtype=dtype, framework="torch", device=device, seed=seed)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    dout = torch.randn_like(q)
+
+    def train_step(attend):
+        def call():
+            out = attend(*leaves)
+            return torch.autograd.grad(out, leaves, dout)
+        return call
+
+    calls = {
+        ("forward", "sdpa"): lambda: F.scaled_dot_product_attention(q, k, v),
+        ("forward", f"wb.attention(stage={stage!r})"): lambda: wb.attention(q, k, v, stage=stage),
+        ("fwd+bwd", "sdpa"): train_step(F.scaled_dot_product_attention),
+        ("fwd+bwd", f"wb.attention(stage={stage!r})"): train_step(lambda a, b, c: wb.attention(a, b, c, stage=stage)),
+    }
+    rows, sdpa = [], {}
+    for (mode, name), call in calls.items():
+        median_us = statistics.median(per_call_seconds(call, **timing)) * 1e6
+        row = {"mode": mode, "name": name, "per_call_us": _sig(median_us, 4)}
+        if name == "sdpa":
+            sdpa[mode] = median_us
+        else:
+            row.update(ratio_to_sdpa=_sig(median_us / sdpa[mode], 3), meets_bar=median_us <= OVERHEAD_BAR * sdpa[mode])
+        rows.append(row)
+    return {"problem": f"B{B} H{H} L{L} D{D} {dtype}", "bar": OVERHEAD_BAR, "rows": rows,
+            "method": "wall clock around 200 back-to-back calls, one synchronisation at the end; median of 5"}
 
 
 # ----------------------------------------------------------------------------------------------
