@@ -1,20 +1,19 @@
 """The mma stage's gradients on tensor cores (``wb_kernels/stages/backward/flash_backward.cu``, lesson 08_backward).
 
-Without a GPU (nvcc alone; CI runs it): every kernel compiles for sm_80, sm_90 and sm_90a, the launch variants in
-use do not spill, the forward's helpers are shared and not copied, and a compiler error names the line of the file
-it is on.
+Without a GPU (nvcc alone; CI runs it): every kernel of both versions compiles for sm_80 and sm_90a without
+spilling, the forward's helpers are shared and not copied, and a compiler error names the line of the file it is on.
 
-On a GPU (skipped on the simulator): dq, dk, dv against the float64 reference (``reference_backward``) with the
-rule "at most 2x the error of torch autograd through SDPA in the same dtype, plus twice the rounding of storing the
-reference in that dtype", for fp16 and bf16, D 64 and 128, odd lengths, Lq != Lk, no mask, causal at both
-alignments, key padding, GQA and MQA, rows that see no key (zero gradients, no NaN), a scale of any sign,
-B H > 65,535 (gridDim.x), and bitwise determinism.
+On a GPU (skipped on the simulator): dq, dk, dv of v1 and v2 against the float64 reference (``reference_backward``)
+with the rule "at most 2x the error of torch autograd through SDPA in the same dtype, plus twice the rounding of
+storing the reference in that dtype", for fp16 and bf16, D 64 and 128, odd lengths, Lq != Lk, no mask, causal at
+both alignments, key padding, GQA and MQA, rows that see no key (zero gradients, no NaN), a scale of any sign,
+B H > 65,535 (gridDim.x); v1 bitwise deterministic; v2 (deterministic=False: dQ by fp32 atomics) compared with the
+reference only, its dk and dv (no atomics) bitwise repeatable.
 """
 
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 
@@ -34,7 +33,9 @@ needs_gpu = pytest.mark.skipif(
 # ---------------------------------------------------------------------------------------------
 # Without a GPU
 
-ARCHES = ["sm_80", "sm_90"]
+# sm_90a: the Hopper target the series' later kernels use (wgmma); plain sm_90 gives the same registers for
+# mma.sync code and is left out to keep CI short.
+ARCHES = ["sm_80", "sm_90a"]
 
 
 @pytest.fixture(scope="module")
@@ -43,38 +44,26 @@ def reports():
     return {arch: backward_build.nvcc_compile_report(arch) for arch in ARCHES}
 
 
+def _expected_kernels(dtype):
+    """(kernel, version, dtype, head dim, tile, warps) of every kernel the launcher can choose."""
+    wanted = {("convert", "", dtype, 0, 0, 0)}
+    for variant in backward_build.VARIANTS:
+        D = variant.head_dim
+        wanted.add(("preprocess", "", dtype, D, 0, 0))
+        wanted.add(("dkdv", variant.version, dtype, D, variant.block_m, variant.dkdv_keys // 16))
+        if variant.version == "v1":
+            wanted.add(("dq", "v1", dtype, D, variant.block_n, 0))
+    return wanted
+
+
 @pytest.mark.parametrize("arch", ARCHES)
-def test_every_kernel_compiles_and_the_defaults_do_not_spill(reports, arch):
-    found = {(r.kernel, r.dtype, r.head_dim, r.tile) for r in reports[arch]}
-    for dtype in ("float16", "bfloat16"):
-        for variant in backward_build.VARIANTS:
-            D = variant.head_dim
-            wanted = {("preprocess", dtype, D, 0), ("dkdv", dtype, D, variant.block_m), ("dq", dtype, D, variant.block_n)}
-            assert wanted <= found
-    defaults = set(launcher.DEFAULT_VARIANT.values())
+def test_every_kernel_compiles_without_spilling(reports, arch):
+    found = {(r.kernel, r.version, r.dtype, r.head_dim, r.tile, r.warps) for r in reports[arch]}
+    assert found == _expected_kernels("float16") | _expected_kernels("bfloat16")
+    assert {r.arch for r in reports[arch]} == {arch}
     for kernel in reports[arch]:
         assert 0 < kernel.registers <= 255 and kernel.shared_bytes <= 227 * 1024, kernel
-        variant_tiles = {(v.head_dim, v.block_m if kernel.kernel == "dkdv" else v.block_n) for v in defaults}
-        if kernel.kernel == "preprocess" or (kernel.head_dim, kernel.tile) in variant_tiles:
-            assert kernel.spill_stores == 0 and kernel.spill_loads == 0, kernel
-
-
-def test_compiles_for_sm_90a():
-    """The Hopper target the series' later kernels use (wgmma, setmaxnreg need it); mma.sync compiles there too."""
-    nvcc = tool_or_skip(cuda_build.find_nvcc, "the backward's compile check")
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as folder:
-        source = Path(folder) / backward_build.LINE_NAME
-        source.write_text(backward_build.package_source())
-        result = subprocess.run([nvcc, "-std=c++17", "-O3", "--use_fast_math", "-DWB_KERNEL_ONLY", "-cubin",
-                                 "-gencode", "arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-o", "k.cubin",
-                                 source.name], capture_output=True, text=True, cwd=folder)
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-2000:]
-    kernels = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", log)  # ptxas_entries reads sm_NN only
-    assert len(set(kernels)) == 2 * (2 + 2 * len(backward_build.VARIANTS)), log[-2000:]
+        assert kernel.spill_stores == 0 and kernel.spill_loads == 0, kernel
 
 
 def test_the_forwards_helpers_are_shared_not_copied():
@@ -87,10 +76,12 @@ def test_the_forwards_helpers_are_shared_not_copied():
 
 def test_variants_match_the_source():
     source = backward_build.SOURCE.package_source()
-    listed = re.search(r"#define WB_FOR_EACH_BACKWARD_VARIANT\(X\)(.*)", source).group(1)
-    found = [backward_build.Variant(*map(int, x)) for x in re.findall(r"X\((\d+), (\d+), (\d+)\)", listed)]
+    listed = re.search(r"#define WB_FOR_EACH_BACKWARD_VARIANT\(X\)(.*?)\n\n", source, re.S).group(1)
+    found = [backward_build.Variant(f"v{x[0]}", *map(int, x[1:]))
+             for x in re.findall(r"X\((\d+), (\d+), (\d+), (\d+)\)", listed)]
     assert found == list(backward_build.VARIANTS)
     assert set(launcher.DEFAULT_VARIANT.values()) <= set(backward_build.VARIANTS)
+    assert {v for v, _ in launcher.DEFAULT_VARIANT} == set(launcher.VERSIONS) and launcher.DEFAULT_VERSION == "v1"
 
 
 def test_a_compiler_error_names_its_line_in_flash_backward_cu():
@@ -107,10 +98,13 @@ def test_a_compiler_error_names_its_line_in_flash_backward_cu():
 def test_flops_and_bad_variants():
     assert launcher.backward_flops(4, 16, 4096, 4096, 128) == 2.5 * 4 * 4 * 16 * 4096 ** 2 * 128
     assert launcher.backward_flops(1, 1, 8, 8, 64, causal=True) == launcher.backward_flops(1, 1, 8, 8, 64) / 2
-    with pytest.raises(ValueError, match="v1"):
+    with pytest.raises(ValueError, match="v1.*v2"):
         launcher.mma_gradients(torch.zeros(1, 1, 1, 64), None, None, None, None, None, variant="v9", module=object())
     with pytest.raises(ValueError, match="head dims"):
         launcher.mma_gradients(torch.zeros(1, 1, 1, 96), None, None, None, None, None, module=object())
+    with pytest.raises(ValueError, match="not compiled"):
+        launcher.mma_gradients(torch.zeros(1, 1, 1, 64), None, None, None, None, None, module=object(),
+                               variant=backward_build.Variant("v2", 64, 32, 128))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,14 +120,29 @@ def _inputs(dtype, B, H, Hk, Lq, Lk, D, seed):
 
 
 def _assert_within_rule(errors, label):
-    for name, (mine, theirs, floor) in errors.items():
-        assert mine <= 2 * theirs + floor + 1e-6, f"{label} {name}: {mine:.3e} > 2 x SDPA {theirs:.3e} + {floor:.1e}"
+    """`errors`: what launcher.gradient_errors returns, one entry per version or variant."""
+    for variant, by_name in errors.items():
+        for name, (mine, theirs, floor) in by_name.items():
+            assert mine <= 2 * theirs + floor + 1e-6, \
+                f"{variant} {label} {name}: {mine:.3e} > 2 x SDPA {theirs:.3e} + {floor:.1e}"
 
 
-SHAPES = [  # (B, H, Hk, Lq, Lk): L = 1, ragged tiles, Lq != Lk both ways, GQA, MQA, several tiles
+# (B, H, Hk, Lq, Lk): L = 1, ragged tiles, Lq != Lk both ways, GQA, MQA, several tiles. Every one runs with every
+# dtype, head dim and mask (168 cases, both versions in each); the larger LARGE (its float64 reference takes
+# seconds on a CPU) with fewer.
+SHAPES = [
     (1, 1, 1, 1, 1), (2, 3, 3, 1, 300), (1, 2, 2, 65, 65), (2, 4, 2, 128, 128), (1, 4, 1, 200, 77),
-    (2, 2, 2, 77, 200), (1, 6, 3, 513, 1000), (1, 8, 2, 300, 129),
+    (2, 2, 2, 77, 200), (1, 8, 2, 300, 129),
 ]
+LARGE = (1, 6, 3, 513, 1000)
+
+
+def _check_case(dtype, D, causal, padded, shape, variants=launcher.VERSIONS):
+    B, H, Hk, Lq, Lk = shape
+    q, k, v, dout = _inputs(dtype, B, H, Hk, Lq, Lk, D, seed=Lq + 3 * Lk)
+    mask = wb.random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
+    errors = launcher.gradient_errors(q, k, v, dout, causal=causal, key_padding_mask=mask, variants=variants)
+    _assert_within_rule(errors, f"{dtype} D={D} {shape} causal={causal} padded={padded}")
 
 
 @needs_gpu
@@ -143,16 +152,30 @@ SHAPES = [  # (B, H, Hk, Lq, Lk): L = 1, ragged tiles, Lq != Lk both ways, GQA, 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gradients_meet_the_rule(dtype, D, causal, padded, shape):
-    B, H, Hk, Lq, Lk = shape
-    q, k, v, dout = _inputs(dtype, B, H, Hk, Lq, Lk, D, seed=Lq + 3 * Lk)
-    mask = wb.random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
-    errors = launcher.gradient_errors(q, k, v, dout, causal=causal, key_padding_mask=mask)
-    _assert_within_rule(errors, f"{dtype} D={D} {shape} causal={causal} padded={padded}")
+    _check_case(dtype, D, causal, padded, shape)
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype, D", [("float16", 128), ("bfloat16", 64)])
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+def test_several_tiles_each_way(dtype, D, causal):
+    """Lq = 513, Lk = 1000: many query and key tiles, ragged ends, GQA 2, key padding."""
+    _check_case(dtype, D, causal, True, LARGE)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_every_compiled_variant(dtype):
+    """The configurations that are not a version's default (python -m ...launcher times them too)."""
+    for D in (64, 128):
+        variants = [x for x in backward_build.VARIANTS if x.head_dim == D]
+        _check_case(dtype, D, "bottom_right", True, (2, 4, 2, 190, 260), variants=variants)
+
+
+@needs_gpu
+@pytest.mark.parametrize("version", launcher.VERSIONS)
 @pytest.mark.parametrize("D", [64, 128])
-def test_rows_that_see_no_key_get_zero_gradients(D):
+def test_rows_that_see_no_key_get_zero_gradients(D, version):
     """Bottom-right with Lq = 200 > Lk = 70 and keys 0-4 padded out: rows 0-134 see no key (LSE = -inf). Their dq
     is exactly 0, nothing is NaN, and the keys only they would see (the padded ones) get dk = dv = 0."""
     q, k, v, dout = _inputs("float16", 1, 4, 2, 200, 70, D, seed=4)
@@ -162,11 +185,12 @@ def test_rows_that_see_no_key_get_zero_gradients(D):
 
     out, lse = forward(q, k, v, causal="bottom_right", key_padding_mask=mask)
     assert torch.all(lse[:, :, :135] == float("-inf"))
-    dq, dk, dv = launcher.mma_gradients(q, k, v, out, lse, dout, causal="bottom_right", key_padding_mask=mask)
+    dq, dk, dv = launcher.mma_gradients(q, k, v, out, lse, dout, causal="bottom_right", key_padding_mask=mask,
+                                        variant=version)
     assert all(torch.isfinite(x).all() for x in (dq, dk, dv))
     assert torch.all(dq[:, :, :135] == 0) and torch.all(dk[:, :, :5] == 0) and torch.all(dv[:, :, :5] == 0)
-    _assert_within_rule(launcher.gradient_errors(q, k, v, dout, causal="bottom_right", key_padding_mask=mask),
-                        "rows without keys")
+    _assert_within_rule(launcher.gradient_errors(q, k, v, dout, causal="bottom_right", key_padding_mask=mask,
+                                                 variants=(version,)), "rows without keys")
 
 
 @needs_gpu
@@ -187,13 +211,26 @@ def test_more_than_65535_batch_heads():
     _assert_within_rule(launcher.gradient_errors(q, k, v, dout, out_lse=(out, lse)), "B H = 66,000")
 
 
-@needs_gpu
-def test_v1_is_deterministic():
+def _run_twice_more(version):
     q, k, v, dout = _inputs("bfloat16", 2, 8, 2, 300, 300, 128, seed=2)
     from wb_kernels.stages.mma.launcher import forward
 
     out, lse = forward(q, k, v, causal=True)
-    first = launcher.mma_gradients(q, k, v, out, lse, dout, causal=True)
-    for _ in range(3):
-        again = launcher.mma_gradients(q, k, v, out, lse, dout, causal=True)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    first = launcher.mma_gradients(q, k, v, out, lse, dout, causal=True, variant=version)
+    return first, [launcher.mma_gradients(q, k, v, out, lse, dout, causal=True, variant=version) for _ in range(3)]
+
+
+@needs_gpu
+def test_v1_is_deterministic():
+    first, again = _run_twice_more("v1")
+    assert all(torch.equal(a, b) for run in again for a, b in zip(first, run))
+
+
+@needs_gpu
+def test_v2_dk_dv_are_repeatable_and_dq_close():
+    """v2 is deterministic=False: dq's atomic additions come in any order, so only dk and dv (written once each,
+    no atomics) must be bitwise equal; dq may differ in its last bits."""
+    first, again = _run_twice_more("v2")
+    for run in again:
+        assert torch.equal(first[1], run[1]) and torch.equal(first[2], run[2])
+        torch.testing.assert_close(run[0], first[0], rtol=2e-2, atol=1e-2)

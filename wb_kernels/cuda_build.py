@@ -278,8 +278,8 @@ def build_extension(source: str, *, file_name: str, declarations: str, functions
 
 def _check_arch(arch) -> str:
     arch = str(arch).replace("sm_", "")
-    if arch not in ("80", "86", "89", "90"):
-        raise ValueError(f"arch={arch!r}: the kernel targets sm_80 or newer, e.g. 'sm_80' or 'sm_90'")
+    if arch not in ("80", "86", "89", "90", "90a"):  # 90a: Hopper's arch-specific target (wgmma, setmaxnreg)
+        raise ValueError(f"arch={arch!r}: the kernel targets sm_80 or newer, e.g. 'sm_80', 'sm_90' or 'sm_90a'")
     return arch
 
 
@@ -320,7 +320,7 @@ class PtxasEntry:
     stack_bytes: int
 
 
-_ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+a?)'")
 _SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGISTERS = re.compile(r"Used (\d+) registers")
 

@@ -33,27 +33,38 @@ _FUNCTIONS = ["flash_backward"]
 _CPP_DECLARATION = (
     "std::vector<torch::Tensor> flash_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, "
     "torch::Tensor lse, torch::Tensor dout, torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale, "
-    "int64_t block_m, int64_t block_n);"
+    "int64_t version, int64_t block_m, int64_t block_n);"
 )
 _SHARED = re.compile(r"^// wb:shared-regions (.+)$", re.M)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One v1 launch configuration: ``block_m`` query rows per step of the KV-stationary dK/dV kernel, ``block_n``
-    keys per step of the Q-stationary dQ kernel (both kernels: 4 warps, each owning 16 keys or 16 query rows)."""
+    """One launch configuration. ``version`` "v1": ``block_m`` query rows per step of the KV-stationary dK/dV kernel
+    (64 keys, 4 warps), ``block_n`` keys per step of the Q-stationary dQ kernel (64 query rows, 4 warps). "v2":
+    ``block_m`` query rows per step of the single kernel, ``block_n`` keys per block (one warp per 16)."""
 
+    version: str
     head_dim: int
     block_m: int
     block_n: int
 
     @property
+    def dkdv_keys(self) -> int:
+        """Keys per block of the dK/dV kernel (v2's single kernel)."""
+        return 64 if self.version == "v1" else self.block_n
+
+    @property
     def label(self) -> str:
-        return f"D={self.head_dim} dK/dV: 64 keys x {self.block_m} queries, dQ: 64 queries x {self.block_n} keys"
+        if self.version == "v1":
+            return (f"v1 D={self.head_dim} dK/dV: 64 keys x {self.block_m} queries, "
+                    f"dQ: 64 queries x {self.block_n} keys")
+        return f"v2 D={self.head_dim} {self.block_n} keys x {self.block_m} queries, dQ by atomics"
 
 
-# As WB_FOR_EACH_BACKWARD_VARIANT in flash_backward.cu lists them.
-VARIANTS = tuple(Variant(*v) for v in ((64, 64, 64), (128, 32, 64)))
+# As WB_FOR_EACH_BACKWARD_VARIANT in flash_backward.cu lists them (there the version is a number).
+VARIANTS = tuple(Variant(f"v{v[0]}", *v[1:]) for v in (
+    (1, 64, 64, 64), (1, 128, 32, 64), (2, 64, 64, 128), (2, 128, 32, 128), (2, 64, 64, 64), (2, 128, 32, 64)))
 
 
 def _with_forward_regions(source: str) -> str:
@@ -90,13 +101,14 @@ extension = functools.cache(build)  # extension(): the package's extension, buil
 
 
 def shared_memory_bytes(variant: Variant, kernel: str) -> int:
-    """Dynamic shared memory per block, as ``backward_smem_bytes`` in flash_backward.cu: four 16-bit tiles and two
-    fp32 rows of per-query statistics (LSE, Delta)."""
-    if kernel == "preprocess":
+    """Dynamic shared memory per block, as ``backward_smem_bytes`` in flash_backward.cu: four 16-bit tiles, v2's
+    16-bit dS tile (query rows x keys) and two fp32 rows of per-query statistics (LSE, Delta)."""
+    if kernel in ("preprocess", "convert"):
         return 0
     q_rows = variant.block_m if kernel == "dkdv" else 64
-    kv_rows = 64 if kernel == "dkdv" else variant.block_n
-    return 2 * (kv_rows + q_rows) * variant.head_dim * 2 + 2 * q_rows * 4
+    kv_rows = variant.dkdv_keys if kernel == "dkdv" else variant.block_n
+    ds_tile = q_rows * kv_rows * 2 if variant.version == "v2" and kernel == "dkdv" else 0
+    return 2 * (kv_rows + q_rows) * variant.head_dim * 2 + ds_tile + 2 * q_rows * 4
 
 
 @dataclass(frozen=True)
@@ -104,35 +116,46 @@ class KernelResources:
     """What ptxas reports for one kernel (per thread, except shared memory)."""
 
     arch: str
-    kernel: str  # "preprocess", "dkdv" or "dq"
+    kernel: str  # "preprocess", "dkdv", "dq" or "convert"
+    version: str  # "v1" or "v2" for dkdv (v2: the single kernel), "v1" for dq, "" for preprocess and convert
     dtype: str
-    head_dim: int
-    tile: int  # block_m (dkdv), block_n (dq), 0 (preprocess)
+    head_dim: int  # 0 for convert
+    tile: int  # block_m (dkdv), block_n (dq), 0 (preprocess, convert)
+    warps: int  # dkdv: one per 16 keys; else 0
     registers: int
     spill_stores: int
     spill_loads: int
     shared_bytes: int
 
 
-# preprocess_kernel<T, D>, dkdv_kernel<T, D, BLOCK_M>, dq_kernel<T, D, BLOCK_N> as the compiler mangles them
-_MANGLED = re.compile(r"(preprocess|dkdv|dq)_kernelI(6__half|13__nv_bfloat16)Li(\d+)E(?:Li(\d+)E)?")
+# preprocess_kernel<T, D>, dkdv_kernel<T, D, BLOCK_M, NUM_WARPS, ATOMIC_DQ>, dq_kernel<T, D, BLOCK_N>,
+# convert_dq_kernel<T> as the compiler mangles them
+_MANGLED = re.compile(r"(preprocess|dkdv|dq|convert_dq)_kernelI(6__half|13__nv_bfloat16)(?:Li(\d+)E)?(?:Li(\d+)E)?"
+                      r"(?:Li(\d+)ELb([01])E)?")
 
 
 def nvcc_compile_report(arch: str = "sm_90", source: str | None = None) -> list:
-    """Compile every kernel with nvcc for `arch` ("sm_80", "sm_90"; "sm_90a" compiles the same code for sm_90,
-    as mma.sync needs no Hopper-only feature); returns one :class:`KernelResources` per kernel."""
+    """Compile every kernel with nvcc for `arch` ("sm_80", "sm_90" or "sm_90a"); returns one
+    :class:`KernelResources` per kernel."""
     source = package_source() if source is None else source
-    _, log = compile_cubin(arch.rstrip("a"), source, LINE_NAME, SOURCE_NAME)
+    _, log = compile_cubin(arch, source, LINE_NAME, SOURCE_NAME)
     found = []
     for entry in ptxas_entries(log):
         match = _MANGLED.search(entry.function)
         if match is None:
             continue
-        kernel, dtype = match.group(1), "float16" if match.group(2) == "6__half" else "bfloat16"
-        head_dim, tile = int(match.group(3)), int(match.group(4) or 0)
-        variant = Variant(head_dim, tile if kernel == "dkdv" else 64, tile if kernel == "dq" else 64)
-        found.append(KernelResources(entry.arch, kernel, dtype, head_dim, tile, entry.registers, entry.spill_stores,
-                                     entry.spill_loads, shared_memory_bytes(variant, kernel)))
+        kernel, dtype = match.group(1).replace("convert_dq", "convert"), match.group(2)
+        dtype = "float16" if dtype == "6__half" else "bfloat16"
+        head_dim, tile = int(match.group(3) or 0), int(match.group(4) or 0)
+        warps = int(match.group(5) or 0)
+        version = {"dkdv": "v2" if match.group(6) == "1" else "v1", "dq": "v1"}.get(kernel, "")
+        shared = 0
+        if kernel in ("dkdv", "dq"):
+            keys = 16 * warps if kernel == "dkdv" else tile
+            variant = Variant(version, head_dim, tile if kernel == "dkdv" else 64, keys)
+            shared = shared_memory_bytes(variant, kernel)
+        found.append(KernelResources(entry.arch, kernel, version, dtype, head_dim, tile, warps, entry.registers,
+                                     entry.spill_stores, entry.spill_loads, shared))
     if not found:
         raise CudaBuildError(f"nvcc for {arch} reported no kernel; its output was:\n{log[-2000:]}")
     return found

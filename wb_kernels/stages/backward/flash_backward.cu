@@ -19,6 +19,10 @@
 //   3. dq_kernel (Q-stationary): a block owns 64 query rows, each warp 16; it walks the key tiles, recomputes
 //      S, P, dP, dS and accumulates dQ += dS K in registers.
 // S and dP are recomputed twice (once per kernel): the price of writing every gradient exactly once.
+// Version 2 (FlashAttention-2's single kernel; not bitwise reproducible) runs the same preprocess, then dkdv_kernel
+// with ATOMIC_DQ: after its dK, dV products each warp writes its dS^T to shared memory, and the block adds
+// dS K (its keys' share of dQ) to an fp32 buffer with atomicAdd; a last kernel scales that buffer and rounds it to
+// the input dtype. S and dP are computed once; the order of the atomic additions varies from run to run.
 //
 // Inputs: q, out, dout (B, H, Lq, D); k, v (B, Hk, Lk, D), Hk dividing H; lse (B, H, Lq) fp32; contiguous; fp16
 // or bf16; D in {64, 128}. (batch, head) and the tile index share gridDim.x (up to 2^31 - 1 blocks).
@@ -40,7 +44,9 @@ struct BackwardParams {
     const void* dout;         // (B, H, Lq, D): dL/d(out)
     const float* lse;         // (B, H, Lq): the forward's natural-log LSE of the scaled scores; -inf: no key seen
     float* delta;             // (B, H, Lq): Delta_i = sum_d dO_id O_id, written by preprocess_kernel
-    void* dq;                 // (B, H, Lq, D), q's dtype
+    void* dq;                 // (B, H, Lq, D): v1 q's dtype; v2 fp32, zeroed, the atomics' target, which
+                              // convert_dq_kernel turns into q's dtype (no extra field: with one more pointer
+                              // here ptxas spilled v1's D = 128 kernels, nvcc 13.0)
     void* dk;                 // (B, Hk, Lk, D)
     void* dv;                 // (B, Hk, Lk, D)
     const uint8_t* key_keep;  // (B, Lk), 1 = key takes part; nullptr = no padding mask
@@ -194,21 +200,101 @@ __device__ __forceinline__ void store_rows(T* dst, const float (&acc)[HEAD_DIM /
 }
 // endregion
 
+// region: atomic_dq
+// v2's dQ step, for one query tile of BLOCK_M rows and the block's BLOCK_N keys: dQ_tile += dS K.
+// The warps hold dS^T (keys in rows), but dS K needs dS with queries in rows as an A operand, and dQ rows need
+// all the block's keys: so dS goes through shared memory, transposed on the way in. Each lane stores its 16-bit
+// values one by one into ds_tile[query][key] (swizzled like every tile: the lanes of one store hit 4 different
+// chunk positions of 8 rows, no bank conflict), then after a barrier warp w computes a 16-row x COLS slice of
+// the tile's dQ (plain ldmatrix for dS, ldmatrix.trans for K, as accumulate_times_tile) and adds it to the fp32
+// buffer with atomicAdd: other blocks (the other key tiles) add to the same rows at the same time.
+template <typename T, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ void store_ds_transposed(T* ds_tile, const float (&ds)[BLOCK_M / 8][4], int key0) {
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    uint16_t* tile = reinterpret_cast<uint16_t*>(ds_tile);
+#pragma unroll
+    for (int n = 0; n < BLOCK_M / 8; ++n) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int key = key0 + g + 8 * h;
+            const uint32_t pair = Mma<T>::pack(ds[n][2 * h], ds[n][2 * h + 1]);  // queries 8 n + 2 t, + 1
+            const int query = 8 * n + 2 * t;
+            tile[swizzled_offset<BLOCK_N>(query, key / 8) + key % 8] = static_cast<uint16_t>(pair & 0xffffu);
+            tile[swizzled_offset<BLOCK_N>(query + 1, key / 8) + key % 8] = static_cast<uint16_t>(pair >> 16);
+        }
+    }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+__device__ __forceinline__ void add_ds_times_k(float* dq_accum, uint32_t ds_tile, uint32_t k_tile, int m0, int Lq) {
+    constexpr int ROW_BLOCKS = BLOCK_M / 16, SLICES = NUM_WARPS / ROW_BLOCKS, COLS = HEAD_DIM / SLICES;
+    static_assert(NUM_WARPS % ROW_BLOCKS == 0 && COLS % 16 == 0, "the warps split the dQ tile evenly");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row_block = warp % ROW_BLOCKS, chunk0 = (warp / ROW_BLOCKS) * COLS / 8;
+    float acc[COLS / 8][4];
+#pragma unroll
+    for (int d = 0; d < COLS / 8; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        uint32_t a[4];  // dS rows 16 row_block + (i % 2) * 8 .., key chunk 2 kk + i / 2
+        ldmatrix_x4(a, ds_tile + 2 * swizzled_offset<BLOCK_N>(16 * row_block + (lane / 8 % 2) * 8 + lane % 8,
+                                                              2 * kk + lane / 16));
+#pragma unroll
+        for (int dp = 0; dp < COLS / 16; ++dp) {
+            uint32_t b[4];  // K rows 16 kk + (i % 2) * 8 .., chunk chunk0 + 2 dp + i / 2, transposed
+            ldmatrix_x4_trans(b, k_tile + 2 * swizzled_offset<HEAD_DIM>(16 * kk + (lane / 8 % 2) * 8 + lane % 8,
+                                                                        chunk0 + 2 * dp + lane / 16));
+            Mma<T>::run(acc[2 * dp], a, b[0], b[1]);
+            Mma<T>::run(acc[2 * dp + 1], a, b[2], b[3]);
+        }
+    }
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = m0 + 16 * row_block + g + 8 * h;
+        if (row >= Lq) continue;
+#pragma unroll
+        for (int d = 0; d < COLS / 8; ++d) {
+            float* dst = dq_accum + static_cast<size_t>(row) * HEAD_DIM + chunk0 * 8 + 8 * d + 2 * t;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc[d][2 * h], acc[d][2 * h + 1]));  // one 8-byte atomic
+#else
+            atomicAdd(dst, acc[d][2 * h]);
+            atomicAdd(dst + 1, acc[d][2 * h + 1]);
+#endif
+        }
+    }
+}
+
+// v2's last step: dQ = scale * the fp32 buffer, rounded to T; 4 elements per thread (HEAD_DIM is a multiple of 4).
+template <typename T>
+__global__ void __launch_bounds__(256) convert_dq_kernel(const float* accum, T* dq, int64_t n, float scale) {
+    const int64_t i = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) * 4;
+    if (i >= n) return;
+    const float4 x = *reinterpret_cast<const float4*>(accum + i);
+    *reinterpret_cast<uint2*>(dq + i) = make_uint2(Mma<T>::pack(x.x * scale, x.y * scale),
+                                                   Mma<T>::pack(x.z * scale, x.w * scale));
+}
+// endregion
+
 // region: dkdv_kernel
-// KV-stationary: one block = 4 warps = BLOCK_N = 64 keys of one (batch, K/V head); warp w owns keys 16 w .. 16 w + 15.
-// Per query tile of BLOCK_M rows (of each query head of the GQA group): S^T = K Q^T, dP^T = V dO^T, then
-// P^T, dS^T in registers, dV += P^T dO, dK += dS^T Q. Shared memory: K, V (the block's), Q, dO (the current query
-// tile), each swizzled, and the tile's LSE and Delta.
-template <typename T, int HEAD_DIM, int BLOCK_M>
-__global__ void __launch_bounds__(128) dkdv_kernel(const BackwardParams p) {
-    constexpr int NUM_WARPS = 4, THREADS = 128, BLOCK_N = 16 * NUM_WARPS;
+// KV-stationary: one block = NUM_WARPS warps = BLOCK_N = 16 NUM_WARPS keys of one (batch, K/V head); warp w owns
+// keys 16 w .. 16 w + 15 (v1: 4 warps). Per query tile of BLOCK_M rows (of each query head of the GQA group):
+// S^T = K Q^T, dP^T = V dO^T, then P^T, dS^T in registers, dV += P^T dO, dK += dS^T Q, and with ATOMIC_DQ (v2)
+// dQ += dS K by atomics. Shared memory: K, V (the block's), Q, dO (the current query tile), each swizzled, v2's
+// dS tile, and the tile's LSE and Delta.
+template <typename T, int HEAD_DIM, int BLOCK_M, int NUM_WARPS, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(32 * NUM_WARPS) dkdv_kernel(const BackwardParams p) {
+    constexpr int THREADS = 32 * NUM_WARPS, BLOCK_N = 16 * NUM_WARPS;
     extern __shared__ __align__(128) unsigned char smem[];
     T* k_tile = reinterpret_cast<T*>(smem);              // [BLOCK_N][HEAD_DIM]
     T* v_tile = k_tile + BLOCK_N * HEAD_DIM;             // [BLOCK_N][HEAD_DIM]
     T* q_tile = v_tile + BLOCK_N * HEAD_DIM;             // [BLOCK_M][HEAD_DIM]
     T* do_tile = q_tile + BLOCK_M * HEAD_DIM;            // [BLOCK_M][HEAD_DIM]
-    float* lse2 = reinterpret_cast<float*>(do_tile + BLOCK_M * HEAD_DIM);  // [BLOCK_M]
-    float* delta = lse2 + BLOCK_M;                                          // [BLOCK_M]
+    T* ds_tile = do_tile + BLOCK_M * HEAD_DIM;           // [BLOCK_M][BLOCK_N], v2 only
+    float* lse2 = reinterpret_cast<float*>(ds_tile + (ATOMIC_DQ ? BLOCK_M * BLOCK_N : 0));  // [BLOCK_M]
+    float* delta = lse2 + BLOCK_M;                                                          // [BLOCK_M]
     auto shared = [](const void* ptr) { return static_cast<uint32_t>(__cvta_generic_to_shared(ptr)); };
 
     const int warp = threadIdx.x / 32;
@@ -252,6 +338,12 @@ __global__ void __launch_bounds__(128) dkdv_kernel(const BackwardParams p) {
             probabilities_and_ds<true, BLOCK_M>(s, dp, key_row0, m0, lse2, delta, m0, p, batch);
             accumulate_times_tile<T, HEAD_DIM, BLOCK_M>(dv, s, shared(do_tile));  // dV += P^T dO
             accumulate_times_tile<T, HEAD_DIM, BLOCK_M>(dk, dp, shared(q_tile));  // dK += dS^T Q
+            if constexpr (ATOMIC_DQ) {  // v2: dQ += dS K (unscaled; convert_dq_kernel scales)
+                store_ds_transposed<T, BLOCK_M, BLOCK_N>(ds_tile, dp, warp * 16);
+                __syncthreads();  // every warp's dS^T is in ds_tile
+                add_ds_times_k<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>(static_cast<float*>(p.dq) + bh * p.Lq * HEAD_DIM,
+                                                                      shared(ds_tile), shared(k_tile), m0, p.Lq);
+            }
         }
     }
     cp_async_wait<0>();  // no query tile at all: K and V may still be landing
@@ -316,29 +408,40 @@ __global__ void __launch_bounds__(128) dq_kernel(const BackwardParams p) {
 // endregion
 
 // region: variants
-// Shared memory per block: four 16-bit tiles (K, V and Q, dO) and two fp32 rows of statistics.
-template <int HEAD_DIM, int KV_ROWS, int Q_ROWS>
-constexpr int backward_smem_bytes() { return 2 * (KV_ROWS + Q_ROWS) * HEAD_DIM * 2 + 2 * Q_ROWS * 4; }
+// Shared memory per block: four 16-bit tiles (K, V and Q, dO), v2's dS tile and two fp32 rows of statistics.
+template <int HEAD_DIM, int KV_ROWS, int Q_ROWS, bool DS_TILE>
+constexpr int backward_smem_bytes() {
+    return 2 * (KV_ROWS + Q_ROWS) * HEAD_DIM * 2 + (DS_TILE ? Q_ROWS * KV_ROWS * 2 : 0) + 2 * Q_ROWS * 4;
+}
 
-// Every v1 launch configuration (head dim, query rows per step of dkdv_kernel, keys per step of dq_kernel);
-// wb_kernels/stages/backward/build.py lists the same. X is a macro taking the three. At D = 128 the dK/dV kernel
-// takes 32 query rows per step: with 64, ptxas (sm_80, sm_90) needs 255 registers and spills 8 to 12 bytes.
-#define WB_FOR_EACH_BACKWARD_VARIANT(X) X(64, 64, 64) X(128, 32, 64)
+// Every launch configuration (version, head dim, query rows per step of dkdv_kernel, and keys: per step of v1's
+// dq_kernel, per block of v2's single kernel, 16 per warp); wb_kernels/stages/backward/build.py lists the same.
+// X is a macro taking the four. At D = 128 the dK/dV kernel takes 32 query rows per step: with 64, ptxas (sm_80,
+// sm_90) needs 255 registers and spills 8 to 12 bytes.
+#define WB_FOR_EACH_BACKWARD_VARIANT(X) \
+    X(1, 64, 64, 64) X(1, 128, 32, 64) X(2, 64, 64, 128) X(2, 128, 32, 128) X(2, 64, 64, 64) X(2, 128, 32, 64)
+
+// v1's dK/dV kernel has 4 warps; v2's single kernel one warp per 16 of its BLOCK_N keys.
+#define WB_DKDV_KERNEL(T, V, D, BM, BN) dkdv_kernel<T, D, BM, (V == 1 ? 4 : BN / 16), V == 2>
 // endregion
 
 }  // namespace wb
 
 #ifdef WB_KERNEL_ONLY
-// Without torch (the compile check): instantiate every kernel the launcher can choose.
-#define WB_INSTANTIATE(T, D, BM, BN)                                              \
-    template __global__ void wb::dkdv_kernel<T, D, BM>(const wb::BackwardParams); \
-    template __global__ void wb::dq_kernel<T, D, BN>(const wb::BackwardParams);
-#define WB_INSTANTIATE_BOTH(D, BM, BN) WB_INSTANTIATE(__half, D, BM, BN) WB_INSTANTIATE(__nv_bfloat16, D, BM, BN)
+// Without torch (the compile check): instantiate every kernel the launcher can choose (dq_kernel: v1 only).
+#define WB_DQ_KERNEL_1(T, D, BN) template __global__ void wb::dq_kernel<T, D, BN>(const wb::BackwardParams);
+#define WB_DQ_KERNEL_2(T, D, BN)
+#define WB_INSTANTIATE(T, V, D, BM, BN)                                                 \
+    template __global__ void wb::WB_DKDV_KERNEL(T, V, D, BM, BN)(const wb::BackwardParams); \
+    WB_DQ_KERNEL_##V(T, D, BN)
+#define WB_INSTANTIATE_BOTH(V, D, BM, BN) WB_INSTANTIATE(__half, V, D, BM, BN) WB_INSTANTIATE(__nv_bfloat16, V, D, BM, BN)
 WB_FOR_EACH_BACKWARD_VARIANT(WB_INSTANTIATE_BOTH)
 template __global__ void wb::preprocess_kernel<__half, 64>(const wb::BackwardParams);
 template __global__ void wb::preprocess_kernel<__half, 128>(const wb::BackwardParams);
 template __global__ void wb::preprocess_kernel<__nv_bfloat16, 64>(const wb::BackwardParams);
 template __global__ void wb::preprocess_kernel<__nv_bfloat16, 128>(const wb::BackwardParams);
+template __global__ void wb::convert_dq_kernel<__half>(const float*, __half*, int64_t, float);
+template __global__ void wb::convert_dq_kernel<__nv_bfloat16>(const float*, __nv_bfloat16*, int64_t, float);
 #else
 // region: torch_launch
 // c10's headers rather than ATen/cuda/CUDAContext.h (which pulls in cuBLAS and cuSPARSE): the whole file, launcher
@@ -351,34 +454,48 @@ template __global__ void wb::preprocess_kernel<__nv_bfloat16, 128>(const wb::Bac
 namespace wb {
 
 template <typename Kernel>
-void launch_with_smem(Kernel kernel, int64_t blocks, int smem, const BackwardParams& params, cudaStream_t stream) {
+void launch_with_smem(Kernel kernel, int64_t blocks, int threads, int smem, const BackwardParams& params,
+                      cudaStream_t stream) {
     TORCH_CHECK(blocks <= 2147483647LL, "flash_backward: ", blocks, " blocks exceed gridDim.x's limit");
     if (blocks == 0) return;
     if (smem > 48 * 1024) {  // above 48 KB a kernel must opt in to dynamic shared memory
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
-    kernel<<<static_cast<unsigned>(blocks), 128, smem, stream>>>(params);
+    kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
-void launch_v1(const BackwardParams& p, cudaStream_t stream) {
+template <int VERSION, typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+void launch_version(const BackwardParams& p, T* dq, cudaStream_t stream) {
     const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.Lq;
-    launch_with_smem(preprocess_kernel<T, HEAD_DIM>, (rows + 3) / 4, 0, p, stream);
+    launch_with_smem(preprocess_kernel<T, HEAD_DIM>, (rows + 3) / 4, 128, 0, p, stream);
     const int64_t kv_heads = static_cast<int64_t>(p.B) * (p.H / p.kv_group);
-    launch_with_smem(dkdv_kernel<T, HEAD_DIM, BLOCK_M>, kv_heads * ((p.Lk + 63) / 64),
-                     backward_smem_bytes<HEAD_DIM, 64, BLOCK_M>(), p, stream);
-    launch_with_smem(dq_kernel<T, HEAD_DIM, BLOCK_N>, static_cast<int64_t>(p.B) * p.H * ((p.Lq + 63) / 64),
-                     backward_smem_bytes<HEAD_DIM, BLOCK_N, 64>(), p, stream);
+    constexpr int DKDV_KEYS = VERSION == 1 ? 64 : BLOCK_N;  // keys per dK/dV block, 16 per warp
+    launch_with_smem(WB_DKDV_KERNEL(T, VERSION, HEAD_DIM, BLOCK_M, BLOCK_N), kv_heads * ((p.Lk + DKDV_KEYS - 1) / DKDV_KEYS),
+                     2 * DKDV_KEYS, backward_smem_bytes<HEAD_DIM, DKDV_KEYS, BLOCK_M, VERSION == 2>(), p, stream);
+    if constexpr (VERSION == 1) {
+        launch_with_smem(dq_kernel<T, HEAD_DIM, BLOCK_N>, static_cast<int64_t>(p.B) * p.H * ((p.Lq + 63) / 64), 128,
+                         backward_smem_bytes<HEAD_DIM, BLOCK_N, 64, false>(), p, stream);
+    } else {
+        const int64_t n = rows * HEAD_DIM;  // a multiple of 4: each thread converts 4 elements
+        const int64_t blocks = (n / 4 + 255) / 256;
+        TORCH_CHECK(blocks <= 2147483647LL, "flash_backward: ", blocks, " blocks exceed gridDim.x's limit");
+        convert_dq_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(static_cast<const float*>(p.dq), dq,
+                                                                               n, p.scale);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
 }
 
+// dq: where the gradient goes in q's dtype (v1: p.dq itself; v2: p.dq is the fp32 buffer).
 template <typename T>
-void launch_variant(const BackwardParams& p, int64_t head_dim, int64_t block_m, int64_t block_n, cudaStream_t stream) {
-#define WB_LAUNCH_IF(D, BM, BN) \
-    if (head_dim == D && block_m == BM && block_n == BN) return launch_v1<T, D, BM, BN>(p, stream);
+void launch_variant(const BackwardParams& p, void* dq, int64_t version, int64_t head_dim, int64_t block_m,
+                    int64_t block_n, cudaStream_t stream) {
+#define WB_LAUNCH_IF(V, D, BM, BN) \
+    if (version == V && head_dim == D && block_m == BM && block_n == BN) return launch_version<V, T, D, BM, BN>(p, static_cast<T*>(dq), stream);
     WB_FOR_EACH_BACKWARD_VARIANT(WB_LAUNCH_IF)
 #undef WB_LAUNCH_IF
-    TORCH_CHECK(false, "flash_backward: no variant head_dim=", head_dim, " block_m=", block_m, " block_n=", block_n);
+    TORCH_CHECK(false, "flash_backward: no variant version=", version, " head_dim=", head_dim, " block_m=", block_m,
+                " block_n=", block_n);
 }
 
 }  // namespace wb
@@ -388,7 +505,8 @@ void launch_variant(const BackwardParams& p, int64_t head_dim, int64_t block_m, 
 // Returns [dq (B, H, Lq, D), dk, dv (B, Hk, Lk, D)] in q's dtype.
 std::vector<torch::Tensor> flash_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
                                           torch::Tensor lse, torch::Tensor dout, torch::Tensor key_keep, bool causal,
-                                          int64_t causal_offset, double scale, int64_t block_m, int64_t block_n) {
+                                          int64_t causal_offset, double scale, int64_t version, int64_t block_m,
+                                          int64_t block_n) {
     for (const auto& x : {q, k, v, out, dout}) {
         TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 4 && x.scalar_type() == q.scalar_type(),
                     "flash_backward: q, k, v, out, dout must be contiguous 4-d CUDA tensors of one dtype");
@@ -416,6 +534,9 @@ std::vector<torch::Tensor> flash_backward(torch::Tensor q, torch::Tensor k, torc
     auto dk = torch::empty_like(k);
     auto dv = torch::empty_like(v);
     auto delta = torch::empty({B, H, Lq}, q.options().dtype(torch::kFloat32));
+    TORCH_CHECK(version == 1 || version == 2, "flash_backward: version must be 1 or 2, got ", version);
+    // v2 adds every key block's share of dQ into this fp32 buffer, so it starts at zero
+    auto dq_accum = version == 2 ? torch::zeros_like(q, q.options().dtype(torch::kFloat32)) : torch::Tensor();
     if (Lk == 0 || Lq == 0) {  // nothing sees anything: every gradient is zero
         dq.zero_(), dk.zero_(), dv.zero_();
         return {dq, dk, dv};
@@ -430,7 +551,7 @@ std::vector<torch::Tensor> flash_backward(torch::Tensor q, torch::Tensor k, torc
     params.dout = dout.data_ptr();
     params.lse = lse.data_ptr<float>();
     params.delta = delta.data_ptr<float>();
-    params.dq = dq.data_ptr();
+    params.dq = version == 2 ? dq_accum.data_ptr() : dq.data_ptr();
     params.dk = dk.data_ptr();
     params.dv = dv.data_ptr();
     params.key_keep = has_mask ? key_keep.data_ptr<uint8_t>() : nullptr;
@@ -445,8 +566,8 @@ std::vector<torch::Tensor> flash_backward(torch::Tensor q, torch::Tensor k, torc
     params.causal_offset = static_cast<int>(causal_offset);
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    if (is_half) wb::launch_variant<__half>(params, D, block_m, block_n, stream);
-    else wb::launch_variant<__nv_bfloat16>(params, D, block_m, block_n, stream);
+    if (is_half) wb::launch_variant<__half>(params, dq.data_ptr(), version, D, block_m, block_n, stream);
+    else wb::launch_variant<__nv_bfloat16>(params, dq.data_ptr(), version, D, block_m, block_n, stream);
     return {dq, dk, dv};
 }
 // endregion

@@ -2,7 +2,8 @@
 
 - :func:`mma_gradients`: the :class:`~wb_kernels.stages.Backward` contract, on CUDA torch tensors (fp16 or bf16, head
   dim 64 or 128): ``(dq, dk, dv)`` in the input dtype, dk and dv summed over each GQA group, zero for rows that see no
-  key. Version "v1" (the default): three kernels, deterministic, no atomics (NOTES_tensor_cores.md).
+  key. Version "v1" (the default): three kernels, deterministic, no atomics; "v2": FlashAttention-2's single
+  kernel, dQ added up by fp32 atomics, so not bitwise reproducible (NOTES_tensor_cores.md).
 - ``python -m wb_kernels.stages.backward.launcher`` (a GPU): checks each version against the float64 reference and
   SDPA's error, then times it against SDPA's FLASH backward at B4 H16 L4096, D 128 and 64, causal and not
   (:func:`bench_main`).
@@ -13,31 +14,38 @@ from __future__ import annotations
 from . import build as backward_build
 from ...reference import causal_offset
 
-__all__ = ["VERSIONS", "DEFAULT_VARIANT", "mma_gradients", "gradient_errors", "backward_flops", "bench_main"]
+__all__ = ["VERSIONS", "DEFAULT_VERSION", "DEFAULT_VARIANT", "mma_gradients", "gradient_errors", "backward_flops", "bench_main"]
 
-VERSIONS = ("v1",)
-# v1's launch configuration per head dim (flash_backward.cu, region variants, says why 32 query rows at D = 128).
-DEFAULT_VARIANT = {64: backward_build.Variant(64, 64, 64), 128: backward_build.Variant(128, 32, 64)}
+VERSIONS = ("v1", "v2")
+DEFAULT_VERSION = "v1"  # deterministic: the same inputs give the same bits (v2's atomics add in any order)
+# Each version's launch configuration per head dim (flash_backward.cu, region variants, says why 32 query rows
+# at D = 128). v2: 128 keys per block (8 warps), as FlashAttention-2: half the atomics of 64 keys per block.
+DEFAULT_VARIANT = {(version, D): backward_build.Variant(version, D, 64 if D == 64 else 32, block_n)
+                   for version, block_n in (("v1", 64), ("v2", 128)) for D in (64, 128)}
 
 
 def mma_gradients(q, k, v, out, lse, dout, *, causal=False, key_padding_mask=None, scale=None, variant=None,
                   module=None):
     """Gradients of attention from the forward's ``out`` and ``lse`` (natural log, float32 (B, H, Lq)).
 
-    `variant`: a version name from :data:`VERSIONS` (default "v1") or a :class:`~.build.Variant`. Any finite scale
-    (its sign does not matter here: the backward keeps no running maximum); NaN or Inf is refused.
+    `variant`: a version name from :data:`VERSIONS` (default :data:`DEFAULT_VERSION`, "v1") or a
+    :class:`~.build.Variant`. "v2" is not deterministic (deterministic=False: dQ's fp32 atomic additions come in
+    any order, so the last bits of dq may differ between runs; dk and dv do not). Any finite scale (its sign does
+    not matter here: the backward keeps no running maximum); NaN or Inf is refused.
     """
     import torch
 
     if module is None:
         module = backward_build.extension()
     D = q.shape[-1]
-    if D not in DEFAULT_VARIANT:
-        raise ValueError(f"the mma backward takes head dims {sorted(DEFAULT_VARIANT)}, got {D}")
+    if D not in (64, 128):
+        raise ValueError(f"the mma backward takes head dims [64, 128], got {D}")
     if variant is None or variant in VERSIONS:
-        variant = DEFAULT_VARIANT[D]
+        variant = DEFAULT_VARIANT[(variant or DEFAULT_VERSION, D)]
     elif not isinstance(variant, backward_build.Variant):
         raise ValueError(f"variant: one of {VERSIONS} or a build.Variant, got {variant!r}")
+    elif variant not in backward_build.VARIANTS or variant.head_dim != D:
+        raise ValueError(f"variant {variant} is not compiled for head dim {D}; see build.VARIANTS")
     scale = float(D) ** -0.5 if scale is None else float(scale)
     offset = causal_offset(causal, q.shape[2], k.shape[2])
     if key_padding_mask is None:
@@ -47,7 +55,7 @@ def mma_gradients(q, k, v, out, lse, dout, *, causal=False, key_padding_mask=Non
     lse = lse.to(torch.float32).contiguous()
     dq, dk, dv = module.flash_backward(q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse,
                                        dout.contiguous(), keep, offset is not None, offset or 0, scale,
-                                       variant.block_m, variant.block_n)
+                                       int(variant.version[1:]), variant.block_m, variant.block_n)
     return dq, dk, dv
 
 
@@ -93,8 +101,10 @@ def _time_ms(fn, repeats=20):
     return sorted(times)[len(times) // 2]
 
 
-def gradient_errors(q, k, v, dout, *, causal=False, key_padding_mask=None, scale=None, variant=None, out_lse=None):
-    """{"dq" | "dk" | "dv": (mma's max |error|, SDPA's max |error|, storage floor)} against the float64 reference.
+def gradient_errors(q, k, v, dout, *, causal=False, key_padding_mask=None, scale=None, variants=VERSIONS,
+                    out_lse=None):
+    """{variant: {"dq" | "dk" | "dv": (mma's max |error|, SDPA's max |error|, storage floor)}} against the float64
+    reference, for each of `variants` (version names or :class:`~.build.Variant`; the reference and SDPA once).
 
     SDPA's error: torch autograd through ``scaled_dot_product_attention`` (K/V heads repeated for GQA, autograd
     summing their gradients; the masks as one boolean mask) in the inputs' dtype on their GPU; where SDPA gives NaN
@@ -113,11 +123,9 @@ def gradient_errors(q, k, v, dout, *, causal=False, key_padding_mask=None, scale
     dtype = str(q.dtype).replace("torch.", "")
     out, lse = out_lse if out_lse is not None else forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                                                            scale=scale)
-    got = mma_gradients(q, k, v, out, lse, dout, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                        variant=variant)
     mask = None if key_padding_mask is None else np.asarray(torch.as_tensor(key_padding_mask).cpu().numpy(), bool)
     as64 = [x.detach().double().cpu().numpy() for x in (q, k, v, dout)]
-    ref = reference_backward(*as64, causal=causal, key_padding_mask=mask, scale=scale)
+    ref = [torch.from_numpy(x) for x in reference_backward(*as64, causal=causal, key_padding_mask=mask, scale=scale)]
     allowed = torch.from_numpy(attention_mask(q.shape[2], k.shape[2], causal, mask, batch=q.shape[0])).to(q.device)
     H = q.shape[1]
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -125,18 +133,33 @@ def gradient_errors(q, k, v, dout, *, causal=False, key_padding_mask=None, scale
     sdpa_out = F.scaled_dot_product_attention(leaves[0], repeat_kv_heads(leaves[1], H), repeat_kv_heads(leaves[2], H),
                                               attn_mask=allowed, scale=scale)
     sdpa = torch.autograd.grad(sdpa_out, leaves, dout)
+
+    def max_error(x, exact):
+        return float((x.double().cpu() - exact).abs().max()) if exact.numel() else 0.0
+
+    baseline = {name: (max_error(torch.nan_to_num(theirs, nan=0.0, posinf=0.0, neginf=0.0), exact),
+                       storage_floor(exact.numpy(), dtype))
+                for name, theirs, exact in zip(("dq", "dk", "dv"), sdpa, ref)}
     errors = {}
-    for name, mine, theirs, exact in zip(("dq", "dk", "dv"), got, sdpa, ref):
-        exact_t = torch.from_numpy(exact)
-        theirs = torch.nan_to_num(theirs.double().cpu(), nan=0.0, posinf=0.0, neginf=0.0)
-        errors[name] = (float((mine.double().cpu() - exact_t).abs().max()) if exact.size else 0.0,
-                        float((theirs - exact_t).abs().max()) if exact.size else 0.0, storage_floor(exact, dtype))
+    for variant in variants:
+        got = mma_gradients(q, k, v, out, lse, dout, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                            variant=variant)
+        errors[variant] = {name: (max_error(mine, exact), *baseline[name])
+                           for name, mine, exact in zip(("dq", "dk", "dv"), got, ref)}
     return errors
 
 
+def _variant_name(variant) -> str:
+    """A short name: "v1", "v2", or "v2/64" for a configuration that is not its version's default."""
+    if variant in DEFAULT_VARIANT.values():
+        return variant.version
+    return f"{variant.version}/{variant.block_n}" if variant.version == "v2" else f"{variant.version}/{variant.block_m}"
+
+
 def _check_small_cases():
-    """One line per dtype, head dim and mask on a small odd GQA shape: each gradient's error, SDPA's error in the
-    same dtype, and whether it is within 2x SDPA's plus the floor (the rule tests/test_backward_mma.py asserts)."""
+    """One line per dtype, head dim, mask and variant on a small odd GQA shape: each gradient's error, SDPA's
+    error in the same dtype, and whether it is within 2x SDPA's plus the floor (the rule tests/test_backward_mma.py
+    asserts)."""
     import torch
 
     failures = 0
@@ -147,13 +170,31 @@ def _check_small_cases():
                 gen = torch.Generator(device="cuda").manual_seed(D)
                 q, dout = (torch.randn(B, H, Lq, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
                 k, v = (torch.randn(B, Hk, Lk, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-                errors = gradient_errors(q, k, v, dout, causal=causal)
-                ok = all(mine <= 2 * theirs + floor for mine, theirs, floor in errors.values())
-                failures += not ok
-                print(f"  {str(dtype)[6:]:8s} D={D:3d} causal={causal!s:12s} " + "  ".join(
-                    f"{name} {mine:.1e} (SDPA {theirs:.1e})" for name, (mine, theirs, _) in errors.items())
-                    + ("  ok" if ok else "  FAIL"), flush=True)
+                variants = [x for x in backward_build.VARIANTS if x.head_dim == D]
+                for variant, errors in gradient_errors(q, k, v, dout, causal=causal, variants=variants).items():
+                    ok = all(mine <= 2 * theirs + floor for mine, theirs, floor in errors.values())
+                    failures += not ok
+                    print(f"  {str(dtype)[6:]:8s} D={D:3d} causal={causal!s:12s} {_variant_name(variant):6s} "
+                          + "  ".join(f"{name} {mine:.1e} (SDPA {theirs:.1e})"
+                                      for name, (mine, theirs, _) in errors.items())
+                          + ("  ok" if ok else "  FAIL"), flush=True)
     return failures
+
+
+def _v2_repeatability():
+    """How often v2's dq differs bitwise between two runs on one input (its atomics add in any order), and the
+    largest difference; dk and dv must be equal."""
+    import torch
+
+    q, k, v, out, lse, dout = _forward_and_dout(2, 8, 1000, 128, torch.bfloat16, causal=False, Hk=2)
+    first = mma_gradients(q, k, v, out, lse, dout, variant="v2")
+    again = mma_gradients(q, k, v, out, lse, dout, variant="v2")
+    differ = float((first[0] != again[0]).float().mean())
+    largest = float((first[0].float() - again[0].float()).abs().max())
+    same_kv = torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
+    print(f"v2 run twice (B2 H8 Hk2 L1000 D128 bf16): {100 * differ:.2f}% of dq differ (largest {largest:.1e}); "
+          f"dk, dv {'bitwise equal' if same_kv else 'DIFFER'}", flush=True)
+    return 0 if same_kv else 1
 
 
 def bench_main(argv=None) -> int:
@@ -171,6 +212,7 @@ def bench_main(argv=None) -> int:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print("correctness (B2 H4 Hk2 Lq133 Lk197, vs the float64 reference; SDPA's error in the same dtype):")
     failures = _check_small_cases()
+    failures += _v2_repeatability()
     print(f"timing: B{B} H{H} L{L} fp16, median of {args.repeats} (L2 flushed), TFLOP/s = 2.5 x forward FLOPs / time")
     for D in (128, 64):
         for causal in (False, True):
@@ -181,12 +223,13 @@ def bench_main(argv=None) -> int:
                 sdpa_out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
             sdpa_ms = _time_ms(lambda: torch.autograd.grad(sdpa_out, (qs, ks, vs), dout, retain_graph=True),
                                args.repeats)
-            line = f"  D={D:3d} causal={causal!s:5s} SDPA FLASH {sdpa_ms:7.3f} ms {flops / sdpa_ms / 1e9:6.1f} TFLOP/s"
-            for version in VERSIONS:
-                ms = _time_ms(lambda: mma_gradients(q, k, v, out, lse, dout, causal=causal, variant=version),
+            print(f"  D={D:3d} causal={causal!s:5s} SDPA FLASH {sdpa_ms:7.3f} ms {flops / sdpa_ms / 1e9:6.1f} TFLOP/s",
+                  flush=True)
+            for variant in (x for x in backward_build.VARIANTS if x.head_dim == D):
+                ms = _time_ms(lambda: mma_gradients(q, k, v, out, lse, dout, causal=causal, variant=variant),
                               args.repeats)
-                line += f" | {version} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s ({sdpa_ms / ms:.2f}x)"
-            print(line, flush=True)
+                print(f"      {_variant_name(variant):6s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s "
+                      f"({sdpa_ms / ms:.2f}x)  {variant.label}", flush=True)
     return 1 if failures else 0
 
 
