@@ -13,6 +13,10 @@
 #   BENCH_PRESET=decode scripts/gpu_check.sh bench     the decode preset instead of "all": wb.decode against SDPA,
 #                                        FlexAttention and a copy, into results/decode/bench_<gpu>.json (about
 #                                        5 min on an H100; BENCH_PRESET=decode-bar: its bar shapes, about 2.5 min)
+#   scripts/gpu_check.sh build backward the gradients (lesson 08): the backward benchmark's bar problems and the
+#                                        per-call cost (BACKWARD_PRESET=backward for all of it, 12-20 min) into
+#                                        results/backward/bench_<gpu>.json, then the character-level transformer
+#                                        trained with the mma stage and with SDPA into results/train/ (a few minutes)
 #   scripts/gpu_check.sh build tokens   the decoder's tokens/s with SDPA and wb.decode (lesson 07), into
 #                                        results/decode/decoder_<gpu>.json (about 1 min on an H100 after build)
 #   WB_GIT_COMMIT=<commit>: the commit results files record, when this copy's .git is not the one it came from
@@ -69,11 +73,16 @@ if has env; then
 fi
 if has build; then
   # every CUDA C++ rung's extension (wb_kernels/stages/<rung>/build.py), built once into the cache that the tests
-  # and lessons then load in milliseconds
+  # and lessons then load in milliseconds; side by side (nvcc uses one core each; a cold build takes 1-1.5 min)
   for script in wb_kernels/stages/*/build.py; do
     rung=$(basename "$(dirname "$script")")
     run_step "build_$rung" 300 python3 -c "import time, wb_kernels; from wb_kernels.stages.$rung import build; \
-t = time.time(); build.build(build.package_source()); print(f'$rung extension ready in {time.time() - t:.1f} s')"
+t = time.time(); build.build(build.package_source()); print(f'$rung extension ready in {time.time() - t:.1f} s')" &
+  done
+  wait  # (run_step's status is lost in the background: a failed build is caught here)
+  for script in wb_kernels/stages/*/build.py; do
+    rung=$(basename "$(dirname "$script")")
+    grep -q "extension ready" "logs/build_$rung.log" || { echo "build of $rung failed" | tee -a "$LOG"; status=1; }
   done
 fi
 if has traffic; then
@@ -137,6 +146,14 @@ if has tune; then
     run_step "tune_$rung" "${TUNE_LIMIT:-420}" python3 -m "wb_kernels.stages.$rung.tune" ${TUNE_ARGS:-} \
       --json "results/$rung/tune_$gpu.json"
   done
+fi
+if has backward; then
+  gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
+  run_step backward_bench "${BACKWARD_LIMIT:-300}" python3 -m wb_kernels.bench --preset "${BACKWARD_PRESET:-backward-bar}" \
+    --no-progress --time-budget $(( ${BACKWARD_LIMIT:-300} - 60 ))  # resumed by the same command
+  mkdir -p results/train
+  run_step train "${TRAIN_LIMIT:-240}" python3 -m wb_kernels.models.char_transformer --stage mma --steps "${TRAIN_STEPS:-300}" \
+    --no-progress --json "results/train/char_transformer_$gpu.json" --figure
 fi
 if has tokens; then
   # the LLaMA-shaped decoder's tokens per second with SDPA and with wb.decode, contiguous and paged caches, and the
