@@ -258,7 +258,8 @@ __device__ __forceinline__ void add_ds_times_k(float* dq_accum, uint32_t ds_tile
         for (int d = 0; d < COLS / 8; ++d) {
             float* dst = dq_accum + static_cast<size_t>(row) * HEAD_DIM + chunk0 * 8 + 8 * d + 2 * t;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc[d][2 * h], acc[d][2 * h + 1]));  // one 8-byte atomic
+            // one 8-byte atomic for the pair (sm_90 and newer)
+            atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc[d][2 * h], acc[d][2 * h + 1]));
 #else
             atomicAdd(dst, acc[d][2 * h]);
             atomicAdd(dst + 1, acc[d][2 * h + 1]);
@@ -341,8 +342,9 @@ __global__ void __launch_bounds__(32 * NUM_WARPS) dkdv_kernel(const BackwardPara
             if constexpr (ATOMIC_DQ) {  // v2: dQ += dS K (unscaled; convert_dq_kernel scales)
                 store_ds_transposed<T, BLOCK_M, BLOCK_N>(ds_tile, dp, warp * 16);
                 __syncthreads();  // every warp's dS^T is in ds_tile
-                add_ds_times_k<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>(static_cast<float*>(p.dq) + bh * p.Lq * HEAD_DIM,
-                                                                      shared(ds_tile), shared(k_tile), m0, p.Lq);
+                float* dq_accum = static_cast<float*>(p.dq) + bh * p.Lq * HEAD_DIM;  // v2: p.dq is fp32
+                add_ds_times_k<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>(dq_accum, shared(ds_tile), shared(k_tile),
+                                                                      m0, p.Lq);
             }
         }
     }
@@ -434,7 +436,8 @@ constexpr int backward_smem_bytes() {
 #define WB_INSTANTIATE(T, V, D, BM, BN)                                                 \
     template __global__ void wb::WB_DKDV_KERNEL(T, V, D, BM, BN)(const wb::BackwardParams); \
     WB_DQ_KERNEL_##V(T, D, BN)
-#define WB_INSTANTIATE_BOTH(V, D, BM, BN) WB_INSTANTIATE(__half, V, D, BM, BN) WB_INSTANTIATE(__nv_bfloat16, V, D, BM, BN)
+#define WB_INSTANTIATE_BOTH(V, D, BM, BN) \
+    WB_INSTANTIATE(__half, V, D, BM, BN) WB_INSTANTIATE(__nv_bfloat16, V, D, BM, BN)
 WB_FOR_EACH_BACKWARD_VARIANT(WB_INSTANTIATE_BOTH)
 template __global__ void wb::preprocess_kernel<__half, 64>(const wb::BackwardParams);
 template __global__ void wb::preprocess_kernel<__half, 128>(const wb::BackwardParams);
@@ -471,8 +474,9 @@ void launch_version(const BackwardParams& p, T* dq, cudaStream_t stream) {
     launch_with_smem(preprocess_kernel<T, HEAD_DIM>, (rows + 3) / 4, 128, 0, p, stream);
     const int64_t kv_heads = static_cast<int64_t>(p.B) * (p.H / p.kv_group);
     constexpr int DKDV_KEYS = VERSION == 1 ? 64 : BLOCK_N;  // keys per dK/dV block, 16 per warp
-    launch_with_smem(WB_DKDV_KERNEL(T, VERSION, HEAD_DIM, BLOCK_M, BLOCK_N), kv_heads * ((p.Lk + DKDV_KEYS - 1) / DKDV_KEYS),
-                     2 * DKDV_KEYS, backward_smem_bytes<HEAD_DIM, DKDV_KEYS, BLOCK_M, VERSION == 2>(), p, stream);
+    launch_with_smem(WB_DKDV_KERNEL(T, VERSION, HEAD_DIM, BLOCK_M, BLOCK_N),
+                     kv_heads * ((p.Lk + DKDV_KEYS - 1) / DKDV_KEYS), 2 * DKDV_KEYS,
+                     backward_smem_bytes<HEAD_DIM, DKDV_KEYS, BLOCK_M, VERSION == 2>(), p, stream);
     if constexpr (VERSION == 1) {
         launch_with_smem(dq_kernel<T, HEAD_DIM, BLOCK_N>, static_cast<int64_t>(p.B) * p.H * ((p.Lq + 63) / 64), 128,
                          backward_smem_bytes<HEAD_DIM, BLOCK_N, 64, false>(), p, stream);
@@ -490,8 +494,9 @@ void launch_version(const BackwardParams& p, T* dq, cudaStream_t stream) {
 template <typename T>
 void launch_variant(const BackwardParams& p, void* dq, int64_t version, int64_t head_dim, int64_t block_m,
                     int64_t block_n, cudaStream_t stream) {
-#define WB_LAUNCH_IF(V, D, BM, BN) \
-    if (version == V && head_dim == D && block_m == BM && block_n == BN) return launch_version<V, T, D, BM, BN>(p, static_cast<T*>(dq), stream);
+#define WB_LAUNCH_IF(V, D, BM, BN)                                         \
+    if (version == V && head_dim == D && block_m == BM && block_n == BN) \
+        return launch_version<V, T, D, BM, BN>(p, static_cast<T*>(dq), stream);
     WB_FOR_EACH_BACKWARD_VARIANT(WB_LAUNCH_IF)
 #undef WB_LAUNCH_IF
     TORCH_CHECK(false, "flash_backward: no variant version=", version, " head_dim=", head_dim, " block_m=", block_m,

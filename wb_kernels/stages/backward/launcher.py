@@ -14,7 +14,8 @@ from __future__ import annotations
 from . import build as backward_build
 from ...reference import causal_offset
 
-__all__ = ["VERSIONS", "DEFAULT_VERSION", "DEFAULT_VARIANT", "mma_gradients", "gradient_errors", "backward_flops", "bench_main"]
+__all__ = ["VERSIONS", "DEFAULT_VERSION", "DEFAULT_VARIANT", "mma_gradients", "gradient_errors", "backward_flops",
+           "bench_main"]
 
 VERSIONS = ("v1", "v2")
 DEFAULT_VERSION = "v1"  # deterministic: the same inputs give the same bits (v2's atomics add in any order)
