@@ -440,7 +440,8 @@ def test_committed_results_files_are_complete():
             assert key in env, (path, key)
         if env["backend"] == "gpu":
             assert env["gpu"] and env["driver"] and env["cuda"], path
-            assert results["ceilings"]["float16_matmul_tflops"] > 0
+            if results.get("kind") != "backward":  # the backward preset reports ratios to baselines, no roofline
+                assert results["ceilings"]["float16_matmul_tflops"] > 0
         for r in results["records"]:
             assert r["status"] in ("ok", "skipped", "failed"), r
             if r["status"] == "ok" and r["kind"] == "stage":

@@ -1,4 +1,4 @@
-"""Check a stage's result against the float64 reference (every lesson 01-08, the tests, the bench).
+"""Check a stage's result against the float64 reference (every lesson 01-09, the tests, the bench).
 
 The tolerance rule is the one the flash-attn test suite uses: a kernel in some precision may be
 wrong by at most ``multiplier`` (2) times the error that PyTorch's own attention (SDPA) makes in

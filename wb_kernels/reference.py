@@ -1,4 +1,4 @@
-"""The float64 NumPy reference that every stage is checked against (lesson 01; used by 02-08).
+"""The float64 NumPy reference that every stage is checked against (lesson 01; used by 02-09).
 
 Conventions shared by every stage of the package:
 
