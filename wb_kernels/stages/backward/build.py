@@ -23,8 +23,8 @@ from ...cuda_build import CudaBuildError, EditableSource, build_extension, compi
 from ...sync import module_regions
 from ..mma import build as mma_build
 
-__all__ = ["SOURCE", "SOURCE_NAME", "VARIANTS", "Variant", "KernelResources", "package_source", "build", "extension",
-           "shared_memory_bytes", "nvcc_compile_report"]
+__all__ = ["SOURCE", "SOURCE_NAME", "VARIANTS", "Variant", "KernelResources", "package_source", "current_source",
+           "build", "extension", "shared_memory_bytes", "nvcc_compile_report"]
 
 SOURCE = EditableSource(Path(__file__).resolve().parent / "flash_backward.cu")
 SOURCE_NAME = SOURCE.name  # "wb_kernels/stages/backward/flash_backward.cu"
@@ -90,14 +90,26 @@ def package_source() -> str:
     return _with_forward_regions(SOURCE.package_source())
 
 
+def current_source() -> str:
+    """The file with the learner's edits (the lesson's region cells), the forward's shared regions put in."""
+    return _with_forward_regions(SOURCE.current_source())
+
+
 def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
-    """Compile (or load from the cache) the backward's extension; returns the Python module. Needs a CUDA GPU."""
-    source = package_source() if source is None else source
+    """Compile (or load from the cache) the backward's extension; returns the Python module. Needs a CUDA GPU.
+
+    `source` defaults to :func:`current_source` (the package's file with the learner's edits), as the mma stage's
+    ``build`` does; what ``wb.attention`` runs is :func:`extension`, the package's file as shipped.
+    """
+    source = current_source() if source is None else source
     return build_extension(source, file_name=LINE_NAME, declarations=_CPP_DECLARATION, functions=_FUNCTIONS,
                            flags=flags, verbose=verbose, display_name=SOURCE_NAME)
 
 
-extension = functools.cache(build)  # extension(): the package's extension, built or loaded once per process
+@functools.cache
+def extension():
+    """The package's extension (the learner's edits left out), built or loaded once per process."""
+    return build(package_source())
 
 
 def shared_memory_bytes(variant: Variant, kernel: str) -> int:
