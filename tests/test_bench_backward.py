@@ -146,7 +146,7 @@ def test_readme_table_from_a_results_file(tmp_path):
     assert "H100" in lines[0] and "2.5x" in lines[0]
     assert lines[2].startswith("| mode | B | H | Hk | L | D | causal | mma | sdpa-flash | sdpa-cudnn | flex |")
     assert lines[4].startswith("| fwd+bwd | 4 | 16 | 16 | 4096 | 128 | yes | 2 (")
-    assert lines[4].endswith("| 1.25 | 0.75 (sdpa-cudnn) |")
+    assert lines[4].endswith("| 1.25 | 1.50 | 0.75 (sdpa-cudnn) |")  # mem, x sdpa-flash (3 ms / 2), x best
     assert lines[5].startswith("| bwd |") and "| - |" in lines[5]  # flex skipped there
     readme = tmp_path / "README.md"
     readme.write_text("before\n")
@@ -172,3 +172,22 @@ def test_backward_overhead_rows_on_the_cpu():
     assert set(rows) == {(m, n) for m in ("forward", "fwd+bwd") for n in ("sdpa", "wb.attention(stage='reference')")}
     ours = rows[("fwd+bwd", "wb.attention(stage='reference')")]
     assert ours["per_call_us"] > 0 and ours["ratio_to_sdpa"] > 0 and isinstance(ours["meets_bar"], bool)
+
+
+def test_readme_backward_table_is_the_committed_files():
+    """The README's backward block is what --update-readme makes of the committed backward results file."""
+    import pathlib
+
+    from wb_kernels.bench import backward as bw
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = sorted((root / "results" / "backward").glob("bench_*.json"))
+    if not files:
+        pytest.skip("no committed backward results file yet")
+    readme = root / "README.md"
+    copy = pathlib.Path(pytest.importorskip("tempfile").mkdtemp()) / "README.md"
+    copy.write_text(readme.read_text())
+    bw.update_backward_readme(files[-1], readme=copy)
+    assert copy.read_text() == readme.read_text(), (
+        f"README.md's backward table is stale: run python -m wb_kernels.bench --update-readme "
+        f"{files[-1].relative_to(root)}")

@@ -52,7 +52,7 @@ from .sweeps import _ITEMSIZE, TOKENS, Refused, attention_flops
 __all__ = ["BackwardWorkload", "BACKWARD_PRESETS", "BACKWARD_MODES", "BackwardContender", "backward_contenders",
            "backward_flops", "pass_flops", "linear_memory_bytes", "quadratic_bytes", "plan_backward",
            "backward_record_key", "run_backward", "default_backward_output", "backward_table",
-           "update_backward_readme", "measure_backward_overhead", "README_BACKWARD_START", "README_BACKWARD_END", "BACKWARD_NOTES"]
+           "update_backward_readme", "overhead_table", "measure_backward_overhead", "README_BACKWARD_START", "README_BACKWARD_END", "BACKWARD_NOTES"]
 
 BACKWARD_MODES = ("fwd+bwd", "bwd")
 README_BACKWARD_START = "<!-- perf-table-backward:start -->"
@@ -599,9 +599,10 @@ TABLE_CONTENDERS = ("mma", "mma-kernel", "sdpa-flash", "sdpa-cudnn", "sdpa-effic
 
 
 def backward_table(results: dict, source: Optional[str] = None, *, dtype: str = "float16",
-                   contenders=TABLE_CONTENDERS) -> str:
+                   contenders=TABLE_CONTENDERS, ours: str = "mma", bar: str = "sdpa-flash") -> str:
     """The backward table (Markdown) from a backward results file: one row per mode and workload of `dtype`, median ms
-    (TFLOP/s) per contender, then mma's peak memory over the O(L) value and its speed against the fastest baseline."""
+    (TFLOP/s) per contender, then `ours`' peak memory over the O(L) value, its speed against `bar` (the issue's
+    baseline: SDPA's FLASH backward in fp16/bf16, EFFICIENT in float32) and against the fastest baseline."""
     if results.get("kind") != "backward":
         raise Refused("not a backward results file (its 'kind' is not 'backward')")
     env = results["environment"]
@@ -616,16 +617,25 @@ def backward_table(results: dict, source: Optional[str] = None, *, dtype: str = 
         r = firsts[rest]
         return (r["mode"] != "fwd+bwd", r["Hk"] != r["H"], r["causal"], r["D"], r["Lq"])
 
+    def ratio_to(rest, names):  # (time of the fastest of `names` over ours, its name), or None
+        mine = by_key.get(f"{ours}|{rest}") or {}
+        peers = [(b["median_ms"], n) for n, b in ((n, by_key.get(f"{n}|{rest}")) for n in names)
+                 if b is not None and b.get("kind") == "baseline" and b.get("status") == "ok"
+                 and not b.get("check_failed")]
+        return (min(peers)[0] / mine["median_ms"], min(peers)[1]) if peers and mine.get("status") == "ok" else None
+
     rows = sorted(firsts, key=order)
-    columns = [c for c in contenders if any(r["contender"] == c for r in results["records"])]
+    columns = [c for c in contenders if any(r["contender"] == c and r["dtype"] == dtype for r in results["records"])]
     head = (f"Measured on {env.get('gpu') or env.get('device')} (CUDA {env.get('cuda')}, torch {env.get('torch')}) on "
             f"{str(env.get('date', ''))[:10]}" + (f", from `{source}`" if source else "") + ". Timed as: the median of "
             + (method.words() if method else "host-clock timings (no GPU)") + f". {dtype}, median ms (TFLOP/s); "
             "backward FLOPs = 2.5x the forward's, fwd+bwd 3.5x; a dash: not run, skipped or failed its check. "
-            "mem: mma's peak bytes of fwd+bwd over the O(L) value (out, LSE, dq, dk, dv, one row statistic). "
-            "×best: the fastest baseline's time over mma's (>1: mma is faster).")
-    lines = [head, "", "| mode | B | H | Hk | L | D | causal | " + " | ".join(columns) + " | mma mem | mma ×best |",
-             "|:---|---:|---:|---:|---:|---:|:---:|" + "---:|" * len(columns) + "---:|---:|"]
+            f"{ours}: wb.attention and autograd (what a user calls), {ours}-kernel: its backward called directly. "
+            f"mem: {ours}'s peak bytes of fwd+bwd over the O(L) value (out, LSE, dq, dk, dv, one row statistic). "
+            f"×{bar}: {bar}'s time over {ours}'s; ×best: the fastest baseline's (>1: {ours} is faster).")
+    lines = [head, "", "| mode | B | H | Hk | L | D | causal | " + " | ".join(columns)
+             + f" | {ours} mem | {ours} ×{bar} | {ours} ×best |",
+             "|:---|---:|---:|---:|---:|---:|:---:|" + "---:|" * len(columns) + "---:|---:|---:|"]
     for rest in rows:
         first = firsts[rest]
         cells = []
@@ -633,17 +643,26 @@ def backward_table(results: dict, source: Optional[str] = None, *, dtype: str = 
             r = by_key.get(f"{name}|{rest}")
             ok = r is not None and r.get("status") == "ok" and not r.get("check_failed")
             cells.append(f"{r['median_ms']:.3g} ({r['tflops']:.0f})" if ok else "-")
-        mma = by_key.get(f"mma|{rest}") or {}
-        memory = by_key.get(f"mma|fwd+bwd|{rest.split('|', 1)[1]}") or {}
+        memory = by_key.get(f"{ours}|fwd+bwd|{rest.split('|', 1)[1]}") or {}
         mem = f"{memory['peak_vs_linear']:.2f}" if memory.get("peak_vs_linear") else "-"
-        peers = [(b["median_ms"], n) for n, b in ((n, by_key.get(f"{n}|{rest}")) for n in contenders)
-                 if b is not None and b.get("kind") == "baseline" and b.get("status") == "ok"
-                 and not b.get("check_failed")]
-        best = (f"{min(peers)[0] / mma['median_ms']:.2f} ({min(peers)[1]})"
-                if peers and mma.get("status") == "ok" else "-")
+        to_bar, best = ratio_to(rest, (bar,)), ratio_to(rest, contenders)
         lines.append(f"| {first['mode']} | {first['B']} | {first['H']} | {first['Hk']} | {first['Lq']} | "
                      f"{first['D']} | {'yes' if first['causal'] else 'no'} | " + " | ".join(cells)
-                     + f" | {mem} | {best} |")
+                     + f" | {mem} | " + (f"{to_bar[0]:.2f}" if to_bar else "-")
+                     + " | " + (f"{best[0]:.2f} ({best[1]})" if best else "-") + " |")
+    return "\n".join(lines)
+
+
+def overhead_table(results: dict) -> str:
+    """The per-call rows (:func:`measure_backward_overhead`) as Markdown; empty when the file has none."""
+    found = results.get("overhead")
+    if not found:
+        return ""
+    lines = [f"Per-call wall time of back-to-back calls on {found['problem']} ({found['method']}; the bar: at most "
+             f"{found['bar']:g}x SDPA's):", "", "| call | mode | µs per call | ×SDPA |", "|:---|:---|---:|---:|"]
+    for r in found["rows"]:
+        ratio = (f"{r['ratio_to_sdpa']:.2f} {'✓' if r['meets_bar'] else '✗'}" if "ratio_to_sdpa" in r else "")
+        lines.append(f"| {r['name']} | {r['mode']} | {r['per_call_us']:.4g} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -659,7 +678,15 @@ def update_backward_readme(results_path, readme=REPO_ROOT / "README.md") -> Path
         source = str(path.relative_to(REPO_ROOT))
     except ValueError:
         source = str(results_path)
-    table = backward_table(load_results(results_path), source=source)
+    results = load_results(results_path)
+    table = backward_table(results, source=source)
+    if any(r["dtype"] == "float32" and r["contender"] == "flash" for r in results["records"]):
+        # the numba rung on CUDA cores against SDPA's float32 backward (EFFICIENT: FLASH and cuDNN take no float32)
+        table += "\n\n" + backward_table(results, source=source, dtype="float32",
+                                          contenders=("flash", "flash-kernel", "sdpa-efficient"), ours="flash",
+                                          bar="sdpa-efficient")
+    if overhead_table(results):
+        table += "\n\n" + overhead_table(results)
     head, rest = text.split(README_BACKWARD_START, 1)
     tail = rest.split(README_BACKWARD_END, 1)[1]
     readme.write_text(f"{head}{README_BACKWARD_START}\n{table}\n{README_BACKWARD_END}{tail}")
