@@ -97,7 +97,7 @@ class BackwardConfig:
 # The simulator runs one Python thread per CUDA thread and a barrier costs milliseconds: 16 threads per block.
 SIMULATOR_CONFIG = BackwardConfig(block_m=16, block_n=16, per_thread=4, threads_per_row=4)
 # Not tuned (no GPU run yet): chosen so that neither kernel spills at sm_80/sm_90 (tests/test_ptx_compile.py shows
-# the registers) and the shared memory fits an A100's 163 KiB; NOTES_cuda_cores.md has the arithmetic.
+# the registers) and the shared memory fits an A100's 163 KiB; NOTES.md has the arithmetic.
 GPU_CONFIGS = {
     16: BackwardConfig(32, 32, 4, 8, 2),
     32: BackwardConfig(64, 64, 4, 16, 2),

@@ -3,7 +3,7 @@
 - :func:`mma_gradients`: the :class:`~wb_kernels.stages.Backward` contract, on CUDA torch tensors (fp16 or bf16, head
   dim 64 or 128): ``(dq, dk, dv)`` in the input dtype, dk and dv summed over each GQA group, zero for rows that see no
   key. Version "v1" (the default): three kernels, deterministic, no atomics; "v2": FlashAttention-2's single
-  kernel, dQ added up by fp32 atomics, so not bitwise reproducible (NOTES_tensor_cores.md).
+  kernel, dQ added up by fp32 atomics, so not bitwise reproducible (NOTES.md).
 - ``python -m wb_kernels.stages.backward.launcher`` (a GPU): checks each version against the float64 reference and
   SDPA's error, then times it against SDPA's FLASH backward at B4 H16 L4096, D 128 and 64, causal and not
   (:func:`bench_main`).
