@@ -101,6 +101,28 @@ def test_gradcheck_float64_reference(causal):
     assert torch.autograd.gradcheck(attend, (q, k, v))
 
 
+@pytest.mark.parametrize("name", stage_params(WITH_BACKWARD))
+def test_eager_calls_and_the_op_give_the_same_bits(name):
+    """An eager call that needs a gradient runs EagerAttention, a compiler's tracing the registered op: one arithmetic
+    (api.run_forward, api.run_backward), so their outputs and gradients agree bit for bit, GQA and a mask included."""
+    register()
+    stage = STAGES[name]
+    D, dtype = head_dim(stage), getattr(torch, run_dtype(stage))
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 5, D, generator=generator).to(device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(1, 1, 7, D, generator=generator).to(device=DEVICE, dtype=dtype) for _ in range(2))
+    dout = torch.randn(q.shape, generator=generator).to(device=DEVICE, dtype=dtype)
+    keep = torch.tensor([[True] * 6 + [False]], device=DEVICE)
+    found = []
+    for attend in (lambda *x: wb.attention(*x, stage=name, causal="bottom_right", key_padding_mask=keep),
+                   lambda *x: torch.ops.wb.attention(*x, keep, name, "bottom_right", None, True)[0]):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = attend(*leaves)
+        found.append((out, *torch.autograd.grad(out, leaves, dout)))
+    for eager, op in zip(*found):
+        assert torch.equal(eager, op)
+
+
 def test_opcheck_on_the_registered_op():
     """torch.library's own checks of both ops: schema, autograd registration, fake tensors, AOT dispatch."""
     register()  # (wb.attention registers the ops on its first call that needs them)

@@ -227,18 +227,25 @@ def _needs_op(torch, q, k, v) -> bool:
 
 
 def _through_op(torch, q, k, v, *, stage, causal, key_padding_mask, scale, return_lse, check_finite):
-    """wb.attention as ``torch.ops.wb.attention``. In eager mode everything is validated here, before anything
-    runs, and a stage without a backward is refused before its forward when a gradient is asked for; while a
-    compiler traces, by the op's fake implementation (shapes) and its real one (everything, at run time)."""
+    """wb.attention with autograd. In eager mode everything is validated here, before anything runs, a stage
+    without a backward is refused before its forward when a gradient is asked for, and the call runs
+    :class:`~wb_kernels.autograd.EagerAttention` (the op's arithmetic without ``torch.library``'s per-call
+    wrappers); while a compiler traces, and for fake or meta tensors, it is ``torch.ops.wb.attention``, checked by
+    the op's fake implementation (shapes) and its real one (everything, at run time)."""
     from .autograd import register
 
-    register()
     traced = torch.compiler.is_compiling() or type(q) is not torch.Tensor or q.is_meta
     if not traced or not isinstance(stage, str):
-        validated(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        spec = validated(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     causal, scale = _check_causal(causal), _check_scale(scale)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         get_backward(stage)  # ValueError naming the stages that have one, before the forward runs
+    if not traced:  # eager: the same arithmetic as the op's, without torch.library's wrappers (EagerAttention)
+        from .autograd import EagerAttention
+
+        out, lse = EagerAttention.apply(q, k, v, key_padding_mask, spec, causal, scale, bool(check_finite))
+        return (out, lse) if return_lse else out
+    register()
     out, lse = torch.ops.wb.attention(q, k, v, key_padding_mask, stage, causal or "", scale, bool(check_finite))
     return (out, lse) if return_lse else out
 

@@ -10,6 +10,9 @@ Registered with ``torch.library.Library`` (``define`` + ``impl``), ``register_fa
 - the autograd formula saves q, k, v, out and the LSE (never P: the backward recomputes it) and calls the backward
   op, whose real implementation is the stage's registered :class:`~wb_kernels.stages.Backward`.
 
+An eager call that needs a gradient runs :class:`EagerAttention` instead, the same arithmetic as a plain
+``autograd.Function``: the op's Python wrappers cost more than a small call's whole device work (its docstring).
+
 A ``Library`` op costs about half what ``@torch.library.custom_op`` costs per call (FACTS: 14 against 31 µs on the
 H100 host), which matters for a call that takes tens of microseconds. This module imports torch, so the package
 imports it only when torch tensors reach ``wb.attention`` (``import wb_kernels`` works without torch).
@@ -23,7 +26,7 @@ from . import api
 from .stages import get_backward
 from .validation import validate_inputs
 
-__all__ = ["register"]
+__all__ = ["register", "EagerAttention"]
 
 _LIBRARY = None  # the torch.library.Library, once registered: one registration per process
 
@@ -93,3 +96,34 @@ def _gradient(ctx, dout, _dlse):
     dq, dk, dv = torch.ops.wb.attention_backward(dout, q, k, v, out, lse, key_padding_mask, ctx.stage, ctx.causal,
                                                  ctx.scale)
     return dq, dk, dv, None, None, None, None, None
+
+
+class EagerAttention(torch.autograd.Function):
+    """The same forward and backward as the registered op, as a plain ``autograd.Function``: what an eager call that
+    needs a gradient runs (a compiler's tracing, ``torch.export`` and fake tensors take the op).
+
+    Why both: the op's autograd formula (``register_autograd``) runs through ``torch.library``'s Python wrappers on
+    every call, which cost about 165 µs per training step on a 2-core CPU against this class's few (a step of a tiny
+    problem: 241 µs through the op, 77 µs through this class, 113 µs for SDPA), and a small call is nothing else.
+    The arithmetic is one: both call :func:`wb_kernels.api.run_forward` and :func:`wb_kernels.api.run_backward`,
+    and ``tests/test_autograd.py`` checks that their gradients agree bit for bit.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, spec, causal, scale, check_finite):
+        out, lse = api.run_forward(spec, q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                   check_finite=check_finite)
+        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
+        ctx.stage, ctx.causal, ctx.scale = spec.name, causal, scale
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:
+            return None, None, None, None, None, None, None, None
+        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+        dq, dk, dv = api.run_backward(get_backward(ctx.stage), q, k, v, out, lse, dout,
+                                      key_padding_mask=key_padding_mask, causal=ctx.causal, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
