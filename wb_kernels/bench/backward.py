@@ -300,9 +300,16 @@ def _flex_prepare(q, k, v, dout, workload, mode):
                       if workload.causal else None)
         _FLEX_COMPILED[workload] = (torch.compile(flex_attention, dynamic=False, fullgraph=True), block_mask)
     compiled, block_mask = _FLEX_COMPILED[workload]
-    call = _autograd_call(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=workload.Hk != workload.H),
-                          (q, k, v), dout, mode)
-    call()
+    # The bwd mode runs one forward and times its backward again and again (retain_graph=True); a backward compiled
+    # with donated buffers refuses that (measured on the H100: RuntimeError on every bwd row), so FlexAttention is
+    # compiled without them in both modes (they save memory, not time; one compiled function serves both). The
+    # setting is read when the graphs compile: the first calls, here.
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(donated_buffer=False):
+        call = _autograd_call(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=workload.Hk != workload.H),
+                              (q, k, v), dout, mode)
+        call()
     return call
 
 
