@@ -1,0 +1,211 @@
+"""Exact attention across processes (issue #32, wb_kernels/stages/distributed): pure functions in-process, and
+every method under torchrun on gloo at W = 2 and W = 4 in float64 against one process's result.
+
+A hang is a failure: each launch runs in its own process group under a hard time limit and is killed whole when
+it passes it; the ranks' collectives also time out on their own (--timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from wb_kernels.reference import causal_offset
+from wb_kernels.stages.decode.splitkv import merge_partials, partial_attention
+from wb_kernels.stages.distributed import merge, run, sharding
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_SECONDS = 150  # a launch takes ~6 s at W = 2 and ~11 s at W = 4 on 2 idle cores
+
+
+# ---- the merge -------------------------------------------------------------------------------------------------
+
+def _partials(rng, rows=6, keys=11, D=5, cuts=(0, 4, 4, 11)):
+    """Partials of attention over the key splits cut at `cuts` (one empty split), some rows masked out entirely
+    in one split, and row 0 in every split: a row that sees no key."""
+    q, k, v = rng.standard_normal((rows, D)), rng.standard_normal((keys, D)), rng.standard_normal((keys, D))
+    allowed = rng.random((rows, keys)) < 0.6
+    allowed[0] = False
+    allowed[1, :4] = False
+    parts = [partial_attention(q, k[a:b], v[a:b], 0.4, allowed[:, a:b]) for a, b in zip(cuts, cuts[1:])]
+    return parts, partial_attention(q, k, v, 0.4, allowed)
+
+
+def test_merge_pair_is_lesson_07s_merge():
+    parts, (full_out, full_lse) = _partials(np.random.default_rng(0))
+    acc_out, acc_lse = (torch.zeros(6, 5, dtype=torch.float64), torch.full((6,), -math.inf, dtype=torch.float64))
+    for out, lse in parts:  # folded pair by pair, as the ring does
+        acc_out, acc_lse = merge.merge_pair(acc_out, acc_lse, torch.from_numpy(out), torch.from_numpy(lse))
+    want_out, want_lse = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+    assert not torch.isnan(acc_out).any() and not torch.isnan(acc_lse).any()
+    np.testing.assert_allclose(acc_out.numpy(), want_out, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(acc_out.numpy(), full_out, rtol=0, atol=1e-14)
+    assert acc_lse[0] == -math.inf and (acc_out[0] == 0).all()  # the row that sees no key
+    np.testing.assert_allclose(acc_lse.numpy()[1:], want_lse[1:], rtol=0, atol=1e-14)
+    np.testing.assert_allclose(acc_lse.numpy()[1:], full_lse[1:], rtol=0, atol=1e-14)
+
+
+def test_merge_stack_in_float32_keeps_float32_and_empty_rows():
+    parts, (full_out, _) = _partials(np.random.default_rng(1))
+    outs = torch.stack([torch.from_numpy(p[0]).float() for p in parts])
+    lses = torch.stack([torch.from_numpy(p[1]).float() for p in parts])
+    out, lse = merge.merge_stack(outs, lses)
+    assert out.dtype == lse.dtype == torch.float32
+    np.testing.assert_allclose(out.numpy(), full_out, rtol=0, atol=1e-6)
+    assert lse[0] == -math.inf and (out[0] == 0).all()
+    assert merge.accumulation_dtype(torch.bfloat16) == merge.accumulation_dtype(torch.float16) == torch.float32
+    assert merge.accumulation_dtype(torch.float64) == torch.float64
+
+
+def test_pack_unpack_round_trip():
+    out, lse = torch.randn(2, 3, 4, 5).half(), torch.randn(2, 3, 4)
+    lse[0, 0, 0] = -math.inf
+    back_out, back_lse = merge.unpack(merge.pack(out, lse), torch.float16)
+    assert back_out.dtype == torch.float16 and torch.equal(back_out, out) and torch.equal(back_lse, lse)
+
+
+# ---- sharding ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", sharding.LAYOUTS)
+@pytest.mark.parametrize("length,world", [(37, 2), (37, 4), (5, 4), (0, 2), (64, 4), (1, 3)])
+def test_shards_cover_every_position_once(layout, length, world):
+    indices = [sharding.local_indices(length, world, r, layout) for r in range(world)]
+    assert sorted(np.concatenate(indices).tolist()) == list(range(length))
+    sizes = [len(i) for i in indices]
+    assert sizes == [sharding.shard_length(length, world, r, layout) for r in range(world)]
+    assert max(sizes) - min(sizes) <= (1 if layout == "contiguous" else 2)
+
+
+def test_zigzag_holds_chunk_r_and_its_mirror():
+    chunks = sharding.chunk_bounds(37, 8)  # 37 = 8 * 4 + 5: the first five chunks are one longer
+    assert [b - a for a, b in chunks] == [5] * 5 + [4] * 3
+    for r in range(4):
+        assert sharding.shard_pieces(37, 4, r, "zigzag") == [chunks[r], chunks[7 - r]]
+    assert sharding.local_indices(10, 2, 0, "zigzag").tolist() == [0, 1, 2, 8, 9]
+    assert sharding.local_indices(10, 2, 1, "zigzag").tolist() == [3, 4, 5, 6, 7]
+
+
+def test_sharding_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="layout"):
+        sharding.shard_pieces(10, 2, 0, "striped")
+    with pytest.raises(ValueError, match="rank 2"):
+        sharding.shard_pieces(10, 2, 2)
+    with pytest.raises(ValueError, match="chunks"):
+        sharding.chunk_bounds(10, 0)
+
+
+def _mask(q_range, k_range, offset):
+    rows, cols = np.arange(*q_range)[:, None], np.arange(*k_range)[None, :]
+    return np.ones((len(rows), cols.shape[1]), bool) if offset is None else cols <= rows + offset
+
+
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+def test_pair_blocks_cover_exactly_the_visible_pairs(causal):
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        Lq, Lk = rng.integers(1, 30, size=2)
+        offset = causal_offset(causal, int(Lq), int(Lk))
+        qa, qb = sorted(rng.integers(0, Lq + 1, size=2))
+        ka, kb = sorted(rng.integers(0, Lk + 1, size=2))
+        want = _mask((qa, qb), (ka, kb), offset)
+        got = np.zeros_like(want, dtype=int)
+        for (q0, q1), (k0, k1), block_causal in sharding.pair_blocks((qa, qb), (ka, kb), offset):
+            # each call's own mask, as wb.attention applies it to the sub-block
+            local = _mask((0, q1 - q0), (0, k1 - k0), causal_offset(block_causal, q1 - q0, k1 - k0))
+            assert local.any(axis=1).all(), "a call holds a row that sees none of its keys"
+            got[q0 - qa:q1 - qa, k0 - ka:k1 - ka] += local
+        assert (got == want).all()
+        assert sharding.visible_pairs((qa, qb), (ka, kb), offset) == want.sum()
+
+
+def test_pair_blocks_full_diagonal_skipped():
+    assert sharding.pair_blocks((10, 20), (0, 10), 0) == [((10, 20), (0, 10), False)]  # keys before the queries
+    assert sharding.pair_blocks((0, 10), (10, 20), 0) == []  # keys after: skipped
+    assert sharding.pair_blocks((10, 20), (10, 20), 0) == [((10, 20), (10, 20), "bottom_right")]  # the diagonal
+    assert sharding.pair_blocks((0, 10), (10, 20), None) == [((0, 10), (10, 20), False)]
+
+
+# ---- the causal ceiling and zigzag's balance --------------------------------------------------------------------
+
+def test_causal_ceiling_formula():
+    assert sharding.causal_ceiling(1) == 1
+    assert sharding.causal_ceiling(2) == pytest.approx(2 / 3)
+    assert sharding.causal_ceiling(8) == pytest.approx(8 / 15)  # 53 %: ring-flash-attention's 52 % on 8 GPUs
+    with pytest.raises(ValueError):
+        sharding.causal_ceiling(0)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_contiguous_causal_ring_meets_the_ceiling(world):
+    work = sharding.ring_work(world * 2000, world * 2000, world, "contiguous", causal_offset=0)
+    # counted in pairs the diagonal block is n (n + 1) / 2, not n^2 / 2: the ceiling up to 1 / n
+    assert sharding.predicted_efficiency(work) == pytest.approx(sharding.causal_ceiling(world), abs=1e-3)
+    assert work[1:, 0].sum() == 0 and (work[1:, -1] == 2000 ** 2).all()  # rank 0 idles, the last rank never does
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_zigzag_balances_causal_work(world):
+    work = sharding.ring_work(world * 64, world * 64, world, "zigzag", causal_offset=0)
+    assert (work == work[:, :1]).all()  # every rank the same work at every step: L divisible by 2W
+    assert sharding.predicted_efficiency(work) == 1.0
+    odd = sharding.ring_work(world * 64 + 3, world * 64 + 3, world, "zigzag", causal_offset=0)
+    assert sharding.predicted_efficiency(odd) > 0.97  # unequal chunks: nearly balanced
+    assert sharding.predicted_efficiency(sharding.ring_work(world * 25, world * 25, world, "contiguous", None)) == 1.0
+
+
+# ---- torchrun, gloo -------------------------------------------------------------------------------------------
+
+def test_run_refuses_bad_arguments(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    for argv in (["--method", "spiral"], [], ["--dtype", "float32"]):
+        with pytest.raises(SystemExit):
+            run.main(argv)
+    assert run.parse_case("1,2,1,5,7,8,bottom_right,1") == run.Case(1, 2, 1, 5, 7, 8, "bottom_right", True)
+    with pytest.raises(Exception, match="causal"):
+        run.parse_case("1,2,1,5,7,8,diagonal,0")
+
+
+def _launch(world: int):
+    """torchrun with `world` ranks running every method's cases; its JSON records. Killed with its children when it
+    passes LAUNCH_SECONDS (a hang)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               "-m", "wb_kernels.stages.distributed.run", "--json", "--timeout", "60"]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=LAUNCH_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"torchrun at W = {world} hung: killed after {LAUNCH_SECONDS} s")
+    assert process.returncode == 0, f"torchrun at W = {world} exited {process.returncode}:\n{stdout}\n{stderr[-4000:]}"
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_method_is_exact_under_torchrun(world):
+    records = _launch(world)
+    expected = {(m, c.label(), r) for m in run.METHODS for c in run.CASES[m] for r in range(world)}
+    assert {(x["method"], x["case"], x["rank"]) for x in records} == expected
+    assert all(x["world"] == world for x in records)
+    bad = [x for x in records if x["status"] != "ok" or max(x["out_err"], x["lse_err"]) > 1e-12]
+    assert not bad, bad
+    # what the cases exercise: GQA, both alignments, Lq != Lk, masks, odd lengths, rows that see no key
+    cases = {(x["method"], x["case"]): x for x in records}.values()
+    for method in run.METHODS:
+        mine = [x for x in cases if x["method"] == method]
+        assert any(x["Hk"] < x["H"] for x in mine) and any(x["mask"] for x in mine)
+        assert {x["causal"] for x in mine} >= {"none", "top_left", "bottom_right"} - ({"none"} if method == "ulysses"
+                                                                                      else set())
+        assert any(x["Lk"] % (2 * world) for x in mine)
+    assert any(x["Lq"] > x["Lk"] and x["causal"] == "bottom_right" for x in cases if x["method"] == "ring")

@@ -1,0 +1,23 @@
+"""Exact attention across processes (issue #32; its lesson comes later): the merge of lessons 04 and 07 over ranks.
+
+This folder has no ``STAGE``: like the backward rung, it uses the other stages (each rank's local attention is
+``wb.attention(..., stage=..., return_lse=True)``) and adds the communication around them, on ``torch.distributed``
+(gloo on CPU, tested; NCCL behind a flag, untested: NOTES.md).
+
+Files:
+
+- ``merge.py``: the log-sum-exp merge of partial (out, LSE) in torch, fp32 (fp64 for fp64), rows that see no key.
+- ``sharding.py``: contiguous and zigzag layouts, causal block pairs (full, diagonal, skipped), the work per rank
+  and the causal ceiling W / (2W - 1). Pure functions.
+- ``decode.py``: split-KV decode across ranks (one all-gather of (out, LSE), then the merge).
+- ``ring.py``: ring attention, K/V passed with ``batch_isend_irecv``, the next exchange issued before the local
+  block's attention; contiguous or zigzag layout.
+- ``ulysses.py``: DeepSpeed-Ulysses, ``all_to_all_single`` from sequence-sharded to head-sharded and back.
+- ``run.py``: the torchrun entry point that checks every method against one process.
+- ``NOTES.md``: the design and what remains for GPUs.
+
+Tests: ``tests/test_distributed.py``. Only ``sharding`` is imported here: the folder is imported whenever the stages
+are discovered, and torch.distributed is not needed for that.
+"""
+
+from .sharding import causal_ceiling, chunk_bounds, local_indices, pair_blocks, shard_pieces  # noqa: F401

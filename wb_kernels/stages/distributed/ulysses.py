@@ -1,0 +1,65 @@
+"""Ulysses (DeepSpeed-Ulysses, Jacobs et al. 2023): two all-to-alls instead of a ring.
+
+The sequence arrives sharded over W ranks (contiguous layout). One ``dist.all_to_all_single`` per tensor turns
+"every head, my positions" into "my H / W heads, every position"; each rank then runs ordinary full attention on
+its heads (any mask, any Lq and Lk: it sees whole sequences), and one more all-to-all turns the output back. Its
+degree is bounded by the heads: W must divide H and the KV heads Hk (GQA: query head h uses KV head h // (H / Hk),
+so the query heads of one rank use a contiguous run of H / W / (H / Hk) = Hk / W KV heads). The ring has no such
+bound but W steps of exchange; Ulysses moves each tensor once (volume per rank ~ 4 x its shard, not W x).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .merge import pack, unpack
+from .sharding import chunk_bounds
+
+__all__ = ["ulysses_attention", "seq_to_heads", "heads_to_seq"]
+
+
+def seq_to_heads(x, length: int, group=None):
+    """x (B, Hx, n_r, D), this rank's contiguous shard of `length` positions -> (B, Hx / W, length, D), this rank's
+    heads over every position."""
+    world = dist.get_world_size(group)
+    B, Hx, n, D = x.shape
+    heads = Hx // world
+    send = x.reshape(B, world, heads, n, D).transpose(0, 1).contiguous().reshape(-1)  # rank w's heads, in order
+    sizes = [b - a for a, b in chunk_bounds(length, world)]
+    recv = x.new_empty(B * heads * length * D)
+    dist.all_to_all_single(recv, send, output_split_sizes=[B * heads * s * D for s in sizes],
+                           input_split_sizes=[B * heads * n * D] * world, group=group)
+    parts = recv.split([B * heads * s * D for s in sizes])
+    return torch.cat([p.reshape(B, heads, s, D) for p, s in zip(parts, sizes)], dim=2)
+
+
+def heads_to_seq(y, length: int, group=None):
+    """The inverse: y (B, h, length, D), this rank's heads -> (B, h x W, n_r, D), every head of its positions."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, heads, _, D = y.shape
+    bounds = chunk_bounds(length, world)
+    n = bounds[rank][1] - bounds[rank][0]
+    send = torch.cat([y[:, :, a:b].reshape(-1) for a, b in bounds])  # positions of rank w, in order
+    recv = y.new_empty(world * B * heads * n * D)
+    dist.all_to_all_single(recv, send, output_split_sizes=[B * heads * n * D] * world,
+                           input_split_sizes=[B * heads * (b - a) * D for a, b in bounds], group=group)
+    return recv.reshape(world, B, heads, n, D).transpose(0, 1).reshape(B, world * heads, n, D)
+
+
+def ulysses_attention(q, k, v, *, Lq: int, Lk: int, causal=False, key_padding_mask=None, scale=None,
+                      stage: str = "reference", group=None):
+    """This rank's share of exact attention: q (B, H, nq, D), k and v (B, Hk, nk, D) contiguous shards (as
+    ``sharding.shard_pieces(..., "contiguous")``) of Lq queries and Lk keys. `causal`, `key_padding_mask`
+    (whole (B, Lk)) as in ``wb.attention``. Returns (out (B, H, nq, D) in q's dtype, lse (B, H, nq))."""
+    import wb_kernels as wb
+
+    world = dist.get_world_size(group)
+    H, Hk = q.shape[1], k.shape[1]
+    if H % world or Hk % world:
+        raise ValueError(f"ulysses_attention: W = {world} must divide the query heads ({H}) and the key/value heads "
+                         f"({Hk}); use the ring for more ranks than heads")
+    qh, kh, vh = seq_to_heads(q, Lq, group), seq_to_heads(k, Lk, group), seq_to_heads(v, Lk, group)
+    out, lse = wb.attention(qh, kh, vh, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                            return_lse=True)
+    return unpack(heads_to_seq(pack(out, lse), Lq, group), q.dtype)
