@@ -169,7 +169,9 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[COLS / 8][4], fl
         }
     }
 }
+// endregion
 
+// region: row_stats_and_stores
 // Each query row's LSE (base 2, +inf for no key) and Delta into shared memory, for a tile of ROWS query rows.
 template <int ROWS, int THREADS>
 __device__ __forceinline__ void load_row_stats(float* lse2, float* delta, const BackwardParams& p, int64_t bh_row0,
@@ -225,7 +227,9 @@ __device__ __forceinline__ void store_ds_transposed(T* ds_tile, const float (&ds
         }
     }
 }
+// endregion
 
+// region: add_ds_times_k
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
 __device__ __forceinline__ void add_ds_times_k(float* dq_accum, uint32_t ds_tile, uint32_t k_tile, int m0, int Lq) {
     constexpr int ROW_BLOCKS = BLOCK_M / 16, SLICES = NUM_WARPS / ROW_BLOCKS, COLS = HEAD_DIM / SLICES;
@@ -267,7 +271,9 @@ __device__ __forceinline__ void add_ds_times_k(float* dq_accum, uint32_t ds_tile
         }
     }
 }
+// endregion
 
+// region: convert_dq
 // v2's last step: dQ = scale * the fp32 buffer, rounded to T; 4 elements per thread (HEAD_DIM is a multiple of 4).
 template <typename T>
 __global__ void __launch_bounds__(256) convert_dq_kernel(const float* accum, T* dq, int64_t n, float scale) {
@@ -315,7 +321,9 @@ __global__ void __launch_bounds__(32 * NUM_WARPS) dkdv_kernel(const BackwardPara
     for (int d = 0; d < HEAD_DIM / 8; ++d)
 #pragma unroll
         for (int i = 0; i < 4; ++i) dk[d][i] = dv[d][i] = 0.0f;
+    // endregion
 
+    // region: dkdv_query_loop
     // Causal: query i sees key j only if i >= j - causal_offset; earlier query tiles see none of these keys.
     const int first_query = p.causal ? max(0, n0 - p.causal_offset) : 0;
     const int m_begin = first_query >= p.Lq ? p.Lq : first_query / BLOCK_M * BLOCK_M;
@@ -547,7 +555,9 @@ std::vector<torch::Tensor> flash_backward(torch::Tensor q, torch::Tensor k, torc
         return {dq, dk, dv};
     }
     if (q.numel() == 0) return {dq, dk, dv};
+    // endregion
 
+    // region: torch_entry_launch
     wb::BackwardParams params;
     params.q = q.data_ptr();
     params.k = k.data_ptr();
