@@ -162,6 +162,57 @@ def test_zigzag_balances_causal_work(world):
     assert sharding.predicted_efficiency(sharding.ring_work(world * 25, world * 25, world, "contiguous", None)) == 1.0
 
 
+# ---- one process (W = 1): dtypes and errors, without torchrun ---------------------------------------------------
+
+@pytest.fixture
+def single_rank():
+    """A gloo group of one rank in this process (no network: an in-memory store), torn down after the test."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+def test_single_rank_methods_keep_dtypes(single_rank):
+    import wb_kernels as wb
+    from wb_kernels.stages.distributed.decode import split_kv_decode
+    from wb_kernels.stages.distributed.ring import ring_attention
+    from wb_kernels.stages.distributed.ulysses import ulysses_attention
+
+    q, k, v, mask = run.make_inputs(run.Case(2, 4, 2, 9, 13, 8, "bottom_right", True), torch.float32, "cpu", 0)
+    want_out, want_lse = wb.attention(q, k, v, causal="bottom_right", key_padding_mask=mask, return_lse=True)
+    for method in (lambda: ring_attention(q, k, v, Lq=9, Lk=13, causal="bottom_right", key_padding_mask=mask),
+                   lambda: split_kv_decode(q, k, v, Lk=13, causal="bottom_right", key_padding_mask=mask),
+                   lambda: ulysses_attention(q, k, v, Lq=9, Lk=13, causal="bottom_right", key_padding_mask=mask)):
+        out, lse = method()
+        assert out.dtype == lse.dtype == torch.float32  # fp32 accumulation, the caller's dtype out
+        assert run._error(out, want_out) < 1e-6 and run._error(lse, want_lse) < 1e-6
+        assert lse[-1].eq(-math.inf).all() and out[-1].eq(0).all()  # the sequence with no key
+
+
+def test_wrong_shards_are_refused(single_rank):
+    from wb_kernels.stages.distributed.decode import split_kv_decode
+    from wb_kernels.stages.distributed.ring import ring_attention
+
+    q, k, v, _ = run.make_inputs(run.Case(1, 2, 2, 9, 13, 8), torch.float64, "cpu", 0)
+    with pytest.raises(ValueError, match="should hold 9 queries and 13 keys"):
+        ring_attention(q, k[:, :, :12], v[:, :, :12], Lq=9, Lk=13)
+    with pytest.raises(ValueError, match="should hold 14 keys"):
+        split_kv_decode(q, k, v, Lk=14)
+
+
+def test_ulysses_refuses_more_ranks_than_heads(monkeypatch):
+    from wb_kernels.stages.distributed import ulysses
+
+    monkeypatch.setattr(ulysses.dist, "get_world_size", lambda group=None: 3)
+    q, k, v, _ = run.make_inputs(run.Case(1, 6, 2, 9, 9, 8), torch.float64, "cpu", 0)
+    with pytest.raises(ValueError, match=r"W = 3 must divide .* \(6\) and .* \(2\)"):
+        ulysses.ulysses_attention(q, k, v, Lq=9, Lk=9)
+
+
 # ---- torchrun, gloo -------------------------------------------------------------------------------------------
 
 def test_run_refuses_bad_arguments(monkeypatch):
