@@ -23,7 +23,6 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
