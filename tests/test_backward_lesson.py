@@ -1,8 +1,12 @@
 """Lesson 08_backward's CPU side: the blockwise NumPy backward (wb_kernels/stages/backward/blockwise.py) against the
-float64 reference's gradients, and the figures and counts of its slider.py. The kernels have their own files
-(tests/test_backward.py, tests/test_backward_mma.py); the exercises and the puzzle are in tests/test_exercises.py."""
+float64 reference's gradients, the figures and counts of its slider.py, and its region cells (every region of both
+backward kernels shown in file order; the numba factory rebuilt from edited pieces, wb_kernels/region_cells.py). The
+kernels have their own files (tests/test_backward.py, tests/test_backward_mma.py); the exercises and the puzzle are
+in tests/test_exercises.py."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,3 +124,66 @@ def test_owner_maps_cover_each_pair_once_and_match_the_mask(causal):
             assert (dq[i, j] >= 0) == allowed[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].any()
     fig = slider.draw_schedule(Lq, Lk, block_m=bm, block_n=bn, causal=causal)
     assert len(fig.axes) == 2
+
+
+# --- the lesson's region cells: every region of both backward kernels, the numba factory rebuilt from them ----------
+
+REPO = Path(__file__).resolve().parent.parent
+LESSON = REPO / "notebooks" / "08_backward.ipynb"
+NUMBA_FILE = "wb_kernels/stages/backward/cuda_cores.py"
+
+
+@pytest.mark.parametrize("file", [NUMBA_FILE, "wb_kernels/stages/backward/flash_backward.cu"])
+def test_the_lesson_shows_every_region_of_the_kernels_in_file_order(file):
+    from wb_kernels.sync import module_regions, notebook_regions
+
+    shown = [name for name, module, _ in notebook_regions(LESSON) if module == file]
+    assert shown == list(module_regions(REPO / file)), "show every region once, in the file's order"
+
+
+def test_the_backward_pieces_rebuild_the_package_factory():
+    import inspect
+
+    from wb_kernels import region_cells
+    from wb_kernels.stages.backward import cuda_cores
+    from wb_kernels.sync import module_regions
+
+    function, pieces = region_cells.PIECES[NUMBA_FILE]
+    assert [name for name in module_regions(REPO / NUMBA_FILE) if name in pieces] == list(pieces)
+    rebuilt = region_cells.assemble(NUMBA_FILE)
+    assert inspect.getsource(rebuilt) == inspect.getsource(getattr(cuda_cores, function))
+
+
+def test_an_edited_backward_piece_is_what_the_launcher_runs(monkeypatch, capsys):
+    from wb_kernels import region_cells
+    from wb_kernels.stages.backward import cuda_cores
+    from wb_kernels.sync import module_regions
+
+    shipped = module_regions(REPO / NUMBA_FILE)["backward_dkdv_accumulate"]
+    edited = shipped.replace("acc_dv[i, dd] += p_reg[i]", "acc_dv[i, dd] += 2 * p_reg[i]")
+    assert edited != shipped
+    namespace = {}
+    # the lesson defines its own get_kernels from the rebuilt factory; here the module's is patched the same way
+    monkeypatch.setattr(cuda_cores, "get_kernels", lambda D, config: namespace["make_backward_kernels"](D, config))
+    q, k, v = wb.random_qkv(1, 2, 13, 16, Lk=11, seed=5)
+    k, v = k[:, :1].copy(), v[:, :1].copy()  # GQA
+    dout = np.random.default_rng(6).standard_normal(q.shape).astype(np.float32)
+    out, lse = wb.attention(q, k, v, stage="flash", causal="bottom_right", return_lse=True)
+
+    def gradients_pass():
+        grads = cuda_cores.flash_gradients(q, k, v, out, lse, dout, causal="bottom_right")
+        return wb.check_gradients("flash", grads, q, k, v, dout, causal="bottom_right", verbose=False,
+                                  raise_on_failure=False).passed
+
+    try:
+        region_cells.record_piece(NUMBA_FILE, "backward_dkdv_accumulate", edited, namespace)
+        assert "edited (1 line(s) differ" in capsys.readouterr().out
+        assert region_cells.edited_pieces() == [(NUMBA_FILE, "backward_dkdv_accumulate")]
+        assert not gradients_pass()
+        region_cells.record_piece(NUMBA_FILE, "backward_dkdv_accumulate", shipped, namespace)
+        assert "as in" in capsys.readouterr().out
+        assert gradients_pass()
+    finally:
+        region_cells.reset()
+    with pytest.raises(KeyError, match="not a piece"):
+        region_cells.record_piece(NUMBA_FILE, "backward_launch", "")
