@@ -77,10 +77,8 @@ def _backward_fake(dout, q, k, v, out, lse, key_padding_mask, stage, causal, sca
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _save_for_backward(ctx, inputs, output):
-    q, k, v, key_padding_mask, stage, causal, scale, _ = inputs
-    get_backward(stage)  # a stage without one is refused while tracing too, not first in the backward pass
-    out, lse = output
+def _keep_for_backward(ctx, q, k, v, key_padding_mask, out, lse, stage, causal, scale):
+    """What both autograd paths save: the inputs, out and the LSE (never P: the backward recomputes it)."""
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
     ctx.stage, ctx.causal, ctx.scale = stage, causal, scale
     ctx.mark_non_differentiable(lse)  # Backward.gradients takes dL/d(out) only
@@ -89,13 +87,23 @@ def _save_for_backward(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _gradient(ctx, dout, _dlse):
-    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+def _gradients(ctx, dout, backward):
+    """The 8 gradients of the forward's arguments from `backward` (the op, or its real implementation)."""
     if dout is None:  # (grads are not materialized: the loss did not depend on out)
         return None, None, None, None, None, None, None, None
-    dq, dk, dv = torch.ops.wb.attention_backward(dout, q, k, v, out, lse, key_padding_mask, ctx.stage, ctx.causal,
-                                                 ctx.scale)
+    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+    dq, dk, dv = backward(dout, q, k, v, out, lse, key_padding_mask, ctx.stage, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None, None, None
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, key_padding_mask, stage, causal, scale, _ = inputs
+    get_backward(stage)  # a stage without one is refused while tracing too, not first in the backward pass
+    _keep_for_backward(ctx, q, k, v, key_padding_mask, *output, stage, causal, scale)
+
+
+def _gradient(ctx, dout, _dlse):
+    return _gradients(ctx, dout, torch.ops.wb.attention_backward)
 
 
 class EagerAttention(torch.autograd.Function):
@@ -113,17 +121,9 @@ class EagerAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, key_padding_mask, spec, causal, scale, check_finite):
         out, lse = api.run_forward(spec, q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
                                    check_finite=check_finite)
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
-        ctx.stage, ctx.causal, ctx.scale = spec.name, causal, scale
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
+        _keep_for_backward(ctx, q, k, v, key_padding_mask, out, lse, spec.name, causal or "", scale)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if dout is None:
-            return None, None, None, None, None, None, None, None
-        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        dq, dk, dv = api.run_backward(get_backward(ctx.stage), q, k, v, out, lse, dout,
-                                      key_padding_mask=key_padding_mask, causal=ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        return _gradients(ctx, dout, _backward)
