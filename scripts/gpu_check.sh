@@ -22,6 +22,7 @@
 #   WB_GIT_COMMIT=<commit>: the commit results files record, when this copy's .git is not the one it came from
 #   TESTS_WORKERS=8 (default): pytest-xdist processes sharing the GPU for the unit tests; 0 = one process
 #   PROPERTIES_WORKERS=5 (default): the same for the property tests (one stage each); 0 = one process
+#   PROPERTIES_K="gradients": only the property tests whose names match (pytest -k), e.g. after a backward change
 #
 # Wheels for packages the machine lacks may wait in .whl/ (README, "Checking on a GPU"); they are
 # installed into a private folder first. Output goes to $OUT (default ./gpu-out) as it happens:
@@ -107,7 +108,7 @@ if has properties; then
     prop_workers=(-n "${PROPERTIES_WORKERS:-5}")
   fi
   run_step properties "${PROPERTIES_LIMIT:-300}" python3 -m pytest -v -rP --tb=short -p no:cacheprovider \
-    "${prop_workers[@]}" --junitxml=logs/properties.xml tests/test_properties.py -W ignore::numba.core.errors.NumbaPerformanceWarning
+    "${prop_workers[@]}" ${PROPERTIES_K:+-k "$PROPERTIES_K"} --junitxml=logs/properties.xml tests/test_properties.py -W ignore::numba.core.errors.NumbaPerformanceWarning
   grep -E "(FAILED|ERROR)( |$)|random problems matched" logs/properties.log | tee -a "$LOG" | head -n 60
 fi
 if has accuracy; then
