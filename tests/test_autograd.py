@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -169,6 +171,32 @@ def test_torch_compile_fullgraph_and_export():
     torch.testing.assert_close(model.qkv.weight.grad, eager_grad)
     exported = torch.export.export(model, (x,))
     torch.testing.assert_close(exported.module()(x), eager_out)
+
+
+_COMPILE_FIRST_CALL = """
+import sys
+first, second = sys.argv[1:]
+__import__(first); __import__(second)
+import torch, wb_kernels as wb
+q = torch.randn(1, 2, 5, 16, dtype=torch.float64)
+compiled = torch.compile(lambda q: wb.attention(q, q, q, stage="reference"), fullgraph=True, backend="aot_eager")
+try:
+    print("ran", torch.allclose(compiled(q), wb.attention(q, q, q, stage="reference")))
+except Exception as error:
+    print("refused", "imported wb_kernels before torch" in str(error))
+"""
+
+
+@pytest.mark.parametrize("order, expected", [(("torch", "wb_kernels"), "ran True"),
+                                             (("wb_kernels", "torch"), "refused True")])
+def test_a_compiled_first_call_finds_the_op_or_says_why(order, expected):
+    """The op is defined at import when torch came first, so a process whose first call is compiled (fullgraph) runs;
+    the other import order cannot define it in time (the compiler refuses to trace its definition) and says how to
+    fix that. A fresh process each: in this one the op is long defined (the H100 run at c11746a failed this way
+    when the compiled test happened to be a worker's first call)."""
+    found = subprocess.run([sys.executable, "-c", _COMPILE_FIRST_CALL, *order], capture_output=True, text=True,
+                           timeout=240)
+    assert found.stdout.strip().splitlines()[-1:] == [expected], found.stdout + found.stderr[-2000:]
 
 
 def test_nan_pass_runs_inside_the_compiled_op():

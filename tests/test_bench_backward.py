@@ -109,6 +109,17 @@ def test_tiny_run_checks_and_records(tmp_path):
     # the same command resumes: nothing left to run
     again = bw.run_backward(["backward-smoke"], out, policy=FAST, progress=False, table=table, log=lambda *a: None)
     assert len(again["records"]) == len(records)
+    # a failed record is kept as done, unless retry_failed asks for it again (after a fix): then it is measured anew
+    key = bw.backward_record_key("sdpa", "bwd", workloads[0])
+    saved = json.loads(out.read_text())
+    next(r for r in saved["records"] if r["key"] == key).update(status="failed", reason="made up by the test")
+    out.write_text(json.dumps(saved))
+    kept = bw.run_backward(["backward-smoke"], out, policy=FAST, progress=False, table=table, log=lambda *a: None)
+    assert {r["key"]: r for r in kept["records"]}[key]["status"] == "failed"
+    retried = bw.run_backward(["backward-smoke"], out, policy=FAST, progress=False, table=table, retry_failed=True,
+                              log=lambda *a: None)
+    assert len(retried["records"]) == len(records)
+    assert {r["key"]: r for r in retried["records"]}[key]["status"] == "ok"
 
 
 def test_command_line_refuses_what_cannot_run_here(capsys):

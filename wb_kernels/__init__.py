@@ -27,3 +27,9 @@ __all__ = [
     "get_backward", "peak_memory", "time_call",
 ]
 __version__ = "0.1.0"
+
+if "torch" in __import__("sys").modules:  # torch came first: define torch.ops.wb.attention now (api._register_op)
+    from .api import _register_op
+
+    _register_op()
+    del _register_op

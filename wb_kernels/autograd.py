@@ -26,7 +26,7 @@ from . import api
 from .stages import get_backward
 from .validation import validate_inputs
 
-__all__ = ["register", "EagerAttention"]
+__all__ = ["register", "registered", "EagerAttention"]
 
 _LIBRARY = None  # the torch.library.Library, once registered: one registration per process
 
@@ -49,6 +49,11 @@ def register() -> None:
     torch.library.register_fake("wb::attention_backward", _backward_fake, lib=library)
     torch.library.register_autograd("wb::attention", _gradient, setup_context=_save_for_backward, lib=library)
     _LIBRARY = library
+
+
+def registered() -> bool:
+    """Whether :func:`register` has run in this process."""
+    return _LIBRARY is not None
 
 
 def _options(causal: str, scale):

@@ -293,6 +293,14 @@ def _flex_prepare(q, k, v, dout, workload, mode):
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    import torch._functorch.config as functorch_config
+
+    # The bwd mode runs one forward and times its backward again and again (retain_graph=True); a backward compiled
+    # with donated buffers refuses that (measured on the H100: RuntimeError on every bwd row). A patch of the setting
+    # around the first calls was not enough (the run at c11746a failed every bwd row the same way), so it is off for
+    # the whole benchmark process, before anything is compiled (only FlexAttention is compiled there; donated
+    # buffers save memory, not time).
+    functorch_config.donated_buffer = False
     if workload not in _FLEX_COMPILED:
         _FLEX_COMPILED.clear()
         torch._dynamo.reset()  # see measure._flex_prepare: past the recompile limit it would run unfused
@@ -300,16 +308,9 @@ def _flex_prepare(q, k, v, dout, workload, mode):
                       if workload.causal else None)
         _FLEX_COMPILED[workload] = (torch.compile(flex_attention, dynamic=False, fullgraph=True), block_mask)
     compiled, block_mask = _FLEX_COMPILED[workload]
-    # The bwd mode runs one forward and times its backward again and again (retain_graph=True); a backward compiled
-    # with donated buffers refuses that (measured on the H100: RuntimeError on every bwd row), so FlexAttention is
-    # compiled without them in both modes (they save memory, not time; one compiled function serves both). The
-    # setting is read when the graphs compile: the first calls, here.
-    import torch._functorch.config as functorch_config
-
-    with functorch_config.patch(donated_buffer=False):
-        call = _autograd_call(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=workload.Hk != workload.H),
-                              (q, k, v), dout, mode)
-        call()
+    call = _autograd_call(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=workload.Hk != workload.H),
+                          (q, k, v), dout, mode)
+    call()
     return call
 
 
@@ -494,10 +495,12 @@ def _new_backward(presets, command) -> dict:
     return {**_new_results(presets, command), "kind": "backward", "notes": BACKWARD_NOTES}
 
 
-def run_backward(presets, out_path, *, policy: Optional[TimingPolicy] = None, resume: bool = True, seed: int = 0,
+def run_backward(presets, out_path, *, policy: Optional[TimingPolicy] = None, resume: bool = True,
+                 retry_failed: bool = False, seed: int = 0,
                  progress: bool = True, time_budget: Optional[float] = None, table: Optional[dict] = None,
                  command: Optional[str] = None, log=print) -> dict:
-    """Run the backward `presets` (names in :data:`BACKWARD_PRESETS`) into `out_path`; return the results."""
+    """Run the backward `presets` (names in :data:`BACKWARD_PRESETS`) into `out_path`; return the results.
+    `retry_failed`: drop the records a resumed file holds as failed, so that they are measured again."""
     from ..widgets import progress as show_progress
 
     started = time.monotonic()
@@ -509,6 +512,8 @@ def run_backward(presets, out_path, *, policy: Optional[TimingPolicy] = None, re
                            fresh=_new_backward)
     stamp_timing(results, policy, out_path)
     results["contenders"] = {name: c.what for name, c in table.items()}
+    if retry_failed:  # a fixed contender's failed rows are measured again, not kept as done
+        results["records"] = [r for r in results["records"] if r["status"] != "failed"]
     done = {r["key"] for r in results["records"]}
     jobs = plan_backward(presets, table)
     todo = [job for job in jobs if backward_record_key(job[0].name, job[2], job[1]) not in done]

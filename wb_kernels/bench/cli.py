@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-repeats", type=int, default=3)
     parser.add_argument("--max-repeats", type=int, default=100)
     parser.add_argument("--no-flush", action="store_true", help="do not flush the L2 cache between repeats")
+    parser.add_argument("--retry-failed", action="store_true",
+                        help="backward presets: measure again the records a resumed file holds as failed (after a "
+                             "fix), instead of keeping them as done")
     parser.add_argument("--time-failed-checks", action="store_true",
                         help="also time a stage whose output fails the check (flagged check_failed in the file, "
                              "marked in figures and the README table); by default it is recorded as failed, untimed")
@@ -199,7 +202,8 @@ def main(argv=None) -> int:
                        progress=not args.no_progress, time_budget=args.time_budget, command=command)
         elif backward:
             run_backward([group for p in backward for group in BACKWARD_GROUPS[p]], out, policy=policy,
-                         resume=not args.fresh, seed=args.seed, progress=not args.no_progress,
+                         resume=not args.fresh, retry_failed=args.retry_failed, seed=args.seed,
+                         progress=not args.no_progress,
                          time_budget=args.time_budget, command=command)
         else:
             sweeps = [sweep for p in dict.fromkeys(presets) for sweep in PRESETS.get(p, [])]
