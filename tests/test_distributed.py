@@ -21,7 +21,7 @@ import torch
 
 from wb_kernels.reference import causal_offset
 from wb_kernels.stages.decode.splitkv import merge_partials, partial_attention
-from wb_kernels.stages.distributed import merge, run, sharding
+from wb_kernels.stages.distributed import merge, run, scaling, sharding
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_SECONDS = 150  # a launch takes ~6 s at W = 2 and ~11 s at W = 4 on 2 idle cores
@@ -291,3 +291,114 @@ def test_float32_results_are_graded_by_the_projects_rule():
     assert records and all(x["status"] == "ok" and x["check"]["passed"] for x in records), records
     assert all(x["check"]["error"] <= x["check"]["tolerance"] for x in records)
     assert {x["overlap"] for x in records if x["method"] in ("ring", "zigzag")} == {True}
+
+
+# ---- the scaling benchmark: reading results (the lesson's functions) and the CPU smoke run ------------------------
+
+def _synthetic_scaling(date="2026-11-26T10:00:00Z", gpu="NVIDIA H200"):
+    """A small results file of the benchmark's schema, made up for the tests (never committed to results/)."""
+    records = []
+    for L in (32768, 65536, 131072):
+        for causal in (False, True):
+            for method, overlap, efficiency in (("ring", True, 0.93), ("ring", False, 0.90), ("zigzag", True, 0.88),
+                                                ("ulysses", False, 0.91), ("context_parallel", False, 0.95)):
+                if method == "zigzag" and not causal:
+                    continue
+                problem = scaling.Problem("float16", 1, 16, 16, L, 128, causal)
+                key = scaling.Method(method, "sdpa" if method == "context_parallel" else "mma", overlap).key(problem)
+                records.append({"key": key, "method": method, "local": "mma", **problem.__dict__, "world_size": 2,
+                                "overlap": overlap, "median_ms": 10.0, "one_gpu_ms": 20.0 * efficiency,
+                                "efficiency": efficiency, "status": "ok", "reason": "",
+                                "check": {"error": 1e-4, "tolerance": 2e-3, "passed": True}})
+    records.append({**records[-1], "key": "context_parallel | float16 B1 H32/8 L32768 D128 causal", "H": 32, "Hk": 8,
+                    "status": "failed", "reason": "RuntimeError: made up", "median_ms": None, "efficiency": None})
+    return {"schema": 1, "environment": {"date": date, "gpu": gpu, "world_size": 2, "torch": "2.11.0+cu130",
+                                         "nccl": "2.27.5", "git_commit": "abc1234"},
+            "command": "python -m torch.distributed.run ...", "timing": {"method": "CUDA events", "repeats": 5},
+            "records": records, "unavailable": {}, "complete": True}
+
+
+def test_scaling_table_and_figure_read_a_results_file(tmp_path):
+    path = tmp_path / "scaling_h200x2.json"
+    path.write_text(json.dumps(_synthetic_scaling()))
+    results = scaling.load_scaling(path)
+    table = scaling.scaling_table(results)
+    first = table.splitlines()[0]
+    assert "NVIDIA H200" in first and "2026-11-26" in first and first.startswith("Scaling on 2x")
+    row = "| float16 | H16/16 | 128k | causal | zigzag | mma | yes | 10.00 | 17.60 | 88.0% | 1.0e-04 ≤ 2.0e-03 |"
+    assert row in table
+    assert "failed: RuntimeError: made up" in table
+    figure = scaling.efficiency_figure(results)
+    assert len(figure.axes) == 2
+    causal_axis = figure.axes[1]
+    labels = [line.get_label() for line in causal_axis.get_lines()]
+    assert "bar 85%" in labels and any("ceiling" in label for label in labels) and "zigzag H16/16" in labels
+    assert "bar 90%" in [line.get_label() for line in figure.axes[0].get_lines()]
+    assert "ring (no overlap) H16/16" in labels
+    bad = tmp_path / "old.json"
+    bad.write_text(json.dumps({**_synthetic_scaling(), "schema": 0}))
+    with pytest.raises(ValueError, match="schema"):
+        scaling.load_scaling(bad)
+
+
+def test_find_scaling_results_takes_the_newest_committed_file(tmp_path):
+    assert scaling.find_scaling_results(tmp_path) is None
+    folder = tmp_path / "results" / "distributed"
+    folder.mkdir(parents=True)
+    (folder / "scaling_h100x2.json").write_text(json.dumps(_synthetic_scaling("2026-11-20T10:00:00Z", "H100")))
+    (folder / "scaling_h200x2.json").write_text(json.dumps(_synthetic_scaling("2026-11-26T10:00:00Z")))
+    (folder / "notes.json").write_text("{}")
+    assert scaling.find_scaling_results(tmp_path).name == "scaling_h200x2.json"  # not a git checkout: every file
+    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "add", "results/distributed/scaling_h100x2.json"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "results"], cwd=tmp_path, check=True)
+    assert scaling.find_scaling_results(tmp_path).name == "scaling_h100x2.json"  # the newer one is not committed
+
+
+def test_resumed_records_mark_the_interrupted_one_failed():
+    old = _synthetic_scaling()
+    kept = old["records"][:3]
+    old["records"], old["in_progress"] = kept, {**old["records"][3], "status": "failed", "reason": ""}
+    done = scaling.resumed_records(old)
+    assert [done[r["key"]] for r in kept] == kept
+    interrupted = done[old["in_progress"]["key"]]
+    assert interrupted["status"] == "failed" and "stopped inside it" in interrupted["reason"]
+    assert scaling.resumed_records(None) == {}
+
+
+def test_scaling_problems_and_methods():
+    gpu = scaling.problems("gpu", ("float16", "bfloat16"))
+    assert gpu[0] == scaling.Problem("float16", 1, 16, 16, 32768, 128, False)
+    assert {p.L for p in gpu} == {32768, 65536, 131072, 262144} and {(p.H, p.Hk) for p in gpu} == {(16, 16), (32, 8)}
+    assert all(p.dtype == "float16" for p in gpu[:14]) and any(p.dtype == "bfloat16" for p in gpu)
+    causal = [m.name for m in scaling.methods_for(scaling.Problem("float16", 1, 16, 16, 8, 128, True), "mma")]
+    full = [m.key(gpu[0]) for m in scaling.methods_for(gpu[0], "mma")]
+    assert causal == ["ring", "ring", "zigzag", "ulysses", "context_parallel"]
+    assert full == [f"{name} | {gpu[0].key()}" for name in ("ring", "ring (no overlap)", "ulysses",
+                                                              "context_parallel")]
+    with pytest.raises(ValueError, match="preset"):
+        scaling.problems("huge")
+
+
+def test_scaling_smoke_run_on_gloo_writes_and_resumes(tmp_path):
+    """The benchmark end to end at W = 2 on the CPU (gloo, the reference stage, tiny sizes): every method checked,
+    context_parallel recorded as unavailable; the same command again measures nothing new."""
+    arguments = ("--out", str(tmp_path), "--preset", "smoke", "--backend", "gloo", "--device", "cpu",
+                 "--timeout", "60", "--repeats", "2")
+    stdout, _ = _torchrun(2, "wb_kernels.stages.distributed.scaling", *arguments)
+    path = tmp_path / "scaling_cpux2.json"
+    results = scaling.load_scaling(path)
+    assert results["complete"] and results["environment"]["world_size"] == 2
+    assert "CUDA" in results["unavailable"]["context_parallel"]
+    statuses = {(r["method"], r["status"]) for r in results["records"]}
+    assert statuses == {("ring", "ok"), ("zigzag", "ok"), ("ulysses", "ok"), ("context_parallel", "skipped")}
+    for r in results["records"]:
+        if r["status"] == "ok":
+            assert r["check"]["passed"] and r["check"]["error"] <= r["check"]["tolerance"]
+            assert r["check"]["one_gpu_distance"] < 1e-5 and r["efficiency"] > 0
+    assert {r["overlap"] for r in results["records"] if r["method"] == "ring"} == {True, False}
+    assert "Scaling on 2x CPU processes (gloo)" in stdout
+    again, _ = _torchrun(2, "wb_kernels.stages.distributed.scaling", *arguments)
+    assert scaling.load_scaling(path)["records"] == results["records"]
+    assert " s] " not in again  # no progress line: nothing was measured again

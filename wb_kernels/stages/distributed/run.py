@@ -94,7 +94,7 @@ TENSOR_CORE_SEQUENCE_CASES = (
     Case(1, 4, 1, 701, 1029, 128, "top_left"),
     Case(1, 4, 2, 1029, 701, 64, "bottom_right"),
     Case(2, 4, 4, 701, 1029, 128, "none", True),
-    Case(1, 8, 8, 4099, 4099, 128, "top_left"),
+    Case(1, 2, 1, 2053, 2053, 128, "top_left"),  # many tiles; the float64 reference of the check stays cheap
 )
 TENSOR_CORE_ULYSSES_CASES = (
     Case(1, 8, 4, 1037, 1037, 128),
