@@ -3,10 +3,10 @@
 # benchmarks. Run from the repository root on a machine with an NVIDIA GPU, torch with CUDA and numba-cuda.
 #
 #   scripts/gpu_check.sh [STEP ...]      steps: env build traffic tests properties accuracy bench notebooks tune
-#                                        tokens
+#                                        tokens distributed
 #                                        (notebooks = execute, then nbval; each may be named alone)
-#                                        (default: all but tune and tokens, in that order: the lessons come after
-#                                        the benchmark because lesson 09 shows the newest results file)
+#                                        (default: all but tune, tokens and distributed, in that order: the lessons
+#                                        come after the benchmark because lesson 09 shows the newest results file)
 #   NOTEBOOKS="notebooks/04_*.ipynb" scripts/gpu_check.sh notebooks     only some lessons
 #   TESTS="tests/test_flash.py" scripts/gpu_check.sh tests             only some tests
 #   TUNE_RUNGS="mma" TUNE_ARGS="--quick" scripts/gpu_check.sh tune     only some rungs' tuning, fewer lengths
@@ -19,6 +19,13 @@
 #                                        trained with the mma stage and with SDPA into results/train/ (a few minutes)
 #   scripts/gpu_check.sh build tokens   the decoder's tokens/s with SDPA and wb.decode (lesson 07), into
 #                                        results/decode/decoder_<gpu>.json (about 1 min on an H100 after build)
+#   scripts/gpu_check.sh distributed    exact attention across GPUs (issue #32; needs 2 or more GPUs of one host):
+#                                        builds the mma extension, runs every method on NCCL in float16 and bfloat16
+#                                        graded by wb.check's rule, then the scaling benchmark against one GPU and
+#                                        PyTorch's context_parallel into results/distributed/scaling_<gpu>x<W>.json
+#                                        (copied to $OUT; put it back into results/distributed/ and the same command
+#                                        resumes it). About 7 min on 2 H100s. DIST_WORLD=4: four GPUs;
+#                                        DIST_SCALING_ARGS="--dtypes float16": passed on to the benchmark
 #   WB_GIT_COMMIT=<commit>: the commit results files record, when this copy's .git is not the one it came from
 #   TESTS_WORKERS=8 (default): pytest-xdist processes sharing the GPU for the unit tests; 0 = one process
 #   PROPERTIES_WORKERS=5 (default): the same for the property tests (one stage each); 0 = one process
@@ -162,6 +169,45 @@ if has tokens; then
   gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
   run_step tokens "${TOKENS_LIMIT:-300}" python3 -m wb_kernels.stages.decode.tokens \
     --json "results/decode/decoder_$gpu.json"
+fi
+if has distributed; then
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
+  world=${DIST_WORLD:-2}
+  if [ "${gpus:-0}" -lt "$world" ]; then
+    echo "== distributed: skipped, needs $world GPUs of one host, found ${gpus:-0}" | tee -a "$LOG"
+  else
+    # the extension first, in one process: the ranks would otherwise build it side by side into one cache
+    run_step build_mma 300 python3 -c "import time; from wb_kernels.stages.mma import build; t = time.time(); \
+build.build(build.package_source()); print(f'mma extension ready in {time.time() - t:.1f} s')"
+    # every method (ring, zigzag, ulysses, split-KV decode) on NCCL, each rank's attention the mma stage, the whole
+    # result graded by wb.check's rule (2x SDPA's error in the same precision); --timeout bounds every collective
+    # (one JSON line per rank and case, kept in results/distributed/; a file without failures is not run again)
+    mkdir -p results/distributed
+    gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
+    for dtype in float16 bfloat16; do
+      checked="results/distributed/nccl_${gpu}x${world}_$dtype.jsonl"
+      if [ -s "$checked" ] && ! grep -q '"status": "FAILED"' "$checked"; then
+        echo "== distributed_nccl_$dtype: passed before, see $checked" | tee -a "$LOG"
+        continue
+      fi
+      run_step "distributed_nccl_$dtype" "${DIST_CHECK_LIMIT:-180}" python3 -m torch.distributed.run --standalone \
+        --nproc_per_node="$world" -m wb_kernels.stages.distributed.run --backend nccl --dtype "$dtype" --stage mma \
+        --timeout 60 --json
+      grep "^{" "logs/distributed_nccl_$dtype.log" > "$checked"
+      grep -E '"status": "FAILED"' "$checked" | tee -a "$LOG" | head -n 20
+      echo "== distributed_nccl_$dtype: $(grep -c '"status": "ok"' "$checked") ok, $(grep -c '"status": "FAILED"' \
+"$checked") failed (rank-case lines)" | tee -a "$LOG"
+    done
+    # the benchmark stops starting problems 120 s before its limit (a problem takes up to about a minute) and
+    # resumes from results/distributed/ when run again; a SIGTERM at the limit leaves the record under way untried
+    limit=${DIST_SCALING_LIMIT:-300}
+    # shellcheck disable=SC2086
+    run_step distributed_scaling "$limit" python3 -m torch.distributed.run --standalone --nproc_per_node="$world" \
+      -m wb_kernels.stages.distributed.scaling --out results/distributed --time-budget $(( limit - 120 )) \
+      --timeout 60 ${DIST_SCALING_ARGS:-}
+    cp results/distributed/scaling_*.json results/distributed/nccl_*.jsonl "$OUT"/ 2>/dev/null
+    pack
+  fi
 fi
 if compgen -G "logs/*.xml" >/dev/null; then
   # the README's status (scripts/status.py --update-readme) is rendered from these counts, not typed

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["accumulation_dtype", "merge_stack", "merge_pair", "pack", "unpack"]
+__all__ = ["accumulation_dtype", "merge_stack", "merge_pair", "merge_into", "pack", "unpack"]
 
 
 def accumulation_dtype(dtype):
@@ -48,6 +48,24 @@ def merge_pair(out_a, lse_a, out_b, lse_b):
     `out_a` (the accumulator's: the caller converts `out_b`)."""
     dtype = out_a.dtype
     return merge_stack(torch.stack([out_a, out_b.to(dtype)]), torch.stack([lse_a.to(dtype), lse_b.to(dtype)]))
+
+
+def merge_into(acc_out, acc_lse, out, lse):
+    """Merge (out, lse) into the accumulator (acc_out, acc_lse) in place: :func:`merge_pair`'s result, written where
+    the accumulator is (views such as ``acc[:, :, rows]`` included). The ring merges once per block and step; at
+    L = 128k an fp32 accumulator is half a GB per rank, so :func:`merge_pair`'s stacked copies would cost several
+    passes over it where this makes one: scale the accumulator, add the new part (``addcmul_`` converts `out`
+    on the fly). Same guards: a row that neither side has seen stays 0 / -inf, never NaN."""
+    lse = lse.to(acc_lse.dtype)
+    top = torch.maximum(acc_lse, lse)
+    seen = top != float("-inf")
+    shift = torch.where(seen, top, torch.zeros_like(top))
+    old_weight, new_weight = torch.exp(acc_lse - shift), torch.exp(lse - shift)
+    total = old_weight + new_weight
+    safe_total = torch.where(seen, total, torch.ones_like(total))
+    acc_out.mul_((old_weight / safe_total).unsqueeze(-1))
+    acc_out.addcmul_(out, (new_weight / safe_total).unsqueeze(-1))
+    acc_lse.copy_(torch.where(seen, shift + torch.log(safe_total), top))
 
 
 def pack(out, lse):

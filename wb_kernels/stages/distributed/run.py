@@ -10,8 +10,13 @@ Every rank builds the same inputs (seeded), computes the single-process result w
 sequence, runs the method on its shard, and compares its rows (output and LSE). One line per rank and case
 (``--json``: one JSON object per line); the exit status is 1 if any comparison failed. ``--case`` replaces the
 built-in cases: ``B,H,Hk,Lq,Lk,D,causal,mask`` with causal one of none/top_left/bottom_right and mask 0/1 (1: a
-random key padding mask whose last sequence, when B > 1, has no key at all). ``--backend nccl`` puts each rank on
-``cuda:LOCAL_RANK`` (untested here: see NOTES.md).
+random key padding mask whose last sequence, when B > 1, has no key at all).
+
+Outside float64 (``--backend nccl --dtype float16 --stage mma``, each rank on ``cuda:LOCAL_RANK``) the rows of every
+rank are gathered into the whole output and graded by the project's rule, ``wb.check``: at most 2x the error that
+PyTorch's SDPA makes on one device in the same precision, against the float64 reference (the distance to the one
+process's result is reported beside it). The default cases then are tensor-core sized (D 64 and 128, lengths near
+1000 that divide by nothing in particular), since such a stage takes no D = 8.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .decode import split_kv_decode
+from .merge import pack, unpack
 from .ring import ring_attention
 from .sharding import local_indices
 from .ulysses import ulysses_attention
@@ -79,6 +85,37 @@ DECODE_CASES = (  # a decode step (Lq = 1) and a few queries (speculative or chu
 )
 CASES = {"ring": SEQUENCE_CASES, "zigzag": SEQUENCE_CASES, "ulysses": ULYSSES_CASES, "decode": DECODE_CASES}
 
+# The same kinds of problem at the sizes a tensor-core stage takes (D 64 or 128): for --dtype float16/bfloat16 with
+# --stage mma on NCCL. Lengths are odd or prime, so shards and zigzag chunks differ in length.
+TENSOR_CORE_SEQUENCE_CASES = (
+    Case(1, 4, 4, 1037, 1037, 128),
+    Case(2, 4, 2, 1037, 1037, 64, "top_left"),
+    Case(2, 4, 2, 533, 533, 128, "bottom_right", True),
+    Case(1, 4, 1, 701, 1029, 128, "top_left"),
+    Case(1, 4, 2, 1029, 701, 64, "bottom_right"),
+    Case(2, 4, 4, 701, 1029, 128, "none", True),
+    Case(1, 2, 1, 2053, 2053, 128, "top_left"),  # many tiles; the float64 reference of the check stays cheap
+)
+TENSOR_CORE_ULYSSES_CASES = (
+    Case(1, 8, 4, 1037, 1037, 128),
+    Case(2, 8, 4, 701, 1029, 64, "bottom_right", True),
+    Case(1, 8, 8, 1029, 701, 128, "top_left"),
+)
+TENSOR_CORE_DECODE_CASES = (
+    Case(2, 8, 2, 1, 4099, 128, "none", True),
+    Case(1, 8, 8, 5, 2051, 64, "bottom_right"),
+)
+TENSOR_CORE_CASES = {"ring": TENSOR_CORE_SEQUENCE_CASES, "zigzag": TENSOR_CORE_SEQUENCE_CASES,
+                     "ulysses": TENSOR_CORE_ULYSSES_CASES, "decode": TENSOR_CORE_DECODE_CASES}
+
+
+def default_cases(stage: str):
+    """The built-in cases for `stage`: the small ones (D 4 and 8) where it takes them, else the tensor-core ones."""
+    import wb_kernels as wb
+
+    head_dims = wb.get_stage(stage).head_dims
+    return CASES if head_dims is None or {4, 8} <= set(head_dims) else TENSOR_CORE_CASES
+
 
 def parse_case(text: str) -> Case:
     fields = text.split(",")
@@ -103,9 +140,10 @@ def make_inputs(case: Case, dtype, device, seed: int):
     return (*(x.to(device=device, dtype=dtype) for x in (q, k, v)), mask)
 
 
-def run_case(method: str, case: Case, *, dtype, device, stage: str, seed: int):
+def run_case(method: str, case: Case, *, dtype, device, stage: str, seed: int, grade: bool = False):
     """(out_err, lse_err) of this rank's rows against the single-process result; None where the method does not
-    apply (Ulysses with W not dividing the heads)."""
+    apply (Ulysses with W not dividing the heads). With `grade`, a third item: ``wb.check``'s CheckResult for the
+    whole output gathered from every rank (every rank grades the same gathered result)."""
     import wb_kernels as wb
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -127,7 +165,33 @@ def run_case(method: str, case: Case, *, dtype, device, stage: str, seed: int):
         extra = {} if method == "ulysses" else {"layout": layout}
         out, lse = function(q[:, :, rows].contiguous(), k_local, v_local, Lq=case.Lq, Lk=case.Lk, causal=causal,
                             key_padding_mask=mask, stage=stage, **extra)
-    return _error(out, ref_out[:, :, rows]), _error(lse, ref_lse[:, :, rows])
+    errors = (_error(out, ref_out[:, :, rows]), _error(lse, ref_lse[:, :, rows]))
+    if not grade:
+        return errors
+    if method == "decode":  # every rank already holds the whole result
+        whole_out, whole_lse = out, lse
+    else:
+        whole_out, whole_lse = gather_rows(out, lse, case.Lq, layout)
+    graded = wb.check(f"{method} {case.label()}", whole_out, q, k, v, lse=whole_lse, causal=causal,
+                      key_padding_mask=mask, verbose=False, raise_on_failure=False)
+    return (*errors, graded)
+
+
+def gather_rows(out, lse, length: int, layout: str, group=None):
+    """Every rank's rows (out (B, H, n_r, D), lse (B, H, n_r) under `layout`) put together in global order: the
+    whole (out, lse) on every rank. One all-gather of (out, LSE) packed and padded to the longest shard."""
+    world = dist.get_world_size(group)
+    indices = [local_indices(length, world, r, layout) for r in range(world)]
+    longest = max(len(i) for i in indices)
+    mine = pack(out, lse)
+    padded = mine.new_zeros(mine.shape[:2] + (longest, mine.shape[3]))
+    padded[:, :, :mine.shape[2]] = mine
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    whole = mine.new_empty(mine.shape[:2] + (length, mine.shape[3]))
+    for rows, part in zip(indices, gathered):
+        whole[:, :, torch.as_tensor(rows, device=whole.device)] = part[:, :, :len(rows)]
+    return unpack(whole, out.dtype)
 
 
 def _error(got, want) -> float:
@@ -138,6 +202,17 @@ def _error(got, want) -> float:
     same_inf = torch.isinf(got) & torch.isinf(want) & (got == want)
     diff = torch.where(same_inf, torch.zeros_like(got), (got - want).abs())
     return float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0
+
+
+def init_ranks(backend: str, timeout: float):
+    """Join the process group that torchrun describes (its environment variables), every collective bounded by
+    `timeout` seconds (a hang fails). NCCL: each rank on ``cuda:LOCAL_RANK``. Returns this rank's device."""
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return device
 
 
 def _say(line: str) -> None:
@@ -156,8 +231,9 @@ def main(argv=None) -> int:
     parser.add_argument("--stage", default="reference", help="the rung each rank's local attention runs")
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     parser.add_argument("--case", action="append", type=parse_case, help="B,H,Hk,Lq,Lk,D,causal,mask (repeatable)")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="largest accepted error (default 1e-12 in float64; set one for other dtypes)")
+    parser.add_argument("--tolerance", type=float, default=1e-12,
+                        help="float64: the largest accepted distance to one process (default 1e-12); other dtypes "
+                             "are graded by wb.check's rule instead")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait before failing")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
     args = parser.parse_args(argv)
@@ -165,33 +241,39 @@ def main(argv=None) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--method: unknown {', '.join(unknown)}; expected {', '.join(METHODS)}")
-    if args.tolerance is None and args.dtype != "float64":
-        parser.error("--tolerance is needed outside float64 (exactness is only promised in float64)")
-    tolerance = 1e-12 if args.tolerance is None else args.tolerance
     if "RANK" not in os.environ:
         parser.error("start this module with torchrun (python -m torch.distributed.run --nproc_per_node=W -m ...)")
 
-    device = torch.device("cpu")
-    if args.backend == "nccl":  # untested here: no GPUs
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
+    device = init_ranks(args.backend, args.timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
+    grade = args.dtype != "float64"
+    cases = default_cases(args.stage)
     failed = 0
     try:
         for method in methods:
-            for index, case in enumerate(args.case or CASES[method]):
+            for index, case in enumerate(args.case or cases[method]):
                 errors = run_case(method, case, dtype=getattr(torch, args.dtype), device=device, stage=args.stage,
-                                  seed=1000 + index)
-                record = {"rank": rank, "world": world, "method": method, "case": case.label(), **asdict(case)}
+                                  seed=1000 + index, grade=grade)
+                record = {"rank": rank, "world": world, "method": method, "case": case.label(), **asdict(case),
+                          "dtype": args.dtype, "stage": args.stage, "backend": args.backend,
+                          "overlap": method in ("ring", "zigzag")}
                 if errors is None:
                     record.update(status="skipped", reason=f"W = {world} does not divide H = {case.H}, Hk = {case.Hk}")
+                    detail = record["reason"]
                 else:
-                    ok = max(errors) <= tolerance
+                    record.update(out_err=errors[0], lse_err=errors[1])
+                    detail = f"max|out - one process| {errors[0]:.1e}  max|lse - one process| {errors[1]:.1e}"
+                    if grade:
+                        graded = errors[2]
+                        ok = graded.passed
+                        record["check"] = {"error": graded.max_err, "tolerance": graded.tol,
+                                           "lse_error": graded.lse_err, "lse_tolerance": graded.lse_tol,
+                                           "passed": graded.passed}
+                        detail = f"{graded.line()}  ({detail})"
+                    else:
+                        ok = max(errors) <= args.tolerance
                     failed += not ok
-                    record.update(status="ok" if ok else "FAILED", out_err=errors[0], lse_err=errors[1])
-                detail = (record.get("reason") if errors is None
-                          else f"max|out - ref| {errors[0]:.1e}  max|lse - ref| {errors[1]:.1e}")
+                    record["status"] = "ok" if ok else "FAILED"
                 _say(json.dumps(record) if args.json
                      else f"rank {rank}/{world} {method:7s} {case.label():40s} {record['status']:7s} {detail}")
     finally:

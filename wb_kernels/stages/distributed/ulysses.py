@@ -48,10 +48,11 @@ def heads_to_seq(y, length: int, group=None):
 
 
 def ulysses_attention(q, k, v, *, Lq: int, Lk: int, causal=False, key_padding_mask=None, scale=None,
-                      stage: str = "reference", group=None):
+                      stage: str = "reference", group=None, check_finite=True):
     """This rank's share of exact attention: q (B, H, nq, D), k and v (B, Hk, nk, D) contiguous shards (as
     ``sharding.shard_pieces(..., "contiguous")``) of Lq queries and Lk keys. `causal`, `key_padding_mask`
-    (whole (B, Lk)) as in ``wb.attention``. Returns (out (B, H, nq, D) in q's dtype, lse (B, H, nq))."""
+    (whole (B, Lk)) and `check_finite` as in ``wb.attention``. Returns (out (B, H, nq, D) in q's dtype, lse
+    (B, H, nq))."""
     import wb_kernels as wb
 
     world = dist.get_world_size(group)
@@ -61,5 +62,5 @@ def ulysses_attention(q, k, v, *, Lq: int, Lk: int, causal=False, key_padding_ma
                          f"({Hk}); use the ring for more ranks than heads")
     qh, kh, vh = seq_to_heads(q, Lq, group), seq_to_heads(k, Lk, group), seq_to_heads(v, Lk, group)
     out, lse = wb.attention(qh, kh, vh, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                            return_lse=True)
+                            return_lse=True, check_finite=check_finite)
     return unpack(heads_to_seq(pack(out, lse), Lq, group), q.dtype)
