@@ -1,4 +1,4 @@
-"""One plot style for every lesson (01-09) and the benchmark, and saving into ``figures/``; and the picture of
+"""One plot style for every lesson (01-10) and the benchmark, and saving into ``figures/``; and the picture of
 the two causal alignments that ``wb.attention``'s docstring describes (:func:`causal_alignment_figure`).
 
 PNG files are written without timestamps or software versions in their metadata, so re-running a

@@ -1,4 +1,4 @@
-"""Exact attention across processes (issue #32; its lesson comes later): the merge of lessons 04 and 07 over ranks.
+"""Exact attention across processes (issue #32; lesson 09_distributed): the merge of lessons 04 and 07 over ranks.
 
 This folder has no ``STAGE``: like the backward rung, it uses the other stages (each rank's local attention is
 ``wb.attention(..., stage=..., return_lse=True)``) and adds the communication around them, on ``torch.distributed``
@@ -14,10 +14,14 @@ Files:
   block's attention; contiguous or zigzag layout.
 - ``ulysses.py``: DeepSpeed-Ulysses, ``all_to_all_single`` from sequence-sharded to head-sharded and back.
 - ``run.py``: the torchrun entry point that checks every method against one process.
+- ``slider.py``: lesson 09's figures and models: the ring in one process, which blocks each rank computes at each
+  step, the overlap condition, ring against Ulysses bytes, the plan past one machine, torchrun from a cell.
+- ``exercises.py`` / ``solutions.py``: lesson 09's exercises and its puzzle (the ring's merge step), and their answers.
 - ``NOTES.md``: the design and what remains for GPUs.
 
-Tests: ``tests/test_distributed.py``. Only ``sharding`` is imported here: the folder is imported whenever the stages
-are discovered, and torch.distributed is not needed for that.
+Tests: ``tests/test_distributed.py``; the lesson's logic in ``tests/test_distributed_lesson.py``. Only ``sharding``
+is imported here: the folder is imported whenever the stages are discovered, and torch.distributed is not needed for
+that.
 """
 
 from .sharding import causal_ceiling, chunk_bounds, local_indices, pair_blocks, shard_pieces  # noqa: F401
