@@ -24,7 +24,8 @@
 #                                        graded by wb.check's rule, then the scaling benchmark against one GPU and
 #                                        PyTorch's context_parallel into results/distributed/scaling_<gpu>x<W>.json
 #                                        (copied to $OUT; put it back into results/distributed/ and the same command
-#                                        resumes it). About 7 min on 2 H100s. DIST_WORLD=4: four GPUs;
+#                                        resumes it). At most DIST_LIMIT (480) s plus the wheels: the benchmark gets
+#                                        what the build and the checks leave. DIST_WORLD=4: four GPUs;
 #                                        DIST_SCALING_ARGS="--dtypes float16": passed on to the benchmark
 #   WB_GIT_COMMIT=<commit>: the commit results files record, when this copy's .git is not the one it came from
 #   TESTS_WORKERS=8 (default): pytest-xdist processes sharing the GPU for the unit tests; 0 = one process
@@ -68,6 +69,7 @@ run_step() {  # name, seconds, command...: log to logs/<name>.log and $LOG, stop
   local t0=$SECONDS
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "logs/$name.log" >> "$LOG"
   local rc=${PIPESTATUS[0]}
+  last_rc=$rc
   echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
   tail -n 15 "logs/$name.log"
   [ "$rc" -eq 0 ] || status=1
@@ -176,11 +178,13 @@ if has distributed; then
   if [ "${gpus:-0}" -lt "$world" ]; then
     echo "== distributed: skipped, needs $world GPUs of one host, found ${gpus:-0}" | tee -a "$LOG"
   else
+    dist_started=$SECONDS  # the benchmark gets what is left of DIST_LIMIT (480 s) after the build and the checks
     # the extension first, in one process: the ranks would otherwise build it side by side into one cache
     run_step build_mma 300 python3 -c "import time; from wb_kernels.stages.mma import build; t = time.time(); \
 build.build(build.package_source()); print(f'mma extension ready in {time.time() - t:.1f} s')"
-    # every method (ring, zigzag, ulysses, split-KV decode) on NCCL, each rank's attention the mma stage, the whole
-    # result graded by wb.check's rule (2x SDPA's error in the same precision); --timeout bounds every collective
+    # every method (ring, zigzag, ulysses, split-KV decode, the ring's backward) on NCCL, each rank's attention the
+    # mma stage, the whole result graded by wb.check's rule (2x SDPA's error in the same precision; the gradients by
+    # wb.check_gradients'); --timeout bounds every collective
     # (one JSON line per rank and case, kept in results/distributed/; a file without failures is not run again)
     mkdir -p results/distributed
     gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
@@ -194,16 +198,19 @@ build.build(build.package_source()); print(f'mma extension ready in {time.time()
         --nproc_per_node="$world" -m wb_kernels.stages.distributed.run --backend nccl --dtype "$dtype" --stage mma \
         --timeout 60 --json
       grep "^{" "logs/distributed_nccl_$dtype.log" > "$checked"
+      # a run that stopped part-way (a crash, the limit) is not "passed before", whatever lines it left
+      [ "$last_rc" -eq 0 ] || echo "{\"status\": \"FAILED\", \"reason\": \"torchrun exit $last_rc\"}" >> "$checked"
       grep -E '"status": "FAILED"' "$checked" | tee -a "$LOG" | head -n 20
       echo "== distributed_nccl_$dtype: $(grep -c '"status": "ok"' "$checked") ok, $(grep -c '"status": "FAILED"' \
 "$checked") failed (rank-case lines)" | tee -a "$LOG"
     done
-    # the benchmark stops starting problems 120 s before its limit (a problem takes up to about a minute) and
+    # the benchmark stops starting problems 110 s before its limit (a problem takes up to about a minute) and
     # resumes from results/distributed/ when run again; a SIGTERM at the limit leaves the record under way untried
-    limit=${DIST_SCALING_LIMIT:-300}
+    limit=$(( ${DIST_LIMIT:-480} - (SECONDS - dist_started) ))
+    [ "$limit" -ge 150 ] || limit=150
     # shellcheck disable=SC2086
     run_step distributed_scaling "$limit" python3 -m torch.distributed.run --standalone --nproc_per_node="$world" \
-      -m wb_kernels.stages.distributed.scaling --out results/distributed --time-budget $(( limit - 120 )) \
+      -m wb_kernels.stages.distributed.scaling --out results/distributed --time-budget $(( limit - 110 )) \
       --timeout 60 ${DIST_SCALING_ARGS:-}
     cp results/distributed/scaling_*.json results/distributed/nccl_*.jsonl "$OUT"/ 2>/dev/null
     pack
