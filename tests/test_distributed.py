@@ -340,6 +340,14 @@ def test_scaling_table_and_figure_read_a_results_file(tmp_path):
     assert "bar 85%" in labels and any("ceiling" in label for label in labels) and "zigzag H16/16" in labels
     assert "bar 90%" in [line.get_label() for line in figure.axes[0].get_lines()]
     assert "ring (no overlap) H16/16" in labels
+    bars = scaling.bar_results(results)
+    assert {(x["method"], x["causal"], x["met"]) for x in bars} >= {("ring", False, True), ("zigzag", True, True),
+                                                                   ("ring (no overlap)", False, True)}
+    assert all(x["bar"] == (0.85 if x["causal"] else 0.90) for x in bars)
+    for r in results["records"]:  # zigzag below its bar
+        if r["method"] == "zigzag" and r["L"] == 131072:
+            r["efficiency"] = 0.80
+    assert [x["met"] for x in scaling.bar_results(results) if x["method"] == "zigzag"] == [False]
     bad = tmp_path / "old.json"
     bad.write_text(json.dumps({**_synthetic_scaling(), "schema": 0}))
     with pytest.raises(ValueError, match="schema"):

@@ -28,7 +28,8 @@ kept, and a record that a previous run started but never finished (a crash, or a
 recorded as failed instead of being tried again.
 
 What the lesson uses, on any machine (no GPU, no torch.distributed): :func:`find_scaling_results`,
-:func:`load_scaling`, :func:`scaling_table` and :func:`efficiency_figure`. Tests: ``tests/test_distributed.py``.
+:func:`load_scaling`, :func:`scaling_table`, :func:`efficiency_figure` and :func:`bar_results`. Tests:
+``tests/test_distributed.py``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ CHECK_ROWS = 32  # query rows graded against float64 per problem (the last ones:
 # the float64 reference is NumPy on one core: 32 rows x 4 heads x 256k keys take about 10 s)
 
 __all__ = ["SCHEMA", "METHODS", "BARS", "Problem", "Method", "problems", "methods_for", "find_scaling_results",
-           "load_scaling", "scaling_table", "efficiency_figure", "resumed_records", "main"]
+           "load_scaling", "scaling_table", "efficiency_figure", "bar_results", "resumed_records", "main"]
 
 
 # ---- what is measured ---------------------------------------------------------------------------------------------
@@ -192,6 +193,20 @@ def scaling_table(results) -> str:
     return "\n".join(lines)
 
 
+def bar_results(results, L: int = 128 * 1024) -> list:
+    """Issue #32's first bar at sequence length `L` (on 2 GPUs): for every measured record at `L`, a dict with its
+    method, dtype, heads, mask, efficiency, the bar that applies (90 % non-causal, 85 % causal) and whether it is
+    met. The bar is meant for the ring without a mask and zigzag with one; the others are listed for comparison."""
+    rows = []
+    for r in results["records"]:
+        if r["status"] == "ok" and r["L"] == L:
+            bar = BARS[bool(r["causal"])]
+            rows.append({"method": r["method"] + _overlap_note(r), "dtype": r["dtype"], "heads": _heads(r),
+                         "causal": r["causal"], "efficiency": r["efficiency"], "bar": bar,
+                         "met": r["efficiency"] >= bar})
+    return rows
+
+
 def efficiency_figure(results, dtype: str | None = None):
     """Scaling efficiency against L, one panel without and one with a causal mask, a line per method (dashed:
     GQA), with the bars of issue #32 (90 % non-causal, 85 % causal) and, causal, the contiguous ring's ceiling
@@ -224,6 +239,9 @@ def efficiency_figure(results, dtype: str | None = None):
             ax.axhline(causal_ceiling(world), color="grey", linewidth=0.8, linestyle=":",
                        label=f"contiguous ceiling W/(2W-1) = {causal_ceiling(world):.0%}")
         ax.set_xscale("log", base=2)
+        lengths = sorted({r["L"] for r in ok})
+        ax.set_xticks(lengths, [_length(L) for L in lengths])
+        ax.minorticks_off()
         ax.set_xlabel("sequence length L")
         ax.set_ylabel("scaling efficiency")
         ax.set_title(f"{'causal' if causal else 'non-causal'}, {dtype}")
