@@ -172,9 +172,13 @@ def _headline(results) -> str:
 def scaling_table(results) -> str:
     """The records as a Markdown table, its first line naming the GPUs and the date; efficiency = one-GPU time /
     (W x W-GPU time)."""
-    lines = [f"Scaling on {_headline(results)}; efficiency = one-GPU time / (W x W-GPU time)", "",
-             "| dtype | heads | L | mask | method | local | overlap | W-GPU ms | one-GPU ms | efficiency | check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"Scaling on {_headline(results)}; efficiency = one-GPU time / (W x W-GPU time)", ""]
+    link = results.get("link")
+    if link:
+        lines += [f"Link: {link['gb_per_s']:.0f} GB/s per direction ({link['megabytes']} MiB in "
+                  f"{link['median_ms']:.2f} ms, {link['what']})", ""]
+    lines += ["| dtype | heads | L | mask | method | local | overlap | W-GPU ms | one-GPU ms | efficiency | check |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     order = {name: i for i, name in enumerate(METHODS)}
     records = sorted(results["records"], key=lambda r: (r["dtype"], r["H"], r["causal"], r["L"],
                                                         order.get(r["method"], 9), not r.get("overlap")))
@@ -441,6 +445,27 @@ def _grade(method: Method, problem: Problem, q, k, v, out, lse, rows, one_gpu_ou
             "rows": f"last {n} query rows, query heads 0-{group - 1} (KV head 0), every key, against float64"}
 
 
+def measure_link(ranks: Ranks, *, megabytes: int, warmup: int, repeats: int) -> dict:
+    """The ring's own exchange (:class:`.ring.BlockExchange`: send `megabytes` MiB to the next rank, receive as much
+    from the previous one) timed like the methods: the bandwidth per direction that the overlap condition of the
+    lesson needs (tokens per shard >= achieved FLOP/s / link bandwidth)."""
+    import torch
+
+    from .ring import BlockExchange
+
+    block = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=ranks.device).view(1, 1, 1, -1, 1)
+    side_stream = torch.cuda.Stream(ranks.device) if ranks.cuda else None
+    world, rank = ranks.world, ranks.rank
+
+    def exchange():
+        return BlockExchange(block, block.shape[3], send_to=(rank + 1) % world, receive_from=(rank - 1) % world,
+                             group=None, side_stream=side_stream).finish()
+
+    median, _ = ranks.time(exchange, warmup=warmup, repeats=repeats)
+    return {"megabytes": megabytes, "median_ms": median, "gb_per_s": block.numel() / median / 1e6,
+            "what": "one ring exchange (batch_isend_irecv: send to rank + 1, receive from rank - 1), per direction"}
+
+
 def _environment(ranks: Ranks, stage: str) -> dict:
     import torch
 
@@ -513,6 +538,8 @@ def run_benchmark(args, ranks: Ranks) -> dict:
                "records": [], "unavailable": {}, "complete": False}
     done = resumed_records(old)
     results["records"] = list(done.values())
+    results["link"] = measure_link(ranks, megabytes=256 if ranks.cuda else 4, warmup=args.warmup + 1,
+                                   repeats=args.repeats)
     cp = ContextParallel(ranks)
     if cp.reason:
         results["unavailable"]["context_parallel"] = cp.reason
