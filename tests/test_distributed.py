@@ -397,8 +397,7 @@ def test_scaling_problems_and_methods():
 def test_scaling_smoke_run_on_gloo_writes_and_resumes(tmp_path):
     """The benchmark end to end at W = 2 on the CPU (gloo, the reference stage, tiny sizes): every method checked,
     context_parallel recorded as unavailable; the same command again measures nothing new."""
-    arguments = ("--out", str(tmp_path), "--preset", "smoke", "--backend", "gloo", "--device", "cpu",
-                 "--timeout", "60", "--repeats", "2")
+    arguments = ("--out", str(tmp_path), "--backend", "gloo", "--device", "cpu", "--timeout", "60", "--repeats", "2")
     stdout, _ = _torchrun(2, "wb_kernels.stages.distributed.scaling", *arguments)
     path = tmp_path / "scaling_cpux2.json"
     results = scaling.load_scaling(path)

@@ -5,7 +5,7 @@ Start it with torchrun (rank code must live in a module)::
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m wb_kernels.stages.distributed.scaling \\
         --out results/distributed [--dtypes float16,bfloat16] [--time-budget 300]
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m wb_kernels.stages.distributed.scaling \\
-        --out DIR --preset smoke --backend gloo --device cpu        # tiny sizes on the CPU (the test runs it)
+        --out DIR --backend gloo --device cpu        # the smoke preset: tiny sizes on the CPU (the test runs it)
 
 For every problem (dtype, B, H, Hk, L, D, causal) it times, with CUDA events, the median of several repeats after a
 warm-up, every rank waiting at a barrier before each repeat, each repeat's time being the slowest rank's:
@@ -652,7 +652,8 @@ def main(argv=None) -> int:
         prog="python -m torch.distributed.run ... -m wb_kernels.stages.distributed.scaling",
         description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder of the results file scaling_<gpu>x<W>.json")
-    parser.add_argument("--preset", default="gpu", choices=("gpu", "smoke"))
+    parser.add_argument("--preset", default=None, choices=("gpu", "smoke"),
+                        help="problems (default: gpu; smoke with --device cpu: tiny float32 ones)")
     parser.add_argument("--dtypes", default="float16,bfloat16",
                         help="comma-separated; the first gets every problem, the others L <= 128k at H = 16")
     parser.add_argument("--stage", default=None, help="local rung of ours (default: mma on GPUs, reference on CPU)")
@@ -665,6 +666,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds a collective may wait before failing")
     args = parser.parse_args(argv)
     args.argv = argv
+    args.preset = args.preset or ("smoke" if args.device == "cpu" else "gpu")
     args.dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
     if args.preset == "smoke":
         args.dtypes = ("float32",)
