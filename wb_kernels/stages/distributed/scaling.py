@@ -79,7 +79,7 @@ class Method:
     overlap: bool = True  # ring and zigzag: the next block's transfer overlaps this block's attention
 
     def key(self, problem: Problem) -> str:
-        return f"{self.name}{_overlap_note(asdict(self) | {'method': self.name})} | {problem.key()}"
+        return f"{self.name}{_overlap_note({'method': self.name, 'overlap': self.overlap})} | {problem.key()}"
 
 
 def problems(preset: str, dtypes=("float16",)) -> list:
@@ -158,7 +158,7 @@ def _length(L: int) -> str:
 
 
 def _overlap_note(record) -> str:
-    """" (no overlap)" for a ring timed without overlap (the others say nothing)."""
+    """The label's suffix ' (no overlap)' for a ring timed without overlap; empty for everything else."""
     return " (no overlap)" if record["method"] in ("ring", "zigzag") and not record.get("overlap") else ""
 
 
@@ -281,10 +281,10 @@ class Ranks:
         else:
             self.dist.barrier()
 
-    def reduce(self, values, op="max"):
-        """`values` (floats) reduced over ranks element by element, the same on every rank."""
+    def max_over_ranks(self, values):
+        """The largest of every rank's `values` (floats), element by element: the same list on every rank."""
         tensor = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
-        self.dist.all_reduce(tensor, op=self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM)
+        self.dist.all_reduce(tensor, op=self.dist.ReduceOp.MAX)
         return tensor.tolist()
 
     def time(self, function, *, warmup: int, repeats: int):
@@ -307,7 +307,7 @@ class Ranks:
                 elapsed = (time.perf_counter() - began) * 1e3
             if repeat >= warmup:
                 times.append(elapsed)
-        return statistics.median(self.reduce(times)), result
+        return statistics.median(self.max_over_ranks(times)), result
 
 
 def _make_inputs(problem: Problem, device, seed: int):
@@ -433,7 +433,7 @@ def _grade(method: Method, problem: Problem, q, k, v, out, lse, rows, one_gpu_ou
         if lse is not None:
             piece[:, :, rows[mine] - first, -1] = lse[:, :group][:, :, mine].float()
     ranks.dist.all_reduce(piece)  # each row is held by exactly one rank: the sum is a gather
-    distance = ranks.reduce([distance])[0]
+    distance = ranks.max_over_ranks([distance])[0]
     if ranks.rank != 0:
         return None
     q_slice, k_slice, v_slice = q[:, :group, first:], k[:, :1], v[:, :1]
@@ -560,7 +560,7 @@ def run_benchmark(args, ranks: Ranks) -> dict:
             todo = [m for m in methods_for(problem, args.stage) if m.key(problem) not in done]
             if not todo:
                 continue
-            go = ranks.reduce([float(time.monotonic() - started < args.time_budget)], op="max")[0]  # rank-agnostic
+            go = ranks.max_over_ranks([float(time.monotonic() - started < args.time_budget)])[0]  # rank-agnostic
             if not go:
                 out_of_time = True
                 break
@@ -608,7 +608,7 @@ def run_benchmark(args, ranks: Ranks) -> dict:
                                       efficiency=base_ms / (ranks.world * median), check=check)
                     except Exception as failure:  # noqa: BLE001 - recorded; the ranks agree below
                         error = f"{type(failure).__name__}: {failure}"[:500]
-                    failed_somewhere = ranks.reduce([float(bool(error))])[0]
+                    failed_somewhere = ranks.max_over_ranks([float(bool(error))])[0]
                     if failed_somewhere:
                         record.update(status="failed", reason=error or "failed on another rank")
                     elif ranks.rank == 0 and not record["check"]["passed"]:
@@ -679,17 +679,17 @@ def main(argv=None) -> int:
     try:
         ranks = Ranks(device)
         results = run_benchmark(args, ranks)
-        if ranks.rank == 0:
-            failed = [r["key"] for r in results["records"] if r["status"] == "failed"]
+        failed = [r["key"] for r in results["records"] if r["status"] == "failed"]
+        if ranks.rank == 0:  # (only rank 0 knows the verdicts of the float64 checks: the exit status is its)
             _say(f"{len(results['records'])} records, {len(failed)} failed, complete: {results['complete']}; "
                  f"written to {_results_path(Path(args.out), ranks)}")
             _say(scaling_table(results))
-        failed = ranks.reduce([float(any(r["status"] == "failed" for r in results["records"]))])[0]
+        any_failed = ranks.max_over_ranks([float(bool(failed))])[0]
     finally:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    return 1 if failed else 0
+    return 1 if any_failed else 0
 
 
 if __name__ == "__main__":
