@@ -220,6 +220,23 @@ def test_wrong_shards_are_refused(single_rank):
         split_kv_decode(q, k, v, Lk=14)
 
 
+def test_single_rank_ring_backward_is_lesson_08s(single_rank):
+    """W = 1: one block, the whole forward's out and LSE: the gradients of reference_backward; wrong shards refused."""
+    import wb_kernels as wb
+    from wb_kernels.stages.distributed.ring import ring_attention, ring_attention_backward
+
+    q, k, v, mask = run.make_inputs(run.Case(2, 4, 2, 9, 13, 8, "bottom_right", True), torch.float64, "cpu", 0)
+    dout = torch.randn(q.shape, dtype=torch.float64)
+    out, lse = ring_attention(q, k, v, Lq=9, Lk=13, causal="bottom_right", key_padding_mask=mask)
+    grads = ring_attention_backward(q, k, v, out, lse, dout, Lq=9, Lk=13, causal="bottom_right", key_padding_mask=mask,
+                                    overlap=False)
+    want = wb.attention_backward(q, k, v, dout, causal="bottom_right", key_padding_mask=mask)
+    assert all(run._error(got, ref) < 1e-14 for got, ref in zip(grads, want))
+    assert grads[0][-1].eq(0).all()  # the sequence with no key: no gradient
+    with pytest.raises(ValueError, match="should hold 9 queries"):
+        ring_attention_backward(q, k, v, out[:, :, :8], lse, dout, Lq=9, Lk=13)
+
+
 def test_ulysses_refuses_more_ranks_than_heads(monkeypatch):
     from wb_kernels.stages.distributed import ulysses
 
