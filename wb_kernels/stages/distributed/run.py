@@ -4,12 +4,12 @@ Start with torchrun (rank code must live in a module: functions defined in a not
 ``mp.spawn``)::
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m wb_kernels.stages.distributed.run \\
-        [--method ring,zigzag,ulysses,decode,ring_backward,zigzag_backward] [--dtype float64] [--stage reference]
-        [--json]
+        [--method ring,zigzag,ulysses,decode,ring_backward,zigzag_backward,ulysses_backward] [--dtype float64]
+        [--stage reference] [--json]
 
 Every rank builds the same inputs (seeded), computes the single-process result with ``wb.attention`` on the whole
-sequence, runs the method on its shard, and compares its rows (output and LSE; for ``ring_backward`` and
-``zigzag_backward``, the ring forward then its backward, dq, dk and dv against ``wb.attention_backward``). One line per rank and case
+sequence, runs the method on its shard, and compares its rows (output and LSE; for the ``*_backward`` methods, the
+method's forward then its backward, dq, dk and dv against ``wb.attention_backward``). One line per rank and case
 (``--json``: one JSON object per line); the exit status is 1 if any comparison failed. ``--case`` replaces the
 built-in cases: ``B,H,Hk,Lq,Lk,D,causal,mask`` with causal one of none/top_left/bottom_right and mask 0/1 (1: a
 random key padding mask whose last sequence, when B > 1, has no key at all).
@@ -37,9 +37,9 @@ from .decode import split_kv_decode
 from .merge import pack, unpack
 from .ring import ring_attention, ring_attention_backward
 from .sharding import local_indices
-from .ulysses import ulysses_attention
+from .ulysses import ulysses_attention, ulysses_attention_backward
 
-METHODS = ("ring", "zigzag", "ulysses", "decode", "ring_backward", "zigzag_backward")
+METHODS = ("ring", "zigzag", "ulysses", "decode", "ring_backward", "zigzag_backward", "ulysses_backward")
 CAUSAL = {"none": False, "top_left": "top_left", "bottom_right": "bottom_right"}
 
 
@@ -86,7 +86,7 @@ DECODE_CASES = (  # a decode step (Lq = 1) and a few queries (speculative or chu
     Case(1, 2, 2, 5, 41, 8, "top_left"),
 )
 CASES = {"ring": SEQUENCE_CASES, "zigzag": SEQUENCE_CASES, "ulysses": ULYSSES_CASES, "decode": DECODE_CASES,
-         "ring_backward": SEQUENCE_CASES, "zigzag_backward": SEQUENCE_CASES}
+         "ring_backward": SEQUENCE_CASES, "zigzag_backward": SEQUENCE_CASES, "ulysses_backward": ULYSSES_CASES}
 
 # The same kinds of problem at the sizes a tensor-core stage takes (D 64 or 128): for --dtype float16/bfloat16 with
 # --stage mma on NCCL. Lengths are odd or prime, so shards and zigzag chunks differ in length.
@@ -116,7 +116,8 @@ TENSOR_CORE_BACKWARD_CASES = (  # fewer: wb.check_gradients' float64 reference a
 )
 TENSOR_CORE_CASES = {"ring": TENSOR_CORE_SEQUENCE_CASES, "zigzag": TENSOR_CORE_SEQUENCE_CASES,
                      "ulysses": TENSOR_CORE_ULYSSES_CASES, "decode": TENSOR_CORE_DECODE_CASES,
-                     "ring_backward": TENSOR_CORE_BACKWARD_CASES, "zigzag_backward": TENSOR_CORE_BACKWARD_CASES}
+                     "ring_backward": TENSOR_CORE_BACKWARD_CASES, "zigzag_backward": TENSOR_CORE_BACKWARD_CASES,
+                     "ulysses_backward": TENSOR_CORE_ULYSSES_CASES[:2]}
 
 
 def default_cases(stage: str):
@@ -159,7 +160,7 @@ def run_case(method: str, case: Case, *, dtype, device, stage: str, seed: int, g
 
     world, rank = dist.get_world_size(), dist.get_rank()
     causal = CAUSAL[case.causal]
-    if method == "ulysses" and (case.H % world or case.Hk % world):
+    if method.startswith("ulysses") and (case.H % world or case.Hk % world):
         return None
     q, k, v, mask = make_inputs(case, dtype, device, seed)
     layout = "zigzag" if method.startswith("zigzag") else "contiguous"
@@ -192,8 +193,8 @@ def run_case(method: str, case: Case, *, dtype, device, stage: str, seed: int, g
 
 
 def _run_backward_case(method, case, q, k, v, mask, k_local, v_local, rows, kidx, layout, common, *, seed, grade):
-    """run_case for ``ring_backward`` and ``zigzag_backward``: the ring forward, then its backward, against one
-    process's ``wb.attention_backward`` (the whole problem, the same stage)."""
+    """run_case for ``ring_backward``, ``zigzag_backward`` and ``ulysses_backward``: the method's forward, then its
+    backward, against one process's ``wb.attention_backward`` (the whole problem, the same stage)."""
     import wb_kernels as wb
 
     generator = torch.Generator().manual_seed(seed + 1)
@@ -201,8 +202,13 @@ def _run_backward_case(method, case, q, k, v, mask, k_local, v_local, rows, kidx
     ref_dq, ref_dk, ref_dv = wb.attention_backward(q, k, v, dout, stage=common["stage"], causal=common["causal"],
                                                    key_padding_mask=mask)
     q_local, dout_local = q[:, :, rows].contiguous(), dout[:, :, rows].contiguous()
-    out, lse = ring_attention(q_local, k_local, v_local, layout=layout, **common)
-    dq, dk, dv = ring_attention_backward(q_local, k_local, v_local, out, lse, dout_local, layout=layout, **common)
+    if method == "ulysses_backward":
+        out, lse = ulysses_attention(q_local, k_local, v_local, **common)
+        dq, dk, dv = ulysses_attention_backward(q_local, k_local, v_local, out, lse, dout_local, **common)
+    else:
+        out, lse = ring_attention(q_local, k_local, v_local, layout=layout, **common)
+        dq, dk, dv = ring_attention_backward(q_local, k_local, v_local, out, lse, dout_local, layout=layout,
+                                             **common)
     errors = {"dq": _error(dq, ref_dq[:, :, rows]), "dk": _error(dk, ref_dk[:, :, kidx]),
               "dv": _error(dv, ref_dv[:, :, kidx])}
     if not grade:
