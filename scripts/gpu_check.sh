@@ -192,17 +192,18 @@ if has distributed; then
     # the forward's and the backward's extensions first, one process each: the ranks would otherwise build them
     # side by side into one cache
     has build || build_rungs mma backward
-    # every method (ring, zigzag, ulysses, split-KV decode, the ring's backward) on NCCL, each rank's attention the
-    # mma stage, the whole result graded by wb.check's rule (2x SDPA's error in the same precision; the gradients by
-    # wb.check_gradients'); --timeout bounds every collective
-    # (one JSON line per rank and case, kept in results/distributed/; a file without failures is not run again)
+    # every method (ring, zigzag, ulysses, split-KV decode, the backwards) on NCCL, each rank's attention the mma
+    # stage, the whole result graded by wb.check's rule (2x SDPA's error in the same precision; the gradients by
+    # wb.check_gradients'); --timeout bounds every collective. One JSON line per rank and case, kept in
+    # results/distributed/; a file without failures is not run again. float16 and bfloat16 side by side: their
+    # float64 checks are NumPy on the CPU, one core per rank.
     mkdir -p results/distributed
     gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
-    for dtype in float16 bfloat16; do
-      checked="results/distributed/nccl_${gpu}x${world}_$dtype.jsonl"
+    check_nccl() {  # dtype: run.py's cases on NCCL into results/distributed/nccl_<gpu>x<W>_<dtype>.jsonl
+      local dtype=$1 checked="results/distributed/nccl_${gpu}x${world}_$1.jsonl"
       if [ -s "$checked" ] && ! grep -q '"status": "FAILED"' "$checked"; then
         echo "== distributed_nccl_$dtype: passed before, see $checked" | tee -a "$LOG"
-        continue
+        return
       fi
       run_step "distributed_nccl_$dtype" "${DIST_CHECK_LIMIT:-180}" python3 -m torch.distributed.run --standalone \
         --nproc_per_node="$world" -m wb_kernels.stages.distributed.run --backend nccl --dtype "$dtype" --stage mma \
@@ -210,18 +211,24 @@ if has distributed; then
       grep "^{" "logs/distributed_nccl_$dtype.log" > "$checked"
       # a run that stopped part-way (a crash, the limit) is not "passed before", whatever lines it left
       [ "$last_rc" -eq 0 ] || echo "{\"status\": \"FAILED\", \"reason\": \"torchrun exit $last_rc\"}" >> "$checked"
-      grep -E '"status": "FAILED"' "$checked" | tee -a "$LOG" | head -n 20
       echo "== distributed_nccl_$dtype: $(grep -c '"status": "ok"' "$checked") ok, $(grep -c '"status": "FAILED"' \
 "$checked") failed (rank-case lines)" | tee -a "$LOG"
+    }
+    check_nccl float16 &
+    check_nccl bfloat16 &
+    wait  # (run_step's status is lost in the background: the files say it)
+    for dtype in float16 bfloat16; do
+      grep '"status": "FAILED"' "results/distributed/nccl_${gpu}x${world}_$dtype.jsonl" | tee -a "$LOG" | head -n 20
+      ! grep -q '"status": "FAILED"' "results/distributed/nccl_${gpu}x${world}_$dtype.jsonl" || status=1
     done
     # the benchmark stops starting problems 110 s before its limit (a problem takes up to about a minute) and
     # resumes from results/distributed/ when run again; a SIGTERM at the limit leaves the record under way untried
     limit=$(( ${DIST_LIMIT:-480} - (SECONDS - dist_started) ))
     [ "$limit" -ge 150 ] || limit=150
     # shellcheck disable=SC2086
-    STEP_ECHO=1 run_step distributed_scaling "$limit" python3 -m torch.distributed.run --standalone --nproc_per_node="$world" \
-      -m wb_kernels.stages.distributed.scaling --out results/distributed --time-budget $(( limit - 110 )) \
-      --timeout 60 ${DIST_SCALING_ARGS:-}
+    STEP_ECHO=1 run_step distributed_scaling "$limit" python3 -m torch.distributed.run --standalone \
+      --nproc_per_node="$world" -m wb_kernels.stages.distributed.scaling --out results/distributed \
+      --time-budget $(( limit - 110 )) --timeout 60 ${DIST_SCALING_ARGS:-}
     cp results/distributed/scaling_*.json results/distributed/nccl_*.jsonl "$OUT"/ 2>/dev/null
     pack
   fi
