@@ -303,11 +303,19 @@ def main(argv=None) -> int:
     try:
         for method in methods:
             for index, case in enumerate(args.case or cases[method]):
-                result = run_case(method, case, dtype=getattr(torch, args.dtype), device=device, stage=args.stage,
-                                  seed=1000 + index, grade=grade)
                 record = {"rank": rank, "world": world, "method": method, "case": case.label(), **asdict(case),
                           "dtype": args.dtype, "stage": args.stage, "backend": args.backend,
                           "overlap": method.split("_")[0] in ("ring", "zigzag")}
+                try:
+                    result = run_case(method, case, dtype=getattr(torch, args.dtype), device=device,
+                                      stage=args.stage, seed=1000 + index, grade=grade)
+                except Exception as error:  # noqa: BLE001 - recorded; every rank meets the same refusal in step
+                    # (one that only some ranks meet leaves the others in a collective until --timeout ends it)
+                    failed += 1
+                    record.update(status="FAILED", reason=f"{type(error).__name__}: {error}"[:500])
+                    _say(json.dumps(record) if args.json
+                         else f"rank {rank}/{world} {method:7s} {case.label():40s} FAILED  {record['reason']}")
+                    continue
                 if result is None:
                     record.update(status="skipped", reason=f"W = {world} does not divide H = {case.H}, Hk = {case.Hk}")
                     detail = record["reason"]
