@@ -20,11 +20,12 @@
 #   scripts/gpu_check.sh build tokens   the decoder's tokens/s with SDPA and wb.decode (lesson 07), into
 #                                        results/decode/decoder_<gpu>.json (about 1 min on an H100 after build)
 #   scripts/gpu_check.sh distributed    exact attention across GPUs (issue #32; needs 2 or more GPUs of one host):
-#                                        builds the mma extension, runs every method on NCCL in float16 and bfloat16
+#                                        builds the mma extensions, runs every method on NCCL in float16 and bfloat16
 #                                        graded by wb.check's rule, then the scaling benchmark against one GPU and
 #                                        PyTorch's context_parallel into results/distributed/scaling_<gpu>x<W>.json
 #                                        (copied to $OUT; put it back into results/distributed/ and the same command
-#                                        resumes it). About 7 min on 2 H100s. DIST_WORLD=4: four GPUs;
+#                                        resumes it). At most DIST_LIMIT (480) s plus the wheels: the benchmark gets
+#                                        what the build and the checks leave. DIST_WORLD=4: four GPUs;
 #                                        DIST_SCALING_ARGS="--dtypes float16": passed on to the benchmark
 #   WB_GIT_COMMIT=<commit>: the commit results files record, when this copy's .git is not the one it came from
 #   TESTS_WORKERS=8 (default): pytest-xdist processes sharing the GPU for the unit tests; 0 = one process
@@ -63,13 +64,19 @@ python3 -m ipykernel install --user --name python3 >/dev/null 2>&1 || true
 pack() { tar czf "$OUT/gpu_results.tgz" logs notebooks $(ls -d results figures 2>/dev/null); }
 status=0
 run_step() {  # name, seconds, command...: log to logs/<name>.log and $LOG, stop it after `seconds`
+  # (STEP_ECHO=1: its output on the console too, as it comes, for a long step whose lines are its progress)
   local name=$1 limit=$2; shift 2
   echo "== $name (limit ${limit} s): $*" | tee -a "$LOG"
   local t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "logs/$name.log" >> "$LOG"
+  if [ -n "${STEP_ECHO:-}" ]; then
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "logs/$name.log" | tee -a "$LOG"
+  else
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "logs/$name.log" >> "$LOG"
+  fi
   local rc=${PIPESTATUS[0]}
+  last_rc=$rc
   echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
-  tail -n 15 "logs/$name.log"
+  [ -n "${STEP_ECHO:-}" ] || tail -n 15 "logs/$name.log"
   [ "$rc" -eq 0 ] || status=1
   pack
 }
@@ -79,19 +86,24 @@ if has env; then
     python3 -c "import wb_kernels as wb; print(wb.banner())"; } > logs/env.log 2>&1
   tee -a "$LOG" < logs/env.log
 fi
-if has build; then
-  # every CUDA C++ rung's extension (wb_kernels/stages/<rung>/build.py), built once into the cache that the tests
-  # and lessons then load in milliseconds; side by side (nvcc uses one core each; a cold build takes 1-1.5 min)
-  for script in wb_kernels/stages/*/build.py; do
-    rung=$(basename "$(dirname "$script")")
+build_rungs() {  # [RUNG ...]: those rungs' extensions (default: every CUDA C++ rung's), side by side
+  local rungs=("$@") script rung
+  if [ ${#rungs[@]} -eq 0 ]; then
+    for script in wb_kernels/stages/*/build.py; do rungs+=("$(basename "$(dirname "$script")")"); done
+  fi
+  for rung in "${rungs[@]}"; do
     run_step "build_$rung" 300 python3 -c "import time, wb_kernels; from wb_kernels.stages.$rung import build; \
 t = time.time(); build.build(build.package_source()); print(f'$rung extension ready in {time.time() - t:.1f} s')" &
   done
   wait  # (run_step's status is lost in the background: a failed build is caught here)
-  for script in wb_kernels/stages/*/build.py; do
-    rung=$(basename "$(dirname "$script")")
+  for rung in "${rungs[@]}"; do
     grep -q "extension ready" "logs/build_$rung.log" || { echo "build of $rung failed" | tee -a "$LOG"; status=1; }
   done
+}
+if has build; then
+  # every CUDA C++ rung's extension (wb_kernels/stages/<rung>/build.py), built once into the cache that the tests
+  # and lessons then load in milliseconds; side by side (nvcc uses one core each; a cold build takes 1-1.5 min)
+  build_rungs
 fi
 if has traffic; then
   run_step traffic "${TRAFFIC_LIMIT:-240}" python3 -m wb_kernels.stages.naive.traffic --timeout $(( ${TRAFFIC_LIMIT:-240} - 20 ))
@@ -176,35 +188,47 @@ if has distributed; then
   if [ "${gpus:-0}" -lt "$world" ]; then
     echo "== distributed: skipped, needs $world GPUs of one host, found ${gpus:-0}" | tee -a "$LOG"
   else
-    # the extension first, in one process: the ranks would otherwise build it side by side into one cache
-    run_step build_mma 300 python3 -c "import time; from wb_kernels.stages.mma import build; t = time.time(); \
-build.build(build.package_source()); print(f'mma extension ready in {time.time() - t:.1f} s')"
-    # every method (ring, zigzag, ulysses, split-KV decode) on NCCL, each rank's attention the mma stage, the whole
-    # result graded by wb.check's rule (2x SDPA's error in the same precision); --timeout bounds every collective
-    # (one JSON line per rank and case, kept in results/distributed/; a file without failures is not run again)
+    dist_started=$SECONDS  # the benchmark gets what is left of DIST_LIMIT (480 s) after the build and the checks
+    # the forward's and the backward's extensions first, one process each: the ranks would otherwise build them
+    # side by side into one cache
+    has build || build_rungs mma backward
+    # every method (ring, zigzag, ulysses, split-KV decode, the backwards) on NCCL, each rank's attention the mma
+    # stage, the whole result graded by wb.check's rule (2x SDPA's error in the same precision; the gradients by
+    # wb.check_gradients'); --timeout bounds every collective. One JSON line per rank and case, kept in
+    # results/distributed/; a file without failures is not run again. float16 and bfloat16 side by side: their
+    # float64 checks are NumPy on the CPU, one core per rank.
     mkdir -p results/distributed
     gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
-    for dtype in float16 bfloat16; do
-      checked="results/distributed/nccl_${gpu}x${world}_$dtype.jsonl"
+    check_nccl() {  # dtype: run.py's cases on NCCL into results/distributed/nccl_<gpu>x<W>_<dtype>.jsonl
+      local dtype=$1 checked="results/distributed/nccl_${gpu}x${world}_$1.jsonl"
       if [ -s "$checked" ] && ! grep -q '"status": "FAILED"' "$checked"; then
         echo "== distributed_nccl_$dtype: passed before, see $checked" | tee -a "$LOG"
-        continue
+        return
       fi
       run_step "distributed_nccl_$dtype" "${DIST_CHECK_LIMIT:-180}" python3 -m torch.distributed.run --standalone \
         --nproc_per_node="$world" -m wb_kernels.stages.distributed.run --backend nccl --dtype "$dtype" --stage mma \
         --timeout 60 --json
       grep "^{" "logs/distributed_nccl_$dtype.log" > "$checked"
-      grep -E '"status": "FAILED"' "$checked" | tee -a "$LOG" | head -n 20
+      # a run that stopped part-way (a crash, the limit) is not "passed before", whatever lines it left
+      [ "$last_rc" -eq 0 ] || echo "{\"status\": \"FAILED\", \"reason\": \"torchrun exit $last_rc\"}" >> "$checked"
       echo "== distributed_nccl_$dtype: $(grep -c '"status": "ok"' "$checked") ok, $(grep -c '"status": "FAILED"' \
 "$checked") failed (rank-case lines)" | tee -a "$LOG"
+    }
+    check_nccl float16 &
+    check_nccl bfloat16 &
+    wait  # (run_step's status is lost in the background: the files say it)
+    for dtype in float16 bfloat16; do
+      grep '"status": "FAILED"' "results/distributed/nccl_${gpu}x${world}_$dtype.jsonl" | tee -a "$LOG" | head -n 20
+      ! grep -q '"status": "FAILED"' "results/distributed/nccl_${gpu}x${world}_$dtype.jsonl" || status=1
     done
-    # the benchmark stops starting problems 120 s before its limit (a problem takes up to about a minute) and
+    # the benchmark stops starting problems 110 s before its limit (a problem takes up to about a minute) and
     # resumes from results/distributed/ when run again; a SIGTERM at the limit leaves the record under way untried
-    limit=${DIST_SCALING_LIMIT:-300}
+    limit=$(( ${DIST_LIMIT:-480} - (SECONDS - dist_started) ))
+    [ "$limit" -ge 150 ] || limit=150
     # shellcheck disable=SC2086
-    run_step distributed_scaling "$limit" python3 -m torch.distributed.run --standalone --nproc_per_node="$world" \
-      -m wb_kernels.stages.distributed.scaling --out results/distributed --time-budget $(( limit - 120 )) \
-      --timeout 60 ${DIST_SCALING_ARGS:-}
+    STEP_ECHO=1 run_step distributed_scaling "$limit" python3 -m torch.distributed.run --standalone \
+      --nproc_per_node="$world" -m wb_kernels.stages.distributed.scaling --out results/distributed \
+      --time-budget $(( limit - 110 )) --timeout 60 ${DIST_SCALING_ARGS:-}
     cp results/distributed/scaling_*.json results/distributed/nccl_*.jsonl "$OUT"/ 2>/dev/null
     pack
   fi

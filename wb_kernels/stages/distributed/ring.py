@@ -23,7 +23,8 @@ from ...reference import causal_offset
 from .merge import accumulation_dtype, merge_into
 from .sharding import pair_blocks, shard_length, shard_pieces
 
-__all__ = ["accumulate_blocks", "ring_attention", "new_accumulator", "BlockExchange"]
+__all__ = ["accumulate_blocks", "block_calls", "ring_attention", "new_accumulator", "BlockExchange",
+           "block_gradients", "ring_attention_backward"]
 
 
 def _local_runs(pieces):
@@ -43,6 +44,19 @@ def new_accumulator(q):
             torch.full((B, H, L), float("-inf"), dtype=dtype, device=q.device))
 
 
+def block_calls(q_pieces, k_pieces, offset, key_padding_mask):
+    """The attention calls that cover local queries (global runs `q_pieces`) against local keys (global runs
+    `k_pieces`) under causal `offset` (None: no mask), as :func:`.sharding.pair_blocks` cuts them: yields
+    ``(rows, keys, causal, mask)``, the local row and key slices, the call's alignment, and the call's columns of
+    the global (B, Lk) `key_padding_mask` (or None). The forward and the backward walk the same calls."""
+    for qa, qb, q_local in _local_runs(q_pieces):
+        for ka, kb, k_local in _local_runs(k_pieces):
+            for (q0, q1), (k0, k1), causal in pair_blocks((qa, qb), (ka, kb), offset):
+                mask = None if key_padding_mask is None else key_padding_mask[:, k0:k1]
+                yield (slice(q_local + q0 - qa, q_local + q1 - qa), slice(k_local + k0 - ka, k_local + k1 - ka),
+                       causal, mask)
+
+
 def accumulate_blocks(acc, q, q_pieces, k, v, k_pieces, offset, *, key_padding_mask, scale, stage,
                       check_finite=True):
     """Merge into `acc` (out, lse) the attention of local queries `q` (global runs `q_pieces`) over local keys
@@ -53,17 +67,11 @@ def accumulate_blocks(acc, q, q_pieces, k, v, k_pieces, offset, *, key_padding_m
 
     acc_out, acc_lse = acc
     work = 0
-    for qa, qb, q_local in _local_runs(q_pieces):
-        for ka, kb, k_local in _local_runs(k_pieces):
-            for (q0, q1), (k0, k1), causal in pair_blocks((qa, qb), (ka, kb), offset):
-                rows = slice(q_local + q0 - qa, q_local + q1 - qa)
-                keys = slice(k_local + k0 - ka, k_local + k1 - ka)
-                mask = None if key_padding_mask is None else key_padding_mask[:, k0:k1]
-                out, lse = wb.attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], stage=stage, causal=causal,
-                                        key_padding_mask=mask, scale=scale, return_lse=True,
-                                        check_finite=check_finite)
-                merge_into(acc_out[:, :, rows], acc_lse[:, :, rows], out, lse)
-                work += (q1 - q0) * (k1 - k0)
+    for rows, keys, causal, mask in block_calls(q_pieces, k_pieces, offset, key_padding_mask):
+        out, lse = wb.attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], stage=stage, causal=causal,
+                                key_padding_mask=mask, scale=scale, return_lse=True, check_finite=check_finite)
+        merge_into(acc_out[:, :, rows], acc_lse[:, :, rows], out, lse)
+        work += (rows.stop - rows.start) * (keys.stop - keys.start)
     return work
 
 
@@ -147,3 +155,72 @@ def ring_attention(q, k, v, *, Lq: int, Lk: int, layout: str = "contiguous", cau
             block = exchange.finish() if overlap else incoming
     out, lse = acc
     return out.to(q.dtype), lse
+
+
+# ---- the backward: dK/dV partials travel with their block ------------------------------------------------------
+
+def block_gradients(q, k, v, out, lse, dout, *, causal, key_padding_mask, scale, stage):
+    """(dq, dk, dv): one block of keys' shares of the gradients, from the whole forward's `out` and `lse` of these
+    query rows (P = exp(S - LSE) over the block is the block's part of the whole softmax, and D = rowsum(dO * O)
+    is the whole row's). The GPU backwards (``mma``, ``flash``) take them through ``wb.attention_backward(...,
+    out=, lse=)``. The ``reference`` stage's backward recomputes the softmax over the keys it is given, which is
+    right for a whole row and wrong for a block; its float64 stand-in here is lesson 08's teaching model,
+    ``blockwise_backward``, which uses the saved LSE as the kernels do."""
+    import wb_kernels as wb
+
+    if stage == "reference":
+        from ..backward.blockwise import blockwise_backward
+
+        grads = blockwise_backward(q, k, v, out, lse, dout, causal=causal, key_padding_mask=key_padding_mask,
+                                   scale=scale, block_m=64, block_n=64)
+        return tuple(torch.from_numpy(g).to(q.device) for g in grads)
+    return wb.attention_backward(q, k, v, dout, stage=stage, causal=causal, key_padding_mask=key_padding_mask,
+                                 scale=scale, out=out, lse=lse)
+
+
+def ring_attention_backward(q, k, v, out, lse, dout, *, Lq: int, Lk: int, layout: str = "contiguous", causal=False,
+                            key_padding_mask=None, scale=None, stage: str = "reference", group=None,
+                            overlap: bool = True):
+    """This rank's shards of (dq, dk, dv) for the ring forward's result: q, k, v as :func:`ring_attention` took
+    them, `out` and `lse` what it returned, `dout` the loss gradient of `out` (this rank's rows).
+
+    The K/V blocks go round the ring as in the forward (the next one's transfer overlapping this step's work), and
+    with each block travels the accumulator of its dK and dV (float32; float64 for float64 inputs): every rank adds
+    its queries' shares (:func:`block_gradients`, the forward's block calls) and passes it on, so after W steps and
+    W transfers each block's accumulator is back on the rank that owns the block, complete. dQ stays home and
+    gathers every block's share. Returns dq, dk, dv in q's, k's and v's dtypes.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    q_pieces = shard_pieces(Lq, world, rank, layout)
+    expected = (shard_length(Lq, world, rank, layout), shard_length(Lk, world, rank, layout))
+    if (q.shape[2], k.shape[2]) != expected or out.shape != q.shape or dout.shape != q.shape:
+        raise ValueError(f"ring_attention_backward: rank {rank} of {world} ({layout}) should hold {expected[0]} "
+                         f"queries (q, out, dout) and {expected[1]} keys, got q {tuple(q.shape)}, k {tuple(k.shape)},"
+                         f" out {tuple(out.shape)}, dout {tuple(dout.shape)}")
+    offset = causal_offset(causal, Lq, Lk)
+    dtype = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    block = torch.stack([k, v]).contiguous()
+    block_grads = torch.zeros(block.shape, dtype=dtype, device=q.device)  # (dk, dv) of the block held, travelling
+    peer = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    ring = dict(send_to=peer((rank + 1) % world), receive_from=peer((rank - 1) % world), group=group,
+                side_stream=torch.cuda.Stream(q.device) if q.is_cuda else None)
+    for step in range(world):
+        source = (rank - step) % world
+        incoming_length = shard_length(Lk, world, (rank - step - 1) % world, layout)  # after W steps: our own
+        blocks = BlockExchange(block, incoming_length, **ring) if step < world - 1 else None
+        if blocks is not None and not overlap:
+            blocks.finish()
+        for rows, keys, block_causal, mask in block_calls(q_pieces, shard_pieces(Lk, world, source, layout), offset,
+                                                          key_padding_mask):
+            shares = block_gradients(q[:, :, rows], block[0][:, :, keys], block[1][:, :, keys], out[:, :, rows],
+                                     lse[:, :, rows], dout[:, :, rows], causal=block_causal, key_padding_mask=mask,
+                                     scale=scale, stage=stage)
+            dq[:, :, rows] += shares[0]
+            block_grads[0][:, :, keys] += shares[1]
+            block_grads[1][:, :, keys] += shares[2]
+        if world > 1:  # the shares just added leave with the accumulator (the last hop takes it home)
+            block_grads = BlockExchange(block_grads, incoming_length, **ring).finish()
+        if blocks is not None:
+            block = blocks.finish()
+    return dq.to(q.dtype), block_grads[0].to(k.dtype), block_grads[1].to(v.dtype)

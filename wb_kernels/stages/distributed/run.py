@@ -4,10 +4,12 @@ Start with torchrun (rank code must live in a module: functions defined in a not
 ``mp.spawn``)::
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m wb_kernels.stages.distributed.run \\
-        --method ring,zigzag,ulysses,decode [--dtype float64] [--stage reference] [--json]
+        [--method ring,zigzag,ulysses,decode,ring_backward,zigzag_backward,ulysses_backward] [--dtype float64]
+        [--stage reference] [--json]
 
 Every rank builds the same inputs (seeded), computes the single-process result with ``wb.attention`` on the whole
-sequence, runs the method on its shard, and compares its rows (output and LSE). One line per rank and case
+sequence, runs the method on its shard, and compares its rows (output and LSE; for the ``*_backward`` methods, the
+method's forward then its backward, dq, dk and dv against ``wb.attention_backward``). One line per rank and case
 (``--json``: one JSON object per line); the exit status is 1 if any comparison failed. ``--case`` replaces the
 built-in cases: ``B,H,Hk,Lq,Lk,D,causal,mask`` with causal one of none/top_left/bottom_right and mask 0/1 (1: a
 random key padding mask whose last sequence, when B > 1, has no key at all).
@@ -33,11 +35,11 @@ import torch.distributed as dist
 
 from .decode import split_kv_decode
 from .merge import pack, unpack
-from .ring import ring_attention
+from .ring import ring_attention, ring_attention_backward
 from .sharding import local_indices
-from .ulysses import ulysses_attention
+from .ulysses import ulysses_attention, ulysses_attention_backward
 
-METHODS = ("ring", "zigzag", "ulysses", "decode")
+METHODS = ("ring", "zigzag", "ulysses", "decode", "ring_backward", "zigzag_backward", "ulysses_backward")
 CAUSAL = {"none": False, "top_left": "top_left", "bottom_right": "bottom_right"}
 
 
@@ -83,7 +85,8 @@ DECODE_CASES = (  # a decode step (Lq = 1) and a few queries (speculative or chu
     Case(2, 4, 2, 3, 37, 8, "bottom_right", True),
     Case(1, 2, 2, 5, 41, 8, "top_left"),
 )
-CASES = {"ring": SEQUENCE_CASES, "zigzag": SEQUENCE_CASES, "ulysses": ULYSSES_CASES, "decode": DECODE_CASES}
+CASES = {"ring": SEQUENCE_CASES, "zigzag": SEQUENCE_CASES, "ulysses": ULYSSES_CASES, "decode": DECODE_CASES,
+         "ring_backward": SEQUENCE_CASES, "zigzag_backward": SEQUENCE_CASES, "ulysses_backward": ULYSSES_CASES}
 
 # The same kinds of problem at the sizes a tensor-core stage takes (D 64 or 128): for --dtype float16/bfloat16 with
 # --stage mma on NCCL. Lengths are odd or prime, so shards and zigzag chunks differ in length.
@@ -105,8 +108,16 @@ TENSOR_CORE_DECODE_CASES = (
     Case(2, 8, 2, 1, 4099, 128, "none", True),
     Case(1, 8, 8, 5, 2051, 64, "bottom_right"),
 )
+TENSOR_CORE_BACKWARD_CASES = (  # fewer: wb.check_gradients' float64 reference and floors cost seconds each on a CPU
+    Case(1, 2, 2, 1037, 1037, 128),
+    Case(2, 4, 2, 533, 533, 128, "bottom_right", True),
+    Case(1, 4, 1, 701, 1029, 128, "top_left"),
+    Case(1, 4, 2, 1029, 701, 64, "bottom_right"),
+)
 TENSOR_CORE_CASES = {"ring": TENSOR_CORE_SEQUENCE_CASES, "zigzag": TENSOR_CORE_SEQUENCE_CASES,
-                     "ulysses": TENSOR_CORE_ULYSSES_CASES, "decode": TENSOR_CORE_DECODE_CASES}
+                     "ulysses": TENSOR_CORE_ULYSSES_CASES, "decode": TENSOR_CORE_DECODE_CASES,
+                     "ring_backward": TENSOR_CORE_BACKWARD_CASES, "zigzag_backward": TENSOR_CORE_BACKWARD_CASES,
+                     "ulysses_backward": TENSOR_CORE_ULYSSES_CASES[:2]}
 
 
 def default_cases(stage: str):
@@ -141,57 +152,97 @@ def make_inputs(case: Case, dtype, device, seed: int):
 
 
 def run_case(method: str, case: Case, *, dtype, device, stage: str, seed: int, grade: bool = False):
-    """(out_err, lse_err) of this rank's rows against the single-process result; None where the method does not
-    apply (Ulysses with W not dividing the heads). With `grade`, a third item: ``wb.check``'s CheckResult for the
-    whole output gathered from every rank (every rank grades the same gathered result)."""
+    """``(errors, graded)``: the largest distances of this rank's results to the single-process ones (a dict: "out"
+    and "lse", or "dq", "dk" and "dv" for the backward methods), and with `grade` the whole result gathered from
+    every rank graded by ``wb.check`` (``wb.check_gradients`` for gradients; every rank grades the same gathered
+    result; None without `grade`). None where the method does not apply (Ulysses with W not dividing the heads)."""
     import wb_kernels as wb
 
     world, rank = dist.get_world_size(), dist.get_rank()
     causal = CAUSAL[case.causal]
-    if method == "ulysses" and (case.H % world or case.Hk % world):
+    if method.startswith("ulysses") and (case.H % world or case.Hk % world):
         return None
     q, k, v, mask = make_inputs(case, dtype, device, seed)
-    ref_out, ref_lse = wb.attention(q, k, v, stage=stage, causal=causal, key_padding_mask=mask, return_lse=True)
-    layout = "zigzag" if method == "zigzag" else "contiguous"
+    layout = "zigzag" if method.startswith("zigzag") else "contiguous"
     kidx = torch.as_tensor(local_indices(case.Lk, world, rank, layout), device=device)
     k_local, v_local = k[:, :, kidx].contiguous(), v[:, :, kidx].contiguous()
+    rows = torch.as_tensor(local_indices(case.Lq, world, rank, layout), device=device)
+    common = dict(Lq=case.Lq, Lk=case.Lk, causal=causal, key_padding_mask=mask, stage=stage)
+    if method.endswith("_backward"):
+        return _run_backward_case(method, case, q, k, v, mask, k_local, v_local, rows, kidx, layout, common,
+                                  seed=seed, grade=grade)
+    ref_out, ref_lse = wb.attention(q, k, v, stage=stage, causal=causal, key_padding_mask=mask, return_lse=True)
     if method == "decode":
         out, lse = split_kv_decode(q, k_local, v_local, Lk=case.Lk, layout=layout, causal=causal,
                                    key_padding_mask=mask, stage=stage)
         rows = torch.arange(case.Lq, device=device)
+    elif method == "ulysses":
+        out, lse = ulysses_attention(q[:, :, rows].contiguous(), k_local, v_local, **common)
     else:
-        rows = torch.as_tensor(local_indices(case.Lq, world, rank, layout), device=device)
-        function = ulysses_attention if method == "ulysses" else ring_attention
-        extra = {} if method == "ulysses" else {"layout": layout}
-        out, lse = function(q[:, :, rows].contiguous(), k_local, v_local, Lq=case.Lq, Lk=case.Lk, causal=causal,
-                            key_padding_mask=mask, stage=stage, **extra)
-    errors = (_error(out, ref_out[:, :, rows]), _error(lse, ref_lse[:, :, rows]))
+        out, lse = ring_attention(q[:, :, rows].contiguous(), k_local, v_local, layout=layout, **common)
+    errors = {"out": _error(out, ref_out[:, :, rows]), "lse": _error(lse, ref_lse[:, :, rows])}
     if not grade:
-        return errors
+        return errors, None
     if method == "decode":  # every rank already holds the whole result
         whole_out, whole_lse = out, lse
     else:
-        whole_out, whole_lse = gather_rows(out, lse, case.Lq, layout)
+        whole_out, whole_lse = unpack(gather_sequence(pack(out, lse), case.Lq, layout), out.dtype)
     graded = wb.check(f"{method} {case.label()}", whole_out, q, k, v, lse=whole_lse, causal=causal,
                       key_padding_mask=mask, verbose=False, raise_on_failure=False)
-    return (*errors, graded)
+    return errors, graded
 
 
-def gather_rows(out, lse, length: int, layout: str, group=None):
-    """Every rank's rows (out (B, H, n_r, D), lse (B, H, n_r) under `layout`) put together in global order: the
-    whole (out, lse) on every rank. One all-gather of (out, LSE) packed and padded to the longest shard."""
+def _run_backward_case(method, case, q, k, v, mask, k_local, v_local, rows, kidx, layout, common, *, seed, grade):
+    """run_case for ``ring_backward``, ``zigzag_backward`` and ``ulysses_backward``: the method's forward, then its
+    backward, against one process's ``wb.attention_backward`` (the whole problem, the same stage)."""
+    import wb_kernels as wb
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(q.shape, generator=generator, dtype=torch.float64).to(device=q.device, dtype=q.dtype)
+    ref_dq, ref_dk, ref_dv = wb.attention_backward(q, k, v, dout, stage=common["stage"], causal=common["causal"],
+                                                   key_padding_mask=mask)
+    q_local, dout_local = q[:, :, rows].contiguous(), dout[:, :, rows].contiguous()
+    if method == "ulysses_backward":
+        out, lse = ulysses_attention(q_local, k_local, v_local, **common)
+        dq, dk, dv = ulysses_attention_backward(q_local, k_local, v_local, out, lse, dout_local, **common)
+    else:
+        out, lse = ring_attention(q_local, k_local, v_local, layout=layout, **common)
+        dq, dk, dv = ring_attention_backward(q_local, k_local, v_local, out, lse, dout_local, layout=layout,
+                                             **common)
+    errors = {"dq": _error(dq, ref_dq[:, :, rows]), "dk": _error(dk, ref_dk[:, :, kidx]),
+              "dv": _error(dv, ref_dv[:, :, kidx])}
+    if not grade:
+        return errors, None
+    whole = (gather_sequence(dq, case.Lq, layout), gather_sequence(dk, case.Lk, layout),
+             gather_sequence(dv, case.Lk, layout))
+    graded = wb.check_gradients(f"{method} {case.label()}", whole, q, k, v, dout, causal=common["causal"],
+                                key_padding_mask=mask, verbose=False, raise_on_failure=False)
+    return errors, graded
+
+
+def gather_sequence(x, length: int, layout: str, group=None):
+    """Every rank's rows of x (B, H, n_r, X), sharded under `layout`, put together in global order: the whole
+    (B, H, length, X) on every rank. One all-gather of the shards padded to the longest."""
     world = dist.get_world_size(group)
     indices = [local_indices(length, world, r, layout) for r in range(world)]
     longest = max(len(i) for i in indices)
-    mine = pack(out, lse)
-    padded = mine.new_zeros(mine.shape[:2] + (longest, mine.shape[3]))
-    padded[:, :, :mine.shape[2]] = mine
+    padded = x.new_zeros(x.shape[:2] + (longest, x.shape[3]))
+    padded[:, :, :x.shape[2]] = x
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded, group=group)
-    whole = mine.new_empty(mine.shape[:2] + (length, mine.shape[3]))
+    whole = x.new_empty(x.shape[:2] + (length, x.shape[3]))
     for rows, part in zip(indices, gathered):
         whole[:, :, torch.as_tensor(rows, device=whole.device)] = part[:, :, :len(rows)]
-    return unpack(whole, out.dtype)
+    return whole
+
+
+def _check_record(graded) -> dict:
+    """A CheckResult or GradientCheckResult as JSON."""
+    if hasattr(graded, "errors"):
+        return {"errors": list(graded.errors), "tolerances": list(graded.tols), "passed": graded.passed,
+                "line": graded.line()}
+    return {"error": graded.max_err, "tolerance": graded.tol, "lse_error": graded.lse_err,
+            "lse_tolerance": graded.lse_tol, "passed": graded.passed, "line": graded.line()}
 
 
 def _error(got, want) -> float:
@@ -225,7 +276,7 @@ def _say(line: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch.distributed.run ... -m wb_kernels.stages.distributed.run",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", default="ring,zigzag,ulysses,decode",
+    parser.add_argument("--method", default=",".join(METHODS),
                         help=f"comma-separated, of {', '.join(METHODS)} (default: all)")
     parser.add_argument("--dtype", default="float64", choices=("float64", "float32", "float16", "bfloat16"))
     parser.add_argument("--stage", default="reference", help="the rung each rank's local attention runs")
@@ -252,26 +303,32 @@ def main(argv=None) -> int:
     try:
         for method in methods:
             for index, case in enumerate(args.case or cases[method]):
-                errors = run_case(method, case, dtype=getattr(torch, args.dtype), device=device, stage=args.stage,
-                                  seed=1000 + index, grade=grade)
                 record = {"rank": rank, "world": world, "method": method, "case": case.label(), **asdict(case),
                           "dtype": args.dtype, "stage": args.stage, "backend": args.backend,
-                          "overlap": method in ("ring", "zigzag")}
-                if errors is None:
+                          "overlap": method.split("_")[0] in ("ring", "zigzag")}
+                try:
+                    result = run_case(method, case, dtype=getattr(torch, args.dtype), device=device,
+                                      stage=args.stage, seed=1000 + index, grade=grade)
+                except Exception as error:  # noqa: BLE001 - recorded; every rank meets the same refusal in step
+                    # (one that only some ranks meet leaves the others in a collective until --timeout ends it)
+                    failed += 1
+                    record.update(status="FAILED", reason=f"{type(error).__name__}: {error}"[:500])
+                    _say(json.dumps(record) if args.json
+                         else f"rank {rank}/{world} {method:7s} {case.label():40s} FAILED  {record['reason']}")
+                    continue
+                if result is None:
                     record.update(status="skipped", reason=f"W = {world} does not divide H = {case.H}, Hk = {case.Hk}")
                     detail = record["reason"]
                 else:
-                    record.update(out_err=errors[0], lse_err=errors[1])
-                    detail = f"max|out - one process| {errors[0]:.1e}  max|lse - one process| {errors[1]:.1e}"
+                    errors, graded = result
+                    record["errors"] = errors
+                    detail = "  ".join(f"max|{name} - one process| {error:.1e}" for name, error in errors.items())
                     if grade:
-                        graded = errors[2]
                         ok = graded.passed
-                        record["check"] = {"error": graded.max_err, "tolerance": graded.tol,
-                                           "lse_error": graded.lse_err, "lse_tolerance": graded.lse_tol,
-                                           "passed": graded.passed}
+                        record["check"] = _check_record(graded)
                         detail = f"{graded.line()}  ({detail})"
                     else:
-                        ok = max(errors) <= args.tolerance
+                        ok = max(errors.values()) <= args.tolerance
                     failed += not ok
                     record["status"] = "ok" if ok else "FAILED"
                 _say(json.dumps(record) if args.json

@@ -5,7 +5,7 @@ Start it with torchrun (rank code must live in a module)::
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m wb_kernels.stages.distributed.scaling \\
         --out results/distributed [--dtypes float16,bfloat16] [--time-budget 300]
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m wb_kernels.stages.distributed.scaling \\
-        --out DIR --preset smoke --backend gloo --device cpu        # tiny sizes on the CPU (the test runs it)
+        --out DIR --backend gloo --device cpu        # the smoke preset: tiny sizes on the CPU (the test runs it)
 
 For every problem (dtype, B, H, Hk, L, D, causal) it times, with CUDA events, the median of several repeats after a
 warm-up, every rank waiting at a barrier before each repeat, each repeat's time being the slowest rank's:
@@ -28,7 +28,8 @@ kept, and a record that a previous run started but never finished (a crash, or a
 recorded as failed instead of being tried again.
 
 What the lesson uses, on any machine (no GPU, no torch.distributed): :func:`find_scaling_results`,
-:func:`load_scaling`, :func:`scaling_table` and :func:`efficiency_figure`. Tests: ``tests/test_distributed.py``.
+:func:`load_scaling`, :func:`scaling_table`, :func:`efficiency_figure` and :func:`bar_results`. Tests:
+``tests/test_distributed.py``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ CHECK_ROWS = 32  # query rows graded against float64 per problem (the last ones:
 # the float64 reference is NumPy on one core: 32 rows x 4 heads x 256k keys take about 10 s)
 
 __all__ = ["SCHEMA", "METHODS", "BARS", "Problem", "Method", "problems", "methods_for", "find_scaling_results",
-           "load_scaling", "scaling_table", "efficiency_figure", "resumed_records", "main"]
+           "load_scaling", "scaling_table", "efficiency_figure", "bar_results", "resumed_records", "main"]
 
 
 # ---- what is measured ---------------------------------------------------------------------------------------------
@@ -78,7 +79,7 @@ class Method:
     overlap: bool = True  # ring and zigzag: the next block's transfer overlaps this block's attention
 
     def key(self, problem: Problem) -> str:
-        return f"{self.name}{_overlap_note(asdict(self) | {'method': self.name})} | {problem.key()}"
+        return f"{self.name}{_overlap_note({'method': self.name, 'overlap': self.overlap})} | {problem.key()}"
 
 
 def problems(preset: str, dtypes=("float16",)) -> list:
@@ -157,7 +158,7 @@ def _length(L: int) -> str:
 
 
 def _overlap_note(record) -> str:
-    """" (no overlap)" for a ring timed without overlap (the others say nothing)."""
+    """The label's suffix ' (no overlap)' for a ring timed without overlap; empty for everything else."""
     return " (no overlap)" if record["method"] in ("ring", "zigzag") and not record.get("overlap") else ""
 
 
@@ -171,9 +172,13 @@ def _headline(results) -> str:
 def scaling_table(results) -> str:
     """The records as a Markdown table, its first line naming the GPUs and the date; efficiency = one-GPU time /
     (W x W-GPU time)."""
-    lines = [f"Scaling on {_headline(results)}; efficiency = one-GPU time / (W x W-GPU time)", "",
-             "| dtype | heads | L | mask | method | local | overlap | W-GPU ms | one-GPU ms | efficiency | check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"Scaling on {_headline(results)}; efficiency = one-GPU time / (W x W-GPU time)", ""]
+    link = results.get("link")
+    if link:
+        lines += [f"Link: {link['gb_per_s']:.0f} GB/s per direction ({link['megabytes']} MiB in "
+                  f"{link['median_ms']:.2f} ms, {link['what']})", ""]
+    lines += ["| dtype | heads | L | mask | method | local | overlap | W-GPU ms | one-GPU ms | efficiency | check |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     order = {name: i for i, name in enumerate(METHODS)}
     records = sorted(results["records"], key=lambda r: (r["dtype"], r["H"], r["causal"], r["L"],
                                                         order.get(r["method"], 9), not r.get("overlap")))
@@ -190,6 +195,20 @@ def scaling_table(results) -> str:
     for name, reason in results.get("unavailable", {}).items():
         lines.append(f"\n{name}: unavailable ({reason})")
     return "\n".join(lines)
+
+
+def bar_results(results, L: int = 128 * 1024) -> list:
+    """Issue #32's first bar at sequence length `L` (on 2 GPUs): for every measured record at `L`, a dict with its
+    method, dtype, heads, mask, efficiency, the bar that applies (90 % non-causal, 85 % causal) and whether it is
+    met. The bar is meant for the ring without a mask and zigzag with one; the others are listed for comparison."""
+    rows = []
+    for r in results["records"]:
+        if r["status"] == "ok" and r["L"] == L:
+            bar = BARS[bool(r["causal"])]
+            rows.append({"method": r["method"] + _overlap_note(r), "dtype": r["dtype"], "heads": _heads(r),
+                         "causal": r["causal"], "efficiency": r["efficiency"], "bar": bar,
+                         "met": r["efficiency"] >= bar})
+    return rows
 
 
 def efficiency_figure(results, dtype: str | None = None):
@@ -224,6 +243,9 @@ def efficiency_figure(results, dtype: str | None = None):
             ax.axhline(causal_ceiling(world), color="grey", linewidth=0.8, linestyle=":",
                        label=f"contiguous ceiling W/(2W-1) = {causal_ceiling(world):.0%}")
         ax.set_xscale("log", base=2)
+        lengths = sorted({r["L"] for r in ok})
+        ax.set_xticks(lengths, [_length(L) for L in lengths])
+        ax.minorticks_off()
         ax.set_xlabel("sequence length L")
         ax.set_ylabel("scaling efficiency")
         ax.set_title(f"{'causal' if causal else 'non-causal'}, {dtype}")
@@ -259,10 +281,10 @@ class Ranks:
         else:
             self.dist.barrier()
 
-    def reduce(self, values, op="max"):
-        """`values` (floats) reduced over ranks element by element, the same on every rank."""
+    def max_over_ranks(self, values):
+        """The largest of every rank's `values` (floats), element by element: the same list on every rank."""
         tensor = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
-        self.dist.all_reduce(tensor, op=self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM)
+        self.dist.all_reduce(tensor, op=self.dist.ReduceOp.MAX)
         return tensor.tolist()
 
     def time(self, function, *, warmup: int, repeats: int):
@@ -285,7 +307,7 @@ class Ranks:
                 elapsed = (time.perf_counter() - began) * 1e3
             if repeat >= warmup:
                 times.append(elapsed)
-        return statistics.median(self.reduce(times)), result
+        return statistics.median(self.max_over_ranks(times)), result
 
 
 def _make_inputs(problem: Problem, device, seed: int):
@@ -411,7 +433,7 @@ def _grade(method: Method, problem: Problem, q, k, v, out, lse, rows, one_gpu_ou
         if lse is not None:
             piece[:, :, rows[mine] - first, -1] = lse[:, :group][:, :, mine].float()
     ranks.dist.all_reduce(piece)  # each row is held by exactly one rank: the sum is a gather
-    distance = ranks.reduce([distance])[0]
+    distance = ranks.max_over_ranks([distance])[0]
     if ranks.rank != 0:
         return None
     q_slice, k_slice, v_slice = q[:, :group, first:], k[:, :1], v[:, :1]
@@ -421,6 +443,27 @@ def _grade(method: Method, problem: Problem, q, k, v, out, lse, rows, one_gpu_ou
     return {"error": _finite(graded.max_err), "tolerance": _finite(graded.tol), "lse_error": _finite(graded.lse_err),
             "lse_tolerance": _finite(graded.lse_tol), "passed": graded.passed, "one_gpu_distance": _finite(distance),
             "rows": f"last {n} query rows, query heads 0-{group - 1} (KV head 0), every key, against float64"}
+
+
+def measure_link(ranks: Ranks, *, megabytes: int, warmup: int, repeats: int) -> dict:
+    """The ring's own exchange (:class:`.ring.BlockExchange`: send `megabytes` MiB to the next rank, receive as much
+    from the previous one) timed like the methods: the bandwidth per direction that the overlap condition of the
+    lesson needs (tokens per shard >= achieved FLOP/s / link bandwidth)."""
+    import torch
+
+    from .ring import BlockExchange
+
+    block = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=ranks.device).view(1, 1, 1, -1, 1)
+    side_stream = torch.cuda.Stream(ranks.device) if ranks.cuda else None
+    world, rank = ranks.world, ranks.rank
+
+    def exchange():
+        return BlockExchange(block, block.shape[3], send_to=(rank + 1) % world, receive_from=(rank - 1) % world,
+                             group=None, side_stream=side_stream).finish()
+
+    median, _ = ranks.time(exchange, warmup=warmup, repeats=repeats)
+    return {"megabytes": megabytes, "median_ms": median, "gb_per_s": block.numel() / median / 1e6,
+            "what": "one ring exchange (batch_isend_irecv: send to rank + 1, receive from rank - 1), per direction"}
 
 
 def _environment(ranks: Ranks, stage: str) -> dict:
@@ -495,6 +538,8 @@ def run_benchmark(args, ranks: Ranks) -> dict:
                "records": [], "unavailable": {}, "complete": False}
     done = resumed_records(old)
     results["records"] = list(done.values())
+    results["link"] = measure_link(ranks, megabytes=256 if ranks.cuda else 4, warmup=args.warmup + 1,
+                                   repeats=args.repeats)
     cp = ContextParallel(ranks)
     if cp.reason:
         results["unavailable"]["context_parallel"] = cp.reason
@@ -515,7 +560,7 @@ def run_benchmark(args, ranks: Ranks) -> dict:
             todo = [m for m in methods_for(problem, args.stage) if m.key(problem) not in done]
             if not todo:
                 continue
-            go = ranks.reduce([float(time.monotonic() - started < args.time_budget)], op="max")[0]  # rank-agnostic
+            go = ranks.max_over_ranks([float(time.monotonic() - started < args.time_budget)])[0]  # rank-agnostic
             if not go:
                 out_of_time = True
                 break
@@ -563,7 +608,7 @@ def run_benchmark(args, ranks: Ranks) -> dict:
                                       efficiency=base_ms / (ranks.world * median), check=check)
                     except Exception as failure:  # noqa: BLE001 - recorded; the ranks agree below
                         error = f"{type(failure).__name__}: {failure}"[:500]
-                    failed_somewhere = ranks.reduce([float(bool(error))])[0]
+                    failed_somewhere = ranks.max_over_ranks([float(bool(error))])[0]
                     if failed_somewhere:
                         record.update(status="failed", reason=error or "failed on another rank")
                     elif ranks.rank == 0 and not record["check"]["passed"]:
@@ -607,7 +652,8 @@ def main(argv=None) -> int:
         prog="python -m torch.distributed.run ... -m wb_kernels.stages.distributed.scaling",
         description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder of the results file scaling_<gpu>x<W>.json")
-    parser.add_argument("--preset", default="gpu", choices=("gpu", "smoke"))
+    parser.add_argument("--preset", default=None, choices=("gpu", "smoke"),
+                        help="problems (default: gpu; smoke with --device cpu: tiny float32 ones)")
     parser.add_argument("--dtypes", default="float16,bfloat16",
                         help="comma-separated; the first gets every problem, the others L <= 128k at H = 16")
     parser.add_argument("--stage", default=None, help="local rung of ours (default: mma on GPUs, reference on CPU)")
@@ -620,6 +666,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds a collective may wait before failing")
     args = parser.parse_args(argv)
     args.argv = argv
+    args.preset = args.preset or ("smoke" if args.device == "cpu" else "gpu")
     args.dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
     if args.preset == "smoke":
         args.dtypes = ("float32",)
@@ -632,17 +679,17 @@ def main(argv=None) -> int:
     try:
         ranks = Ranks(device)
         results = run_benchmark(args, ranks)
-        if ranks.rank == 0:
-            failed = [r["key"] for r in results["records"] if r["status"] == "failed"]
+        failed = [r["key"] for r in results["records"] if r["status"] == "failed"]
+        if ranks.rank == 0:  # (only rank 0 knows the verdicts of the float64 checks: the exit status is its)
             _say(f"{len(results['records'])} records, {len(failed)} failed, complete: {results['complete']}; "
                  f"written to {_results_path(Path(args.out), ranks)}")
             _say(scaling_table(results))
-        failed = ranks.reduce([float(any(r["status"] == "failed" for r in results["records"]))])[0]
+        any_failed = ranks.max_over_ranks([float(bool(failed))])[0]
     finally:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    return 1 if failed else 0
+    return 1 if any_failed else 0
 
 
 if __name__ == "__main__":

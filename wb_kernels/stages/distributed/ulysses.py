@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .merge import pack, unpack
 from .sharding import chunk_bounds
 
-__all__ = ["ulysses_attention", "seq_to_heads", "heads_to_seq"]
+__all__ = ["ulysses_attention", "ulysses_attention_backward", "seq_to_heads", "heads_to_seq"]
 
 
 def seq_to_heads(x, length: int, group=None):
@@ -64,3 +64,20 @@ def ulysses_attention(q, k, v, *, Lq: int, Lk: int, causal=False, key_padding_ma
     out, lse = wb.attention(qh, kh, vh, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
                             return_lse=True, check_finite=check_finite)
     return unpack(heads_to_seq(pack(out, lse), Lq, group), q.dtype)
+
+
+def ulysses_attention_backward(q, k, v, out, lse, dout, *, Lq: int, Lk: int, causal=False, key_padding_mask=None,
+                               scale=None, stage: str = "reference", group=None):
+    """This rank's shards of (dq, dk, dv) for :func:`ulysses_attention`'s result: the same all-to-alls around one
+    whole-sequence backward per rank. q, k, v as the forward took them, `out` and `lse` what it returned, `dout`
+    the loss gradient of this rank's rows. Each rank's heads see every key, so ``wb.attention_backward`` with the
+    saved out and LSE (or, for the reference stage, recomputing them) is the whole answer for those heads: no
+    partials to merge. Returns dq, dk, dv in q's, k's and v's dtypes, sequence-sharded like q, k, v."""
+    import wb_kernels as wb
+
+    heads = [seq_to_heads(x, length, group) for x, length in ((q, Lq), (k, Lk), (v, Lk), (out, Lq), (dout, Lq))]
+    lse_heads = seq_to_heads(lse.unsqueeze(-1), Lq, group).squeeze(-1)
+    qh, kh, vh, out_heads, dout_heads = heads
+    dq, dk, dv = wb.attention_backward(qh, kh, vh, dout_heads, stage=stage, causal=causal,
+                                       key_padding_mask=key_padding_mask, scale=scale, out=out_heads, lse=lse_heads)
+    return heads_to_seq(dq, Lq, group), heads_to_seq(dk, Lk, group), heads_to_seq(dv, Lk, group)
