@@ -109,7 +109,8 @@ def test_launch_kills_a_hang():
 
 
 def test_summary_is_machine_independent():
-    records = [{"method": "ring", "case": c, "rank": r, "world": 2, "status": "ok", "out_err": e, "lse_err": 0.0}
+    records = [{"method": "ring", "case": c, "rank": r, "world": 2, "status": "ok",
+                "errors": {"out": e, "lse": 0.0}}
                for c, e in (("a", 1e-16), ("b", 3e-16)) for r in (1, 0)]
     records.append({"method": "ulysses", "case": "c", "rank": 0, "world": 2, "status": "skipped"})
     lines, worst = slider.summarize_launch(records)

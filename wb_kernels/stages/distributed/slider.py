@@ -281,13 +281,14 @@ def launch(command, *, timeout: float = 120.0, cwd=None):
 def summarize_launch(records, tolerance: float = 1e-12):
     """One line per method, the same on every machine (no errors' digits, which vary with the CPU's arithmetic
     libraries; no rank order, which varies from run to run): cases, ranks, and how many are within `tolerance` of
-    the single-process result. Returns (lines, worst error over out and LSE)."""
+    the single-process result. Returns (lines, the worst error over what each record compared: out and LSE, or the
+    gradients)."""
     lines, worst = [], 0.0
     for method in dict.fromkeys(r["method"] for r in records):
         mine = [r for r in records if r["method"] == method]
         ran = [r for r in mine if r["status"] != "skipped"]
-        within = sum(max(r["out_err"], r["lse_err"]) <= tolerance for r in ran)
-        worst = max([worst] + [max(r["out_err"], r["lse_err"]) for r in ran])
+        within = sum(max(r["errors"].values()) <= tolerance for r in ran)
+        worst = max([worst] + [max(r["errors"].values()) for r in ran])
         cases = len({r["case"] for r in mine})
         world = mine[0]["world"]
         lines.append(f"{method:8s} {cases} cases x {world} ranks: {within} of {len(ran)} within {tolerance:.0e} of "
