@@ -431,3 +431,24 @@ def test_scaling_smoke_run_on_gloo_writes_and_resumes(tmp_path):
     again, _ = _torchrun(2, "wb_kernels.stages.distributed.scaling", *arguments)
     assert scaling.load_scaling(path)["records"] == results["records"]
     assert " s] " not in again  # no progress line: nothing was measured again
+
+
+def test_readme_scaling_table_is_the_committed_files(tmp_path):
+    """README's scaling block is what the newest committed results file renders (regenerate it with
+    ``python -m wb_kernels.stages.distributed.scaling --update-readme FILE`` after a run)."""
+    from pathlib import Path
+
+    from wb_kernels.stages.distributed import scaling
+
+    root = Path(__file__).resolve().parents[1]
+    committed = scaling.find_scaling_results(root)
+    readme = (root / "README.md").read_text()
+    if committed is None:
+        pytest.skip("no scaling results committed")
+    copy = tmp_path / "README.md"
+    copy.write_text(readme)
+    (tmp_path / "results" / "distributed").mkdir(parents=True)
+    placed = tmp_path / "results" / "distributed" / committed.name
+    placed.write_text(committed.read_text())
+    scaling.update_readme(placed, copy)
+    assert copy.read_text() == readme

@@ -52,7 +52,9 @@ CHECK_ROWS = 32  # query rows graded against float64 per problem (the last ones:
 # the float64 reference is NumPy on one core: 32 rows x 4 heads x 256k keys take about 10 s)
 
 __all__ = ["SCHEMA", "METHODS", "BARS", "Problem", "Method", "problems", "methods_for", "find_scaling_results",
-           "load_scaling", "scaling_table", "efficiency_figure", "bar_results", "resumed_records", "main"]
+           "load_scaling", "scaling_table", "readme_table", "update_readme", "efficiency_figure", "bar_results",
+           "resumed_records", "main"]
+README_START, README_END = "<!-- perf-table-distributed:start -->", "<!-- perf-table-distributed:end -->"
 
 
 # ---- what is measured ---------------------------------------------------------------------------------------------
@@ -209,6 +211,52 @@ def bar_results(results, L: int = 128 * 1024) -> list:
                          "causal": r["causal"], "efficiency": r["efficiency"], "bar": bar,
                          "met": r["efficiency"] >= bar})
     return rows
+
+
+def readme_table(results, source: str | None = None) -> str:
+    """The README's summary: one row per problem, each method's efficiency (ours with the mma rung on every rank,
+    PyTorch's context_parallel with SDPA), and the two-GPU milliseconds of our fastest method and of
+    context_parallel. The whole table is :func:`scaling_table`'s."""
+    columns = (("ring", True), ("ring", False), ("zigzag", True), ("ulysses", False), ("context_parallel", False))
+    names = ("ring", "ring, no overlap", "zigzag", "ulysses", "context_parallel")
+    problems_seen = {}
+    for r in results["records"]:
+        if r["status"] == "ok":
+            key = (r["dtype"], r["H"], r["Hk"], r["causal"], r["L"])
+            problems_seen.setdefault(key, {})[(r["method"], bool(r.get("overlap")))] = r
+    lines = [f"Measured on {_headline(results)}" + (f", from `{source}`" if source else "") + ". Efficiency = "
+             "one-GPU time / (2 x two-GPU time), each method against one GPU running the same local kernel in the "
+             "same run (ours: the mma rung; context_parallel: SDPA); a dash: not measured. ms: two-GPU time of our "
+             "fastest method and of context_parallel (whose local SDPA is the faster kernel on one GPU).", "",
+             "| dtype | H | Hk | mask | L | " + " | ".join(names) + " | ours ms | context_parallel ms |",
+             "|:---|---:|---:|:---|---:|" + "---:|" * (len(names) + 2)]
+    for (dtype, H, Hk, causal, L), found in sorted(problems_seen.items()):
+        cells = [f"{found[c]['efficiency']:.1%}" if c in found else "-" for c in columns]
+        ours = [r["median_ms"] for (method, _), r in found.items() if method != "context_parallel"]
+        theirs = found.get(("context_parallel", False))
+        lines.append(f"| {dtype} | {H} | {Hk} | {'causal' if causal else 'none'} | {_length(L)} | "
+                     + " | ".join(cells) + f" | {min(ours):.4g} | " + (f"{theirs['median_ms']:.4g}" if theirs else "-")
+                     + " |")
+    if not results.get("complete"):
+        lines += ["", "The run did not reach every problem of its preset (`complete: false`); "
+                  "`scripts/gpu_check.sh distributed` resumes it."]
+    return "\n".join(lines)
+
+
+def update_readme(results_path, readme) -> Path:
+    """Rewrite the README's block between :data:`README_START` and :data:`README_END` from a results file."""
+    readme, results_path = Path(readme), Path(results_path)
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        raise ValueError(f"{readme} has no {README_START} ... {README_END} block to fill")
+    try:
+        source = results_path.resolve().relative_to(readme.resolve().parent).as_posix()
+    except ValueError:
+        source = results_path.name
+    head, rest = text.split(README_START, 1)
+    tail = rest.split(README_END, 1)[1]
+    readme.write_text(f"{head}{README_START}\n{readme_table(load_scaling(results_path), source)}\n{README_END}{tail}")
+    return readme
 
 
 def efficiency_figure(results, dtype: str | None = None):
@@ -664,6 +712,12 @@ def main(argv=None) -> int:
     parser.add_argument("--time-budget", type=float, default=300.0,
                         help="seconds after which no new problem starts (the same command resumes)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds a collective may wait before failing")
+    parser.add_argument("--update-readme", metavar="RESULTS.json", default=None,
+                        help="rewrite README.md's scaling table from a results file, then exit (no torchrun needed)")
+    if "--update-readme" in argv:  # (the only option that needs no --out and no ranks)
+        path = argv[argv.index("--update-readme") + 1]
+        print(f"updated {update_readme(path, Path(__file__).resolve().parents[3] / 'README.md')}")
+        return 0
     args = parser.parse_args(argv)
     args.argv = argv
     args.preset = args.preset or ("smoke" if args.device == "cpu" else "gpu")
