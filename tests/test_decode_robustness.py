@@ -310,5 +310,18 @@ def test_a_fullgraph_trace_takes_wb_decode():
     def step(q, kp, vp, lens, table):
         return wb.decode(q * 1.0, kp, vp, lens, block_table=table, num_splits=2) + 1.0
 
+    expected = step(q, kp, vp, lens, table)  # eager first: it registers the op if importing wb_kernels did not
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(q, kp, vp, lens, table), step(q, kp, vp, lens, table), rtol=0, atol=0)
+    torch.testing.assert_close(compiled(q, kp, vp, lens, table), expected, rtol=0, atol=0)
+
+
+def test_the_op_is_registered_when_wb_kernels_comes_after_torch():
+    """A compiler cannot register the op while it traces: importing wb_kernels after torch registers it, and the
+    first eager call does otherwise (a compile before either says so)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, wb_kernels.decode_op as op; assert op.registered(); "
+            "print(torch.ops.wb.decode.default._schema.name)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "wb::decode" in done.stdout, done.stderr[-2000:]

@@ -21,9 +21,13 @@ import torch
 
 from . import decoding
 
-__all__ = ["register"]
+__all__ = ["register", "registered"]
 
 _LIBRARY = None  # the torch.library.Library fragment, once registered
+
+
+def registered() -> bool:
+    return _LIBRARY is not None
 
 
 def register() -> None:
