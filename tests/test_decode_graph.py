@@ -244,3 +244,8 @@ def test_gpu_lengths_on_another_gpu_or_kind_are_refused_or_copied():
     _assert_matches(out, q, k, v, cpu_lens)
     with pytest.raises(TypeError, match="cache_seqlens: expected a dtype among int32"):
         wb.decode(q, k, v, cpu_lens.cuda().long())
+    wb.decode(q, k, v, cpu_lens.cuda())  # warm-up before the capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="must be on the GPU .*update them in place"):
+        with torch.cuda.graph(graph):
+            wb.decode(q, k, v, cpu_lens)

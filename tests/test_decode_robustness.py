@@ -160,6 +160,12 @@ def test_the_simulator_time_limit_applies_to_wb_decode_as_to_wb_attention():
         wb.decode(q, kc, vc, lens, num_splits=64)
 
 
+def test_lengths_past_a_paged_cache_hint_at_its_layout():
+    q, kp, vp, table, kc, vc, lens = _problem()
+    with pytest.raises(ValueError, match=r"in \[0, 8\].*if the pages are laid out NHD, pass kv_layout='NHD'"):
+        wb.decode(q, kp, vp, np.array([9, 1], np.int32), block_table=table)
+
+
 def test_block_table_without_pages_is_refused():
     q, kp, vp, table, kc, vc, lens = _problem()
     with pytest.raises(ValueError, match="at least one page"):

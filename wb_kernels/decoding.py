@@ -90,8 +90,10 @@ def validate_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, sta
     if _on_host(cache_seqlens):
         lens = _host(cache_seqlens)
         if lens.min(initial=0) < 0 or lens.max(initial=0) > capacity:
+            other = "NHD" if kv_layout == "HND" else "HND"
+            hint = f"; if the pages are laid out {other}, pass kv_layout={other!r}" if paged else ""
             raise ValueError(f"cache_seqlens: every length must be in [0, {capacity}] (the cache's capacity per "
-                             f"sequence), got {lens.tolist()}")
+                             f"sequence), got {lens.tolist()}{hint}")
         if paged and _on_host(block_table):
             table = _host(block_table)
             page_size = as_hnd(k_cache, kv_layout).shape[2]

@@ -228,7 +228,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
 // endregion
 
     // region: split_kernel_loads
-    // this KV head's column `col`, in each page; a key adds its page's and its slot's offsets
     // this KV head's column `col` (and for a contiguous cache, sequence b's page); a key adds its page's and slot's
     // offsets, in 32 bits within a page (the launcher checks that a page spans fewer than 2^31 elements)
     const size_t head = (size_t)(unsigned)kv_head * p.strides[1] + col + (PAGED ? 0 : (size_t)(unsigned)b * p.strides[0]);

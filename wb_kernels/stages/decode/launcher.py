@@ -243,13 +243,22 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     max_len = capacity if max_seqlen is None else min(capacity, int(max_seqlen))
     keys_per_split, num_splits, default_scale = _cuda_launch_plan(device_index, B, H, k_cache.shape[1], max_len,
                                                                   num_splits, D, q.dtype == torch.bfloat16)
-    if not is_torch(cache_seqlens):
-        cache_seqlens = _torch_from_host(cache_seqlens)
-    if block_table is not None and not is_torch(block_table):
-        block_table = _torch_from_host(block_table)
+    if not _on_gpu(cache_seqlens) or (block_table is not None and not _on_gpu(block_table)):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise ValueError("wb.decode in a CUDA graph's capture: cache_seqlens and block_table must be on the GPU "
+                             "(a copy from the host cannot be replayed); keep them in static GPU tensors and update "
+                             "them in place between replays")
+        if not is_torch(cache_seqlens):
+            cache_seqlens = _torch_from_host(cache_seqlens)
+        if block_table is not None and not is_torch(block_table):
+            block_table = _torch_from_host(block_table)
     return build.extension().flash_decode_forward(q, k_cache, v_cache, block_table, cache_seqlens,
                                                   status_buffer(device_index), keys_per_split, num_splits,
                                                   default_scale if scale is None else float(scale))
+
+
+def _on_gpu(x) -> bool:
+    return is_torch(x) and x.is_cuda
 
 
 def _torch_from_host(x):
