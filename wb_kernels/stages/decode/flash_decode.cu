@@ -73,6 +73,18 @@ __device__ __forceinline__ int count_finished(int* counter) {
     asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
     return before;
 }
+
+// Blocks per SM the split kernel asks the compiler to fit: the contiguous one (PAGED false) 4, 3 and 2 at 1, 2 and 4
+// rows (64, 80 and 128 registers, no spills on sm_90; sm_80 would spill at 2 rows), the occupancy the kernel had
+// before it read strides; left alone, ptxas gives it up to 80, 103 and 128. The paged one is left alone (0: no
+// minimum): 64, 97 and 128 registers.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kContiguousTwoRowBlocks = 0;
+#else
+constexpr int kContiguousTwoRowBlocks = 3;
+#endif
+template <int ROWS, bool PAGED>
+constexpr int kMinBlocks = PAGED ? 0 : ROWS == 1 ? 4 : ROWS == 2 ? kContiguousTwoRowBlocks : 2;
 // endregion
 
 // region: vector_loads
@@ -173,9 +185,9 @@ __global__ void decode_merge_kernel(const float* part_out, const float* part_lse
 // NUM_WARPS warps. LANES_PER_KEY = D / 8 lanes share a key, so a warp reads 32 / LANES_PER_KEY keys per step and a
 // block NUM_WARPS times that.
 // PAGED: keys through the block table; otherwise a contiguous cache, sequence b one page of L keys (no table to read,
-// no division per key).
+// no division per key); kMinBlocks (above, with the parameters) is its occupancy.
 template <typename T, int D, int ROWS, int NUM_WARPS, int KEYS_IN_FLIGHT, bool PAGED>
-__global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) decode_split_kernel(const DecodeParams p) {
     constexpr int LANES_PER_KEY = D / 8;
     constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
     constexpr int KEYS_PER_STEP = KEYS_PER_WARP * NUM_WARPS;
@@ -533,35 +545,38 @@ int* merge_counters(torch::Tensor& workspace, int64_t offset_bytes, int64_t need
 }
 
 template <typename T, int D, int ROWS>
-int occupancy_of_rows() {  // the fewer of the paged and the contiguous kernels' blocks per SM
-    int paged = 0, contiguous = 0;
+int occupancy_of_rows(bool paged) {
+    int blocks = 0;
     const int threads = kDecodeWarps * 32;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &paged, decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, true>, threads, 0));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &contiguous, decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, false>, threads, 0));
-    return std::min(paged, contiguous);
+    if (paged)
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, true>, threads, 0));
+    else
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, false>, threads, 0));
+    return blocks;
 }
 
 template <typename T, int D>
-int split_kernel_occupancy(int group) {
-    if (group == 1) return occupancy_of_rows<T, D, 1>();
-    if (group == 2) return occupancy_of_rows<T, D, 2>();
-    return occupancy_of_rows<T, D, 4>();
+int split_kernel_occupancy(int group, bool paged) {
+    if (group == 1) return occupancy_of_rows<T, D, 1>(paged);
+    if (group == 2) return occupancy_of_rows<T, D, 2>(paged);
+    return occupancy_of_rows<T, D, 4>(paged);
 }
 
 }  // namespace wb
 
-// How many blocks of the split kernel that launch_rows picks for (dtype, D, group size) one SM holds at once, as the
-// CUDA runtime computes it from the kernel's registers, shared memory and threads (on the current GPU). The launcher
-// counts whole waves of them when it picks the number of splits (splitkv.choose_num_splits).
-int64_t flash_decode_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group) {
+// How many blocks of the split kernel that launch_rows picks for (dtype, D, group size, paged or not) one SM holds at
+// once, as the CUDA runtime computes it from the kernel's registers, shared memory and threads (on the current GPU).
+// The launcher counts whole waves of them when it picks the number of splits (splitkv.choose_num_splits).
+int64_t flash_decode_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group, bool paged) {
     TORCH_CHECK(head_dim == 64 || head_dim == 128, "flash_decode: head dim must be 64 or 128, got ", head_dim);
     TORCH_CHECK(group >= 1, "flash_decode: the group size must be >= 1, got ", group);
     const int g = static_cast<int>(group);
-    if (bf16) return head_dim == 64 ? wb::split_kernel_occupancy<__nv_bfloat16, 64>(g)
-                                    : wb::split_kernel_occupancy<__nv_bfloat16, 128>(g);
-    return head_dim == 64 ? wb::split_kernel_occupancy<__half, 64>(g) : wb::split_kernel_occupancy<__half, 128>(g);
+    if (bf16) return head_dim == 64 ? wb::split_kernel_occupancy<__nv_bfloat16, 64>(g, paged)
+                                    : wb::split_kernel_occupancy<__nv_bfloat16, 128>(g, paged);
+    return head_dim == 64 ? wb::split_kernel_occupancy<__half, 64>(g, paged)
+                          : wb::split_kernel_occupancy<__half, 128>(g, paged);
 }
 
 // endregion

@@ -196,14 +196,15 @@ def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_blocks_per_sm(device_index: int, bf16: bool, D: int, group: int) -> int:
-    """Blocks of the CUDA split kernel for (dtype, D, group size) that one SM of GPU `device_index` holds at once: the
-    CUDA runtime's occupancy calculation from the kernel's registers, shared memory and threads (on an H100, 2 for
-    groups of 4 and more at 128 registers a thread, 3 for groups of 2, 4 without grouping). Asked once."""
+def cuda_blocks_per_sm(device_index: int, bf16: bool, D: int, group: int, paged: bool = False) -> int:
+    """Blocks of the CUDA split kernel for (dtype, D, group size, paged or contiguous cache) that one SM of GPU
+    `device_index` holds at once: the CUDA runtime's occupancy calculation from the kernel's registers, shared memory
+    and threads (from the compile report: 2 for groups of 4 and more at 128 registers a thread; 3 for groups of 2 and
+    4 without grouping on a contiguous cache, 2 and 4 paged). Asked once."""
     import torch
 
     with torch.cuda.device(device_index):
-        return int(build.extension().flash_decode_blocks_per_sm(bf16, D, group))
+        return int(build.extension().flash_decode_blocks_per_sm(bf16, D, group, paged))
 
 
 def cuda_row_chunks(group: int) -> int:
@@ -215,13 +216,13 @@ def cuda_row_chunks(group: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, num_splits, D: int,
-                      bf16: bool) -> tuple:
+                      bf16: bool, paged: bool = False) -> tuple:
     """What the CUDA kernel runs for a problem: ``(keys_per_split, num_splits, default scale)``. Worked out once per
     problem shape and remembered: a decoder asks the same question for every layer of every step."""
     if num_splits is None:
         group = H // Hk
         num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=cuda_row_chunks(group),
-                                       blocks_per_sm=cuda_blocks_per_sm(device_index, bf16, D, group),
+                                       blocks_per_sm=cuda_blocks_per_sm(device_index, bf16, D, group, paged),
                                        keys_step=build.KEYS_PER_STEP)
     return (*cuda_split_plan(max_len, num_splits), float(D) ** -0.5)
 
@@ -242,7 +243,8 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     capacity = (block_table.shape[1] if block_table is not None else 1) * k_cache.shape[2]
     max_len = capacity if max_seqlen is None else min(capacity, int(max_seqlen))
     keys_per_split, num_splits, default_scale = _cuda_launch_plan(device_index, B, H, k_cache.shape[1], max_len,
-                                                                  num_splits, D, q.dtype == torch.bfloat16)
+                                                                  num_splits, D, q.dtype == torch.bfloat16,
+                                                                  block_table is not None)
     if not _on_gpu(cache_seqlens) or (block_table is not None and not _on_gpu(block_table)):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise ValueError("wb.decode in a CUDA graph's capture: cache_seqlens and block_table must be on the GPU "
