@@ -327,11 +327,11 @@ def test_gpu_cuda_kernel_any_number_of_splits(num_splits):
 
 
 @gpu_only
-def test_gpu_fused_merge_agrees_with_the_merge_kernel_and_leaves_its_counters_at_zero():
+def test_gpu_fused_merge_agrees_with_the_merge_kernel_and_each_call_owns_its_counters():
     """The split kernel's last block per group merges the splits (its shared memory holds the weights of up to
     8 warps x D splits); beyond that a second kernel merges. Both give the reference's answer, and the counters that
-    pick the last block are zero again after every call: calls on grids of other sizes in between (which grow the
-    counters and reuse them) leave a repeated call's output bit for bit the same."""
+    pick the last block are each call's own, zeroed by the call: calls on grids of other sizes in between leave a
+    repeated call's output bit for bit the same."""
     import torch
 
     q, (kp, vp, table), (kc, vc), lens = make_cache(3, 8, 2, 64, [0, 700, 1500], page_size=16, seed=5)
@@ -342,7 +342,7 @@ def test_gpu_fused_merge_agrees_with_the_merge_kernel_and_leaves_its_counters_at
     separate = wb.decode(q_, kp_, vp_, lens_, block_table=table_, num_splits=600)  # 600 > 8 x 64: the merge kernel
     assert check_decode(fused, *as64, lens).passed and check_decode(separate, *as64, lens).passed
     torch.testing.assert_close(fused, separate, atol=2e-3, rtol=2e-3)
-    for B in (1, 64, 3):  # a grid of 64 x 2 x 4 groups grows the counters past their first size
+    for B in (1, 64, 3):  # grids of other sizes in between
         qb, (kb, vb, tb), _, lb = make_cache(B, 8, 2, 64, [333] * B, page_size=16, seed=B)
         qb, kb, vb = _to_cuda(qb, kb, vb, dtype="float16")
         tb, lb = _to_cuda(tb, lb)

@@ -23,7 +23,7 @@ from .backend import BACKEND
 from .device import is_torch
 
 __all__ = ["validate", "validate_inputs", "validate_gradient", "require_array", "Inputs", "CAUSAL_ALIGNMENTS",
-           "SIMULATOR_MAX_SECONDS"]
+           "SIMULATOR_MAX_SECONDS", "check_simulator_time"]
 
 # The values of ``causal`` that name an alignment; True means "top_left" (wb_kernels.reference.causal_offset gives
 # each its diagonal).
@@ -227,13 +227,18 @@ def validate(q, k, v, *, stage: str = "reference", causal=False, key_padding_mas
                 f"Lq x Lk = {Lq} x {Lk} score and probability matrices (B*H = {B * H}), but only {_gib(free)} "
                 f"is free. The flash stages keep memory O(L): try stage={'/'.join(flash) or 'flash'}.")
     if BACKEND.is_simulator and spec.simulator_seconds is not None:
-        seconds = spec.simulator_seconds(B, H, Lq, Lk, D)
-        if seconds > SIMULATOR_MAX_SECONDS:
-            raise ValueError(
-                f"stage {stage!r} at B={B} H={H} Lq={Lq} Lk={Lk} D={D} would take about {seconds:.0f} s on the "
-                f"CUDA simulator (limit {SIMULATOR_MAX_SECONDS:.0f} s, set WB_SIM_MAX_SECONDS to change it); "
-                "use smaller sizes here, or run on a GPU.")
+        check_simulator_time(stage, spec.simulator_seconds(B, H, Lq, Lk, D), f"B={B} H={H} Lq={Lq} Lk={Lk} D={D}")
     return spec
+
+
+def check_simulator_time(stage: str, seconds: float, sizes: str) -> None:
+    """Refuse a problem the CUDA simulator would need more than ``SIMULATOR_MAX_SECONDS`` for (wb.attention and
+    wb.decode alike); `sizes` names the sizes in the message."""
+    if seconds > SIMULATOR_MAX_SECONDS:
+        raise ValueError(
+            f"stage {stage!r} at {sizes} would take about {seconds:.0f} s on the "
+            f"CUDA simulator (limit {SIMULATOR_MAX_SECONDS:.0f} s, set WB_SIM_MAX_SECONDS to change it); "
+            "use smaller sizes here, or run on a GPU.")
 
 
 

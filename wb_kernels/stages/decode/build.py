@@ -28,8 +28,9 @@ LINE_NAME = SOURCE.file_name
 _FUNCTIONS = ["flash_decode_forward", "flash_decode_blocks_per_sm"]
 _CPP_DECLARATION = (
     "std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, "
-    "torch::Tensor block_table, torch::Tensor seq_lens, int64_t keys_per_split, int64_t num_splits, double scale);"
-    "int64_t flash_decode_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group);"
+    "std::optional<torch::Tensor> block_table, torch::Tensor seq_lens, torch::Tensor status, int64_t keys_per_split, "
+    "int64_t num_splits, double scale);"
+    "int64_t flash_decode_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group, bool paged);"
 )
 # keys a block of the split kernel reads per trip round its loop at D = 64 (8 warps x 4 keys x 2 steps in flight;
 # at D = 128 a trip is half of it); splits are rounded up to a multiple of it so that no block ends with idle lanes

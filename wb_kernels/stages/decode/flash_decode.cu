@@ -10,8 +10,13 @@
 // - no shared memory on the way: each lane keeps its own online-softmax state (max, sum, 8 output columns) for the
 //   keys it saw; the states are merged once per block at the end (shuffles, then shared memory across warps);
 // - the splits of one sequence are merged exactly, through their log-sum-exps, by the last of its blocks to finish
-//   (a counter per sequence and group, as the CUDA C++ Programming Guide's example of __threadfence sums an array
-//   in one launch), or, with WB_DECODE_FUSED_MERGE=0 or very many splits, by a second small kernel.
+//   (a counter per sequence and group, counted with release/acquire ordering, zeroed by the call that uses it), or,
+//   with WB_DECODE_FUSED_MERGE=0 or very many splits, by a second small kernel;
+// - nothing depends on the lengths' values on the host, and every buffer comes from PyTorch's caching allocator, so a
+//   call can be captured in a CUDA graph and replayed with other lengths: the last split of a sequence reads every
+//   key past the others' (a length beyond the launch's max_seqlen costs time, never keys), and lengths the kernel
+//   had to clamp or extend are flagged in a status word the host reads when it chooses (wb.decoding.decode_problems).
+// The caches are read through their strides (HND, NHD, a slice of a longer cache: no copy); D is contiguous.
 // notebooks/07_decode.ipynb shows it region by region (// region: NAME), each device function before its caller.
 // Scores are kept in log2 units (scale * log2(e) folded into q), so exp2f is one MUFU.EX2 instruction.
 // NaN and Inf give what PyTorch's SDPA gives, computed here, on the GPU, without a pass on the host: a score that is
@@ -45,18 +50,41 @@ __device__ __forceinline__ bool is_finite(float x) { return (__float_as_uint(x) 
 
 struct DecodeParams {
     const void* q;  // (B, H, D)
-    const void* k_pages;  // (num_pages, Hk, page_size, D)
+    const void* k_pages;  // (num_pages, Hk, page_size, D) through the strides below; a contiguous cache is (B, Hk, L, D)
     const void* v_pages;
-    const int* block_table;  // (B, pages_per_seq)
+    unsigned strides[3];  // elements between pages, heads and slots in both K and V (D's stride is 1), < 2^31
+    const int* block_table;  // (B, pages_per_seq); nullptr: a contiguous cache, sequence b is page b
     const int* seq_lens;  // (B,)
     float* part_out;  // (splits, B, H, D) float32, normalised per split
     float* part_lse;  // (splits, B, H) float32, natural log; kNegBig for an empty split
     void* out;  // (B, H, D) in q's dtype: the merged output, written by the last block of each group when fused
     float* lse;  // (B, H) float32
     int* counters;  // (B * Hk * chunks) zeros: splits finished per group; nullptr: a second kernel merges
+    int* status;  // flags for the host: 1 a length clamped to the cache, 2 a length past the splits' keys
     int B, H, Hk, page_size, pages_per_seq, num_pages, keys_per_split, num_splits;
     float scale_log2;  // softmax scale * log2(e)
 };
+
+// The fused merge's count of finished splits: a release (this block's partial results, written by all its threads
+// before the __syncthreads that precedes it, are visible before the count) and an acquire (the block that counts last
+// sees every other block's results), at GPU scope, as CUTLASS's semaphores pair them.
+__device__ __forceinline__ int count_finished(int* counter) {
+    int before;
+    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+    return before;
+}
+
+// Blocks per SM the split kernel asks the compiler to fit: the contiguous one (PAGED false) 4, 3 and 2 at 1, 2 and 4
+// rows (64, 80 and 128 registers, no spills on sm_90; sm_80 would spill at 2 rows), the occupancy the kernel had
+// before it read strides; left alone, ptxas gives it up to 80, 103 and 128. The paged one is left alone (0: no
+// minimum): 64, 97 and 128 registers.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kContiguousTwoRowBlocks = 0;
+#else
+constexpr int kContiguousTwoRowBlocks = 3;
+#endif
+template <int ROWS, bool PAGED>
+constexpr int kMinBlocks = PAGED ? 0 : ROWS == 1 ? 4 : ROWS == 2 ? kContiguousTwoRowBlocks : 2;
 // endregion
 
 // region: vector_loads
@@ -156,8 +184,10 @@ __global__ void decode_merge_kernel(const float* part_out, const float* part_lse
 // Grid: (B * Hk, splits, ceil(G / ROWS)): (sequence, KV head) in x, the one dimension past 65,535 blocks. Block:
 // NUM_WARPS warps. LANES_PER_KEY = D / 8 lanes share a key, so a warp reads 32 / LANES_PER_KEY keys per step and a
 // block NUM_WARPS times that.
-template <typename T, int D, int ROWS, int NUM_WARPS, int KEYS_IN_FLIGHT>
-__global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const DecodeParams p) {
+// PAGED: keys through the block table; otherwise a contiguous cache, sequence b one page of L keys (no table to read,
+// no division per key); kMinBlocks (above, with the parameters) is its occupancy.
+template <typename T, int D, int ROWS, int NUM_WARPS, int KEYS_IN_FLIGHT, bool PAGED>
+__global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) decode_split_kernel(const DecodeParams p) {
     constexpr int LANES_PER_KEY = D / 8;
     constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
     constexpr int KEYS_PER_STEP = KEYS_PER_WARP * NUM_WARPS;
@@ -171,10 +201,17 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
     const int key_lane = lane / LANES_PER_KEY;  // which of the warp's keys this lane reads
     const int col = (lane % LANES_PER_KEY) * 8;  // the 8 columns it reads of that key
 
-    // the lengths on the device are clamped to the cache, so a wrong value cannot read outside it
-    const int length = min(max(p.seq_lens[b], 0), p.pages_per_seq * p.page_size);
+    // the lengths on the device are clamped to the cache, so a wrong value cannot read outside it, and flagged
+    const int capacity = p.pages_per_seq * p.page_size;
+    const int asked = p.seq_lens[b];
+    const int length = min(max(asked, 0), capacity);
     const int start = split * p.keys_per_split;
-    const int stop = min(start + p.keys_per_split, length);
+    // the last split reads every key past the others', so a length beyond the launch's splits loses none
+    const int stop = split == p.num_splits - 1 ? length : min(start + p.keys_per_split, length);
+    if (threadIdx.x == 0 && split == p.num_splits - 1 && kv_head == 0 && blockIdx.z == 0) {
+        const int flags = (asked != length ? 1 : 0) | (length - start > p.keys_per_split ? 2 : 0);
+        if (flags) atomicOr(p.status, flags);
+    }
 
     float q[ROWS][8];  // this lane's 8 columns of each query row, times scale * log2(e)
     bool q_bad[ROWS];  // the row's query holds a NaN or an Inf (any column: the warp's lanes cover all D)
@@ -203,9 +240,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
 // endregion
 
     // region: split_kernel_loads
-    const T* k_base = static_cast<const T*>(p.k_pages);
-    const T* v_base = static_cast<const T*>(p.v_pages);
-    const int* table = p.block_table + (size_t)b * p.pages_per_seq;
+    // this KV head's column `col` (and for a contiguous cache, sequence b's page); a key adds its page's and slot's
+    // offsets, in 32 bits within a page (the launcher checks that a page spans fewer than 2^31 elements)
+    const size_t head = (size_t)(unsigned)kv_head * p.strides[1] + col + (PAGED ? 0 : (size_t)(unsigned)b * p.strides[0]);
+    const T* k_base = static_cast<const T*>(p.k_pages) + head;
+    const T* v_base = static_cast<const T*>(p.v_pages) + head;
+    const int* table = p.block_table + (PAGED ? (size_t)b * p.pages_per_seq : 0);
     constexpr int STRIDE = KEYS_PER_STEP * KEYS_IN_FLIGHT;  // keys the block covers per trip round the loop
     // the loads of KEYS_IN_FLIGHT steps from key0 on, issued together (zeros past the split's end)
     auto load = [&](int key0, uint4 (&k_raw)[KEYS_IN_FLIGHT], uint4 (&v_raw)[KEYS_IN_FLIGHT]) {
@@ -214,8 +254,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
             const int key = key0 + s * KEYS_PER_STEP + key_lane;
             k_raw[s] = v_raw[s] = make_uint4(0, 0, 0, 0);
             if (key < stop) {
-                const int page = min(max(table[key / p.page_size], 0), p.num_pages - 1);
-                const size_t offset = (((size_t)page * p.Hk + kv_head) * p.page_size + key % p.page_size) * D + col;
+                size_t offset = (unsigned)key * p.strides[2];
+                if constexpr (PAGED) {
+                    const int page = min(max(table[key / p.page_size], 0), p.num_pages - 1);
+                    // a 32 x 32 -> 64-bit product (one IMAD.WIDE.U32): the pool may hold more than 2^32 elements
+                    offset = (size_t)(unsigned)page * p.strides[0] + (unsigned)(key % p.page_size) * p.strides[2];
+                }
                 k_raw[s] = *reinterpret_cast<const uint4*>(k_base + offset);
                 v_raw[s] = *reinterpret_cast<const uint4*>(v_base + offset);
             }
@@ -384,18 +428,17 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) decode_split_kernel(const Deco
     if (p.counters == nullptr) return;  // a second kernel merges the splits
 
     // The last of the group's split blocks to finish merges them, in this launch: no second kernel to wait for, and
-    // the partial results are read back from L2 while they are still there. Every thread's writes are made visible
-    // to the whole GPU (__threadfence) before the block counts itself done, so the block that counts last sees them.
-    __threadfence();
+    // the partial results are read back from L2 while they are still there. Every thread's writes happen before the
+    // __syncthreads, and thread 0 counts the block done with a release at GPU scope; the block that counts last
+    // acquires, so after its own __syncthreads all its threads see every split's results.
     __syncthreads();  // also: every thread is done with s_acc, which the merge reuses for the splits' weights
     __shared__ bool s_last;
     int* counter = p.counters + (size_t)blockIdx.x * gridDim.z + blockIdx.z;  // one per (sequence, KV head, rows)
-    if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == p.num_splits - 1;
+    if (threadIdx.x == 0) s_last = count_finished(counter) == p.num_splits - 1;
     __syncthreads();
     if (!s_last) return;
     merge_splits<T, D, ROWS>(p.part_out, p.part_lse, static_cast<T*>(p.out), p.lse, p.B * p.H, b * p.H + head0, rows,
                              p.num_splits, &s_acc[0][0][0]);  // room for NUM_WARPS * D splits' weights per row
-    if (threadIdx.x == 0) *counter = 0;  // zero again for the next launch: the counters are kept across calls
 }
 // endregion
 
@@ -417,8 +460,10 @@ constexpr int kKeysInFlight = WB_KEYS_IN_FLIGHT;  // key steps whose loads a lan
 #ifdef WB_KERNEL_ONLY
 // Without torch (the compile check): instantiate every kernel the launcher can choose.
 #define WB_INSTANTIATE_SPLIT(D, ROWS)                                                                            \
-    template __global__ void wb::decode_split_kernel<__half, D, ROWS, kDecodeWarps, kKeysInFlight>(const wb::DecodeParams); \
-    template __global__ void wb::decode_split_kernel<__nv_bfloat16, D, ROWS, kDecodeWarps, kKeysInFlight>(const wb::DecodeParams);
+    template __global__ void wb::decode_split_kernel<__half, D, ROWS, kDecodeWarps, kKeysInFlight, true>(const wb::DecodeParams); \
+    template __global__ void wb::decode_split_kernel<__nv_bfloat16, D, ROWS, kDecodeWarps, kKeysInFlight, true>(const wb::DecodeParams); \
+    template __global__ void wb::decode_split_kernel<__half, D, ROWS, kDecodeWarps, kKeysInFlight, false>(const wb::DecodeParams); \
+    template __global__ void wb::decode_split_kernel<__nv_bfloat16, D, ROWS, kDecodeWarps, kKeysInFlight, false>(const wb::DecodeParams);
 WB_FOR_EACH_DECODE_VARIANT(WB_INSTANTIATE_SPLIT)
 #define WB_INSTANTIATE_MERGE(T, D) \
     template __global__ void wb::decode_merge_kernel<T, D>(const float*, const float*, T*, float*, int, int);
@@ -426,14 +471,15 @@ WB_INSTANTIATE_MERGE(__half, 64) WB_INSTANTIATE_MERGE(__half, 128)
 WB_INSTANTIATE_MERGE(__nv_bfloat16, 64) WB_INSTANTIATE_MERGE(__nv_bfloat16, 128)
 #else
 // region: launch_split_kernel
-#include <ATen/cuda/CUDAContext.h>
+// c10's headers rather than ATen/cuda/CUDAContext.h (which pulls in cuBLAS): the whole file then compiles against a
+// CPU build of torch's headers too, so a machine without a GPU checks it
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <utility>
+#include <optional>
 
 namespace wb {
 
@@ -442,7 +488,10 @@ void launch_decode(const DecodeParams& params, cudaStream_t stream) {
     const int group = params.H / params.Hk;
     // (sequence, KV head) in x: up to 2^31 - 1 blocks, where y and z stop at 65,535 (num_splits <= 12288: checked below)
     const dim3 grid(params.B * params.Hk, params.num_splits, (group + ROWS - 1) / ROWS);
-    decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight><<<grid, kDecodeWarps * 32, 0, stream>>>(params);
+    if (params.block_table != nullptr)
+        decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, true><<<grid, kDecodeWarps * 32, 0, stream>>>(params);
+    else
+        decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, false><<<grid, kDecodeWarps * 32, 0, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (params.counters != nullptr) return;  // merged by the split kernel's last blocks
     decode_merge_kernel<T, D><<<params.B * params.H, D, params.num_splits * sizeof(float), stream>>>(
@@ -461,88 +510,120 @@ void launch_rows(const DecodeParams& params, cudaStream_t stream) {
     return launch_decode<T, D, 4>(params, stream);
 }
 
+// The cache is read in place through its strides: copying it would cost a whole cache's bandwidth every step, so what
+// the kernel's 16-byte loads and 32-bit offsets within a page cannot read is refused, saying what to do.
+void check_cache_layout(const torch::Tensor& k_pages, const torch::Tensor& v_pages) {
+    for (const torch::Tensor* cache : {&k_pages, &v_pages}) {
+        bool aligned = reinterpret_cast<uintptr_t>(cache->data_ptr()) % 16 == 0 && cache->stride(3) == 1;
+        for (int i = 0; i < 3; ++i) aligned = aligned && cache->stride(i) % 8 == 0 && cache->stride(i) >= 0;
+        TORCH_CHECK_VALUE(aligned, "flash_decode: the cache is read 8 values (16 bytes) at a time, so its head dim "
+                          "must be contiguous (stride 1), its other strides multiples of 8 and its data 16-byte "
+                          "aligned; got strides ", cache->strides(), ", data ", reinterpret_cast<uintptr_t>(
+                          cache->data_ptr()) % 16, " bytes past a multiple of 16. Allocate the cache once in that form (a fresh "
+                          "tensor is), rather than copying it every step");
+    }
+    TORCH_CHECK_VALUE(v_pages.strides() == k_pages.strides(), "flash_decode: k and v caches must have the same "
+                      "strides (one offset per key serves both); got ", k_pages.strides(), " and ",
+                      v_pages.strides(), ". Allocate both caches alike");
+    const int64_t span = (k_pages.size(1) - 1) * k_pages.stride(1) + (k_pages.size(2) - 1) * k_pages.stride(2);
+    TORCH_CHECK_VALUE(span + k_pages.size(3) <= INT32_MAX && k_pages.stride(0) <= INT32_MAX, "flash_decode: one "
+                      "page of the cache (a sequence of a contiguous one) must span fewer than 2^31 elements; got "
+                      "shape ", k_pages.sizes(), ", strides ", k_pages.strides(), ". Use a paged cache for longer ones");
+}
+
 // endregion
 
 // region: merge_counters_and_occupancy
-// The fused merge's counters, one per (sequence, KV head, chunk of rows): zeros, which every launch leaves as zeros
-// (the last block of each group resets its own). Kept across calls, so a decode step costs no memset; one set per
-// device and stream, so that launches on two streams at once never share one; grown when a larger grid needs more.
-int* merge_counters(const torch::Tensor& q, cudaStream_t stream, int64_t needed) {
-    static std::mutex mutex;
-    static std::map<std::pair<int, cudaStream_t>, torch::Tensor> kept;
-    const std::lock_guard<std::mutex> lock(mutex);
-    torch::Tensor& counters = kept[{static_cast<int>(q.get_device()), stream}];
-    if (!counters.defined() || counters.numel() < needed)
-        counters = torch::zeros({std::max<int64_t>(needed, 4096)}, q.options().dtype(torch::kInt32));
-    return counters.data_ptr<int>();
+// The fused merge's counters, one per (sequence, KV head, chunk of rows), are this call's own: the tail of the call's
+// workspace (from PyTorch's caching allocator, so a CUDA graph's capture takes it from the graph's pool), zeroed on
+// the call's stream by a memset that a capture records too. Two calls, on two streams or in two graphs, never share
+// one, and nothing outlives the tensors it points into.
+int* merge_counters(torch::Tensor& workspace, int64_t offset_bytes, int64_t needed, cudaStream_t stream) {
+    int* counters = reinterpret_cast<int*>(static_cast<char*>(workspace.data_ptr()) + offset_bytes);
+    C10_CUDA_CHECK(cudaMemsetAsync(counters, 0, needed * sizeof(int), stream));
+    return counters;
+}
+
+template <typename T, int D, int ROWS>
+int occupancy_of_rows(bool paged) {
+    int blocks = 0;
+    const int threads = kDecodeWarps * 32;
+    if (paged)
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, true>, threads, 0));
+    else
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, false>, threads, 0));
+    return blocks;
 }
 
 template <typename T, int D>
-int split_kernel_occupancy(int group) {
-    int blocks = 0;
-    const int threads = kDecodeWarps * 32;
-    if (group == 1)
-        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, decode_split_kernel<T, D, 1, kDecodeWarps, kKeysInFlight>, threads, 0));
-    else if (group == 2)
-        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, decode_split_kernel<T, D, 2, kDecodeWarps, kKeysInFlight>, threads, 0));
-    else
-        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, decode_split_kernel<T, D, 4, kDecodeWarps, kKeysInFlight>, threads, 0));
-    return blocks;
+int split_kernel_occupancy(int group, bool paged) {
+    if (group == 1) return occupancy_of_rows<T, D, 1>(paged);
+    if (group == 2) return occupancy_of_rows<T, D, 2>(paged);
+    return occupancy_of_rows<T, D, 4>(paged);
 }
 
 }  // namespace wb
 
-// How many blocks of the split kernel that launch_rows picks for (dtype, D, group size) one SM holds at once, as the
-// CUDA runtime computes it from the kernel's registers, shared memory and threads (on the current GPU). The launcher
-// counts whole waves of them when it picks the number of splits (splitkv.choose_num_splits).
-int64_t flash_decode_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group) {
+// How many blocks of the split kernel that launch_rows picks for (dtype, D, group size, paged or not) one SM holds at
+// once, as the CUDA runtime computes it from the kernel's registers, shared memory and threads (on the current GPU).
+// The launcher counts whole waves of them when it picks the number of splits (splitkv.choose_num_splits).
+int64_t flash_decode_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group, bool paged) {
     TORCH_CHECK(head_dim == 64 || head_dim == 128, "flash_decode: head dim must be 64 or 128, got ", head_dim);
     TORCH_CHECK(group >= 1, "flash_decode: the group size must be >= 1, got ", group);
     const int g = static_cast<int>(group);
-    if (bf16) return head_dim == 64 ? wb::split_kernel_occupancy<__nv_bfloat16, 64>(g)
-                                    : wb::split_kernel_occupancy<__nv_bfloat16, 128>(g);
-    return head_dim == 64 ? wb::split_kernel_occupancy<__half, 64>(g) : wb::split_kernel_occupancy<__half, 128>(g);
+    if (bf16) return head_dim == 64 ? wb::split_kernel_occupancy<__nv_bfloat16, 64>(g, paged)
+                                    : wb::split_kernel_occupancy<__nv_bfloat16, 128>(g, paged);
+    return head_dim == 64 ? wb::split_kernel_occupancy<__half, 64>(g, paged)
+                          : wb::split_kernel_occupancy<__half, 128>(g, paged);
 }
 
 // endregion
 
 // region: forward_inputs
 // Returns [out (B, H, D) in q's dtype, lse (B, H) float32]. The inputs were validated by wb.decode; the checks here
-// guard the raw pointers.
+// guard the raw pointers, and each says what to do.
 std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
-                                                torch::Tensor block_table, torch::Tensor seq_lens,
-                                                int64_t keys_per_split, int64_t num_splits, double scale) {
-    TORCH_CHECK(q.is_cuda() && k_pages.is_cuda() && v_pages.is_cuda(),
-                "flash_decode: q and the cache must be on the GPU");
+                                                std::optional<torch::Tensor> block_table, torch::Tensor seq_lens,
+                                                torch::Tensor status, int64_t keys_per_split, int64_t num_splits,
+                                                double scale) {
+    TORCH_CHECK(q.is_cuda() && k_pages.is_cuda() && v_pages.is_cuda() && status.is_cuda(),
+                "flash_decode: q, the cache and the status word must be on the GPU");
     const bool is_half = q.scalar_type() == torch::kHalf;
     TORCH_CHECK(is_half || q.scalar_type() == torch::kBFloat16, "flash_decode: dtype must be float16 or bfloat16");
     TORCH_CHECK(k_pages.scalar_type() == q.scalar_type() && v_pages.scalar_type() == q.scalar_type(),
                 "flash_decode: q and the cache must have one dtype");
     TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
                 "flash_decode: q (B, H, D), pages (num_pages, Hk, page_size, D)");
-    // Made contiguous, int32 and on q's device here rather than in Python: each of those calls costs a microsecond or
-    // more from Python and next to nothing from C++ when, as on every decode step, there is nothing to do.
+    // q is small: made contiguous and 16-byte aligned here (a copy only when it is not); the cache is read in place
     q = q.contiguous();
-    k_pages = k_pages.contiguous();
-    v_pages = v_pages.contiguous();
-    block_table = block_table.to(q.device(), torch::kInt32).contiguous();
-    seq_lens = seq_lens.to(q.device(), torch::kInt32).contiguous();
+    if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 != 0) q = q.clone();
+    wb::check_cache_layout(k_pages, v_pages);
     const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hk = k_pages.size(1);
+    seq_lens = seq_lens.to(q.device(), torch::kInt32).contiguous();
+    const bool paged = block_table.has_value();
+    torch::Tensor table;
+    if (paged) table = block_table->to(q.device(), torch::kInt32).contiguous();
     TORCH_CHECK(D == 64 || D == 128, "flash_decode: head dim must be 64 or 128, got ", D);
     TORCH_CHECK(k_pages.size(3) == D && H % Hk == 0, "flash_decode: the cache's D must be q's, and Hk divide H");
-    TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && seq_lens.numel() == B,
-                "flash_decode: block_table (B, pages) and seq_lens (B,)");
+    TORCH_CHECK(seq_lens.numel() == B && (!paged || (table.dim() == 2 && table.size(0) == B && table.size(1) >= 1)),
+                "flash_decode: block_table (B, pages >= 1) and seq_lens (B,)");
+    TORCH_CHECK(paged || k_pages.size(0) == B, "flash_decode: a contiguous cache has B = q's batch sequences");
+    TORCH_CHECK(status.scalar_type() == torch::kInt32 && status.numel() >= 1, "flash_decode: status: one int32");
     TORCH_CHECK(num_splits >= 1 && keys_per_split >= 1, "flash_decode: need num_splits >= 1, keys_per_split >= 1");
     // the merge kernel keeps one float per split in shared memory (48 KB without opting in to more)
-    TORCH_CHECK(num_splits <= 12288, "flash_decode: at most 12288 splits, got ", num_splits);
+    TORCH_CHECK_VALUE(num_splits <= 12288, "flash_decode: at most 12288 splits, got ", num_splits);
+    TORCH_CHECK_VALUE((paged ? table.size(1) * k_pages.size(2) : k_pages.size(2)) <= INT32_MAX,
+                      "flash_decode: at most 2^31 - 1 keys per sequence");
     const c10::cuda::CUDAGuard guard(q.device());
     auto out = torch::empty_like(q);
     auto lse = torch::empty({B, H}, q.options().dtype(torch::kFloat32));
-    auto part_out = torch::empty({num_splits, B, H, D}, q.options().dtype(torch::kFloat32));
-    auto part_lse = torch::empty({num_splits, B, H}, q.options().dtype(torch::kFloat32));
+    // one workspace per call: the splits' outputs, their LSEs, then the fused merge's counters
+    const int64_t group = H / Hk, rows = group == 1 ? 1 : group == 2 ? 2 : 4;  // as launch_rows picks
+    const int64_t counters = B * Hk * ((group + rows - 1) / rows);
+    const int64_t part_floats = num_splits * B * H * (D + 1);
+    auto workspace = torch::empty({part_floats + counters}, q.options().dtype(torch::kFloat32));
 
     // endregion
 
@@ -551,15 +632,17 @@ std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k
     params.q = q.data_ptr();
     params.k_pages = k_pages.data_ptr();
     params.v_pages = v_pages.data_ptr();
-    params.block_table = block_table.data_ptr<int>();
+    for (int i = 0; i < 3; ++i) params.strides[i] = static_cast<unsigned>(k_pages.stride(i));
+    params.block_table = paged ? table.data_ptr<int>() : nullptr;
     params.seq_lens = seq_lens.data_ptr<int>();
-    params.part_out = part_out.data_ptr<float>();
-    params.part_lse = part_lse.data_ptr<float>();
+    params.part_out = workspace.data_ptr<float>();
+    params.part_lse = params.part_out + num_splits * B * H * D;
+    params.status = status.data_ptr<int>();
     params.B = static_cast<int>(B);
     params.H = static_cast<int>(H);
     params.Hk = static_cast<int>(Hk);
     params.page_size = static_cast<int>(k_pages.size(2));
-    params.pages_per_seq = static_cast<int>(block_table.size(1));
+    params.pages_per_seq = paged ? static_cast<int>(table.size(1)) : 1;
     params.num_pages = static_cast<int>(k_pages.size(0));
     params.keys_per_split = static_cast<int>(keys_per_split);
     params.num_splits = static_cast<int>(num_splits);
@@ -568,13 +651,11 @@ std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k
     params.out = out.data_ptr();
     params.lse = lse.data_ptr<float>();
 
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     // fused merge: the split kernel's s_acc holds the weights of up to kDecodeWarps * D splits per row
     params.counters = nullptr;
-    if (WB_DECODE_FUSED_MERGE && num_splits <= kDecodeWarps * D) {
-        const int64_t group = H / Hk, rows = group == 1 ? 1 : group == 2 ? 2 : 4;  // as launch_rows picks
-        params.counters = wb::merge_counters(q, stream, B * Hk * ((group + rows - 1) / rows));
-    }
+    if (WB_DECODE_FUSED_MERGE && num_splits <= kDecodeWarps * D)
+        params.counters = wb::merge_counters(workspace, part_floats * sizeof(float), counters, stream);
     if (is_half) {
         if (D == 64) wb::launch_rows<__half, 64>(params, stream);
         else wb::launch_rows<__half, 128>(params, stream);

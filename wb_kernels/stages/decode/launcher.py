@@ -26,7 +26,7 @@ from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, NEG_HALF
 from ..naive.kernel import check_grid
 from .splitkv import choose_num_splits, split_bounds
 
-__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "cuda_blocks_per_sm", "cuda_row_chunks", "uses_cuda_kernel", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES"]
+__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "cuda_blocks_per_sm", "cuda_row_chunks", "uses_cuda_kernel", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES", "status_buffer", "read_status", "STATUS_MESSAGES"]
 
 CAUSAL_MODES = {False: CAUSAL_NONE, True: CAUSAL_TOP_LEFT, "top_left": CAUSAL_TOP_LEFT,
                 "bottom_right": CAUSAL_BOTTOM_RIGHT}
@@ -127,7 +127,7 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, num_spl
     if q.shape[2] == 1 and not causal and key_padding_mask is None and uses_cuda_kernel(q):
         import torch
 
-        lens = torch.full((B,), Lk, dtype=torch.int32, device=q.device)
+        lens = torch.full((B,), Lk, dtype=torch.int32, device=q.device)  # every sequence full
         out, lse = cuda_decode_forward(q[:, :, 0], k, v, lens, scale=scale, num_splits=num_splits, max_seqlen=Lk)
         return out[:, :, None], lse[:, :, None]
     table = contiguous_as_paged(B, Lk)
@@ -147,19 +147,43 @@ def uses_cuda_kernel(q) -> bool:
     return str(q.dtype).removeprefix("torch.") in CUDA_KERNEL_DTYPES and q.shape[-1] in CUDA_KERNEL_HEAD_DIMS
 
 
-_IDENTITY_TABLES: dict = {}
+_STATUS: dict = {}  # CUDA device index -> its int32 flags (see read_status), made once and never freed
+
+# The flags the CUDA kernel raises (bits of the status word), and what each tells the user to do
+STATUS_MESSAGES = {
+    1: "a length in cache_seqlens was outside [0, the cache's capacity]: the kernel clamped it to the cache; fix the "
+       "lengths (or the cache's size) you pass",
+    2: "a length in cache_seqlens was above max_seqlen (more keys than the splits cover): the last split read the "
+       "rest, correct but slower; pass a larger max_seqlen (wb_kernels.decoding.seqlen_bucket) or None",
+}
 
 
-def _identity_table(batch: int, device_index: int):
-    """contiguous_as_paged on GPU `device_index`, made once per (batch, GPU): no allocation or copy per decode step."""
-    key = (batch, device_index)
-    table = _IDENTITY_TABLES.get(key)
-    if table is None:
+def status_buffer(device_index: int):
+    """The int32 word of flags that the CUDA kernel ORs into on GPU `device_index` (STATUS_MESSAGES), made at the
+    first call and kept for the process, so that a captured graph's pointer to it stays valid."""
+    flags = _STATUS.get(device_index)
+    if flags is None:
         import torch
 
-        device = torch.device("cuda", device_index)
-        table = _IDENTITY_TABLES[key] = torch.arange(batch, dtype=torch.int32, device=device)[:, None].contiguous()
-    return table
+        flags = _STATUS[device_index] = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
+    return flags
+
+
+def read_status(device=None, *, reset: bool = True) -> list:
+    """The flags raised on `device` since the last reset, as STATUS_MESSAGES' sentences (synchronises with it)."""
+    if not BACKEND.is_gpu:
+        return []
+    import torch
+
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    flags = _STATUS.get(index)
+    if flags is None:
+        return []
+    word = int(flags.item())
+    if reset and word:
+        flags.zero_()
+    return [message for bit, message in STATUS_MESSAGES.items() if word & bit]
 
 
 def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
@@ -172,14 +196,15 @@ def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_blocks_per_sm(device_index: int, bf16: bool, D: int, group: int) -> int:
-    """Blocks of the CUDA split kernel for (dtype, D, group size) that one SM of GPU `device_index` holds at once: the
-    CUDA runtime's occupancy calculation from the kernel's registers, shared memory and threads (on an H100, 2 for
-    groups of 4 and more at 128 registers a thread, 3 for groups of 2, 4 without grouping). Asked once."""
+def cuda_blocks_per_sm(device_index: int, bf16: bool, D: int, group: int, paged: bool = False) -> int:
+    """Blocks of the CUDA split kernel for (dtype, D, group size, paged or contiguous cache) that one SM of GPU
+    `device_index` holds at once: the CUDA runtime's occupancy calculation from the kernel's registers, shared memory
+    and threads (from the compile report: 2 for groups of 4 and more at 128 registers a thread; 3 for groups of 2 and
+    4 without grouping on a contiguous cache, 2 and 4 paged). Asked once."""
     import torch
 
     with torch.cuda.device(device_index):
-        return int(build.extension().flash_decode_blocks_per_sm(bf16, D, group))
+        return int(build.extension().flash_decode_blocks_per_sm(bf16, D, group, paged))
 
 
 def cuda_row_chunks(group: int) -> int:
@@ -191,13 +216,13 @@ def cuda_row_chunks(group: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, num_splits, D: int,
-                      bf16: bool) -> tuple:
+                      bf16: bool, paged: bool = False) -> tuple:
     """What the CUDA kernel runs for a problem: ``(keys_per_split, num_splits, default scale)``. Worked out once per
     problem shape and remembered: a decoder asks the same question for every layer of every step."""
     if num_splits is None:
         group = H // Hk
         num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=cuda_row_chunks(group),
-                                       blocks_per_sm=cuda_blocks_per_sm(device_index, bf16, D, group),
+                                       blocks_per_sm=cuda_blocks_per_sm(device_index, bf16, D, group, paged),
                                        keys_step=build.KEYS_PER_STEP)
     return (*cuda_split_plan(max_len, num_splits), float(D) ** -0.5)
 
@@ -207,23 +232,35 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     """The CUDA C++ split-KV kernel: q (B, H, D) -> ``(out (B, H, D) in q's dtype, lse (B, H) float32)``.
 
     Kept short, as it runs once per layer and token: the plan comes from :func:`_cuda_launch_plan`'s memory, and the
-    extension makes the inputs contiguous, int32 and on q's device itself (where that costs next to nothing).
+    extension makes q contiguous and the lengths int32 on q's device itself (where that costs next to nothing). The
+    caches are read through their strides (no copy); a contiguous cache needs no block table. Nothing here reads a
+    value from the GPU or depends on the lengths' values, so the call can be captured in a CUDA graph.
     """
     import torch  # (already imported: the inputs are torch tensors; a dictionary lookup)
 
     B, H, D = q.shape
     device_index = q.get_device()
-    table = block_table if block_table is not None else _identity_table(B, device_index)
-    capacity = table.shape[1] * k_cache.shape[2]
+    capacity = (block_table.shape[1] if block_table is not None else 1) * k_cache.shape[2]
     max_len = capacity if max_seqlen is None else min(capacity, int(max_seqlen))
     keys_per_split, num_splits, default_scale = _cuda_launch_plan(device_index, B, H, k_cache.shape[1], max_len,
-                                                                  num_splits, D, q.dtype == torch.bfloat16)
-    if not is_torch(cache_seqlens):
-        cache_seqlens = _torch_from_host(cache_seqlens)
-    if not is_torch(table):
-        table = _torch_from_host(table)
-    return build.extension().flash_decode_forward(q, k_cache, v_cache, table, cache_seqlens, keys_per_split,
-                                                  num_splits, default_scale if scale is None else float(scale))
+                                                                  num_splits, D, q.dtype == torch.bfloat16,
+                                                                  block_table is not None)
+    if not _on_gpu(cache_seqlens) or (block_table is not None and not _on_gpu(block_table)):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise ValueError("wb.decode in a CUDA graph's capture: cache_seqlens and block_table must be on the GPU "
+                             "(a copy from the host cannot be replayed); keep them in static GPU tensors and update "
+                             "them in place between replays")
+        if not is_torch(cache_seqlens):
+            cache_seqlens = _torch_from_host(cache_seqlens)
+        if block_table is not None and not is_torch(block_table):
+            block_table = _torch_from_host(block_table)
+    return build.extension().flash_decode_forward(q, k_cache, v_cache, block_table, cache_seqlens,
+                                                  status_buffer(device_index), keys_per_split, num_splits,
+                                                  default_scale if scale is None else float(scale))
+
+
+def _on_gpu(x) -> bool:
+    return is_torch(x) and x.is_cuda
 
 
 def _torch_from_host(x):
@@ -245,6 +282,9 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scal
     B = q.shape[0]
     table = block_table if block_table is not None else contiguous_as_paged(B, k_cache.shape[2])
     capacity = table.shape[1] * k_cache.shape[2]
+    # lengths on a GPU are not read (a synchronisation): the splits cover the whole capacity, so none is dropped
+    on_device = is_torch(cache_seqlens) and cache_seqlens.device.type != "cpu"
+    max_len = capacity if max_seqlen is None or on_device else min(capacity, max_seqlen)
     out, lse = split_kv_forward(q[:, :, None], k_cache, v_cache, table, cache_seqlens, scale=scale,
-                                num_splits=num_splits, max_len=min(capacity, max_seqlen or capacity))
+                                num_splits=num_splits, max_len=max_len)
     return out[:, :, 0], lse[:, :, 0]
