@@ -160,7 +160,7 @@ if has tokens; then
   # the LLaMA-shaped decoder's tokens per second with SDPA and with wb.decode, contiguous and paged caches, and the
   # greedy check (lesson 07 reads the file); after build, so that the CUDA extension's build is not in its time
   gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
-  run_step tokens "${TOKENS_LIMIT:-300}" python3 -m wb_kernels.stages.decode.tokens \
+  run_step tokens "${TOKENS_LIMIT:-300}" python3 -m wb_kernels.models.decoder_tokens \
     --json "results/decode/decoder_$gpu.json"
 fi
 if compgen -G "logs/*.xml" >/dev/null; then

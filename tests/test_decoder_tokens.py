@@ -1,4 +1,4 @@
-"""Lesson 07 (decode): the decoder's tokens-per-second benchmark (``wb_kernels/stages/decode/tokens.py``), its greedy
+"""Lesson 07 (decode): the decoder's tokens-per-second benchmark (``wb_kernels/models/decoder_tokens.py``), its greedy
 check and the reader the lesson prints from. On the CPU: the smoke run (TINY, wb.decode on the simulator)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from wb_kernels.stages.decode import decoder as dec
+from wb_kernels.models import llama_decoder as dec
 from wb_kernels.stages.decode import slider
-from wb_kernels.stages.decode import tokens
+from wb_kernels.models import decoder_tokens as tokens
 
 ROW_FIELDS = ("key", "kind", "config", "dtype", "batch", "context", "layout", "page_size", "attend", "steps",
               "warmup", "status", "tokens_per_s", "ms_per_step", "attention_ms_per_step", "attention_share",
@@ -43,7 +43,7 @@ def test_smoke_run_writes_a_complete_file(smoke):
     results = json.loads(out.read_text())
     assert results["schema"] == 1 and results["kind"] == "decoder_tokens" and results["mode"] == "smoke"
     assert results["complete"] is True and results["elapsed_s"] > 0
-    assert results["command"].startswith("python -m wb_kernels.stages.decode.tokens --smoke")
+    assert results["command"].startswith("python -m wb_kernels.models.decoder_tokens --smoke")
     env = results["environment"]
     for key in ("date", "torch", "cuda", "device", "gpu", "git_commit", "backend"):
         assert key in env, key

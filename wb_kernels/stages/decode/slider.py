@@ -2,7 +2,7 @@
 
 What a decode step costs (FLOPs, bytes, where that sits on a roofline), how many key splits fill the GPU, a paged
 cache against contiguous ones sized to a maximum length, and the committed GPU numbers the lesson reads (the decode
-benchmark's, and the decoder's tokens per second from ``tokens.py``), read for the lesson's asserted claims, and the
+benchmark's, and the decoder's tokens per second from ``wb_kernels/models/decoder_tokens.py``), read for the lesson's asserted claims, and the
 picture of the CUDA kernel's fused merge (:func:`draw_fused_merge`). Plain
 functions (inputs -> numbers or a matplotlib Figure): pytest calls them (``tests/test_decode.py``), and the lesson
 wires :func:`draw_split_choice` to three sliders with :func:`wb_kernels.widgets.link_sliders`.
@@ -370,12 +370,12 @@ def describe_tune_run(results: dict, variant: str | None = None) -> list:
 
 
 NO_DECODER_RUN = ("No decoder run is committed yet (results/decode/decoder_<gpu>.json, from "
-                  "`python -m wb_kernels.stages.decode.tokens`)")
+                  "`python -m wb_kernels.models.decoder_tokens`)")
 
 
 def committed_decoder_results(folder=None):
     """The newest committed GPU run of the decoder's tokens per second (``results/decode/decoder_*.json``, written by
-    ``python -m wb_kernels.stages.decode.tokens``), by the date it records; None while there is none. Smoke runs and
+    ``python -m wb_kernels.models.decoder_tokens``), by the date it records; None while there is none. Smoke runs and
     files that are not such runs (unreadable, another kind) are passed over."""
     import json
 
@@ -398,7 +398,7 @@ def _cell(value, text: str) -> str:
 
 
 def decoder_table(results: dict) -> str:
-    """A results file of ``tokens.py`` as text: where and how it ran, one line per row (model, batch, context, cache
+    """A results file of ``wb_kernels/models/decoder_tokens.py`` as text: where and how it ran, one line per row (model, batch, context, cache
     layout, attention, tokens/s, ms per step, the attention's share of the step, tokens/s over SDPA's on the same
     layout, percent of the step's roofline), then the greedy check's verdicts."""
     env = results.get("environment") or {}

@@ -256,7 +256,7 @@ class FlashInferAttend:
         self._decode = None
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqlen=None, equal_lengths=False):
-        from ...bench import flashinfer
+        from ..bench import flashinfer
 
         if block_table is None:
             raise ValueError("FlashInferAttend reads a paged cache (its batch decode takes pages and a block table); "
@@ -635,7 +635,7 @@ def draw_decode_roofline(config: DecoderConfig, *, dtype_bytes: int, bandwidth_b
 
     `measured`: results of :func:`time_decode` to mark on the left panel (their context: prompt_len + steps/2).
     """
-    from ...plots import new_figure
+    from ..plots import new_figure
 
     fig, (speed_ax, share_ax) = new_figure(ncols=2)
     for context_len in context_lens:

@@ -1,17 +1,17 @@
 """Tokens per second of lesson 07's LLaMA-shaped decoder, with its attention by SDPA, by ``wb.decode`` and by
 FlashInfer's paged decode where it is installed (lesson 07_decode reads the committed file).
 
-    python -m wb_kernels.stages.decode.tokens          # on a GPU: results/decode/decoder_<gpu>.json (h100, h200, ...)
-    python -m wb_kernels.stages.decode.tokens --json results/decode/decoder_h100.json --configs llama_1b
-    python -m wb_kernels.stages.decode.tokens --smoke  # TINY on the CPU in float32: seconds, for the tests
+    python -m wb_kernels.models.decoder_tokens          # on a GPU: results/decode/decoder_<gpu>.json (h100, h200, ...)
+    python -m wb_kernels.models.decoder_tokens --json results/decode/decoder_h100.json --configs llama_1b
+    python -m wb_kernels.models.decoder_tokens --smoke  # TINY on the CPU in float32: seconds, for the tests
 
 On a GPU, by default: ``LLAMA_1B`` and ``LLAMA_1B_D128`` in float16, batch 1 and 16, prompts (the context) of 1024
-and 8192 tokens. Each combination is timed by :func:`~.decoder.time_decode` (64 greedy decode steps after 3
+and 8192 tokens. Each combination is timed by :func:`~.llama_decoder.time_decode` (64 greedy decode steps after 3
 untimed ones, CUDA events) five times: attention by ``sdpa_attend`` and by ``wb_attend``, each on a contiguous
 cache and on a paged one (pages of 16 keys, shuffled), and by ``FlashInferAttend`` on the paged one (where
 flashinfer is installed; elsewhere the row says why it is missing). A row records tokens/s, ms per step, the attention's ms per
 step and its share of the step; wb's tokens/s over SDPA's on the same cache layout (and, for the paged cache, over
-SDPA's on the contiguous one); and the step's roofline (:func:`~.decoder.decode_step_roofline`) at the copy
+SDPA's on the contiguous one); and the step's roofline (:func:`~.llama_decoder.decode_step_roofline`) at the copy
 bandwidth and fp16 matmul peak measured in the same run (:func:`wb_kernels.bench.measure_ceilings`, the decode
 benchmark's ceilings), with the fraction of it the step reached.
 
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from . import decoder as dec
+from . import llama_decoder as dec
 
 __all__ = ["CONFIGS", "Settings", "GPU_SETTINGS", "SMOKE_SETTINGS", "ATTENDS", "check_settings", "compare_greedy",
            "run_tokens", "default_output", "main"]
@@ -86,12 +86,12 @@ NOTES = {
             "untimed steps; on a GPU one pair of CUDA events around the steps and one around each attention call, "
             "read after the run. tokens_per_s = batch * steps / time; attention_share = the attention calls' time "
             "over the steps' time",
-    "attends": "sdpa: decoder.sdpa_attend (a paged cache is first gathered into a contiguous copy, then PyTorch's "
+    "attends": "sdpa: llama_decoder.sdpa_attend (a paged cache is first gathered into a contiguous copy, then PyTorch's "
                "scaled_dot_product_attention with its FLASH, EFFICIENT and MATH backends: cuDNN's re-plans for every new key "
                "length, that is on every decode step, about 60 ms per call on an H100, see tune_*.json's "
-               "sdpa_growing_cache); wb: decoder.wb_attend, wb.decode (on a GPU in float16/bfloat16, the "
+               "sdpa_growing_cache); wb: llama_decoder.wb_attend, wb.decode (on a GPU in float16/bfloat16, the "
                "CUDA C++ kernel of flash_decode.cu), with the host's longest length as max_seqlen; flashinfer: "
-               "decoder.FlashInferAttend, FlashInfer's BatchDecodeWithPagedKVCacheWrapper (the attention vLLM and "
+               "llama_decoder.FlashInferAttend, FlashInfer's BatchDecodeWithPagedKVCacheWrapper (the attention vLLM and "
                "SGLang serve with) on the paged cache only, planned once per step and reused by every layer, as "
                "serving engines do; where flashinfer is not installed its rows say so",
     "layouts": "contiguous: (B, Hk, capacity, D) per layer; paged: pools of page_size keys, the pages of the "
@@ -174,8 +174,8 @@ def estimate_seconds(settings: Settings) -> float:
 
 def default_output(smoke: bool) -> Path:
     """results/decode/decoder_<gpu>.json (decoder_h100.json, ...), or results/decode/decoder_smoke.json."""
-    from ...bench.decode import gpu_short_name
-    from ...bench.results import REPO_ROOT
+    from ..bench.decode import gpu_short_name
+    from ..bench.results import REPO_ROOT
 
     return REPO_ROOT / "results" / "decode" / f"decoder_{'smoke' if smoke else gpu_short_name()}.json"
 
@@ -278,7 +278,7 @@ def _greedy_note(record: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 
 def _round(x: float, digits: int = 5):
-    from ...bench.results import _sig
+    from ..bench.results import _sig
 
     return _sig(x, digits)
 
@@ -289,7 +289,7 @@ def _log(progress: bool, text: str) -> None:
 
 
 def _free_memory() -> None:
-    from ...bench.measure import _free_device_memory
+    from ..bench.measure import _free_device_memory
 
     _free_device_memory()
 
@@ -332,11 +332,11 @@ def _ceilings(settings: Settings) -> dict:
     """The copy bandwidth (and, on a GPU, the matmul peaks) the rooflines use, measured now. On a GPU the decode
     benchmark's own ceilings; on the CPU a host copy, so that a smoke run's file has the same fields."""
     if settings.device == "cuda":
-        from ...bench.measure import measure_ceilings
+        from ..bench.measure import measure_ceilings
 
         return measure_ceilings()
-    from ...bench.results import _sig
-    from ...timing import time_call
+    from ..bench.results import _sig
+    from ..timing import time_call
 
     copy_bytes = 2**26
     source = torch.ones(copy_bytes // 4)
@@ -350,7 +350,7 @@ def _attend_problem(attend_name: str, settings: Settings) -> str | None:
     """Why an attention cannot run in this run (FlashInfer: not installed, or the run is not on a CUDA GPU), or None."""
     if attend_name != "flashinfer":
         return None
-    from ...bench.flashinfer import problem
+    from ..bench.flashinfer import problem
 
     if settings.device != "cuda":
         return f"flashinfer runs on a CUDA GPU; this run is on the {settings.device}"
@@ -371,7 +371,7 @@ def _row(config_name, settings, model, batch, context, layout, attend_name, ceil
                                  attend=ATTENDS[attend_name], paged=layout == "paged", warmup=settings.warmup,
                                  page_size=settings.page_size, seed=settings.seed)
     except Exception as error:  # noqa: BLE001 - recorded, the run goes on
-        from ...bench.measure import _short
+        from ..bench.measure import _short
 
         return {**row, "status": "failed", "reason": _short(error)}
     finally:
@@ -437,7 +437,7 @@ def _greedy(config_name, settings, model) -> list:
                                                         page_size=settings.page_size))
             record["note"] = _greedy_note(record)
         except Exception as error:  # noqa: BLE001 - recorded, the run goes on
-            from ...bench.measure import _short
+            from ..bench.measure import _short
 
             record.update(status="failed", reason=_short(error))
         finally:
@@ -449,7 +449,7 @@ def _greedy(config_name, settings, model) -> list:
 def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: str | None = None,
                progress: bool = True) -> dict:
     """Measure `settings` into the JSON file `out_path` (written after every row); return the results."""
-    from ...bench.results import SCHEMA_VERSION, environment, save_results
+    from ..bench.results import SCHEMA_VERSION, environment, save_results
 
     check_settings(settings)
     started = time.monotonic()
@@ -516,7 +516,7 @@ def _names(text: str) -> tuple:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m wb_kernels.stages.decode.tokens",
+    parser = argparse.ArgumentParser(prog="python -m wb_kernels.models.decoder_tokens",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
@@ -539,7 +539,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from ...timing import on_gpu
+    from ..timing import on_gpu
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -559,11 +559,11 @@ def main(argv=None) -> int:
     except ValueError as error:
         parser.error(str(error))
     out = args.json if args.json is not None else default_output(args.smoke)
-    command = "python -m wb_kernels.stages.decode.tokens " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m wb_kernels.models.decoder_tokens " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.smoke:
         torch.set_num_threads(1)  # TINY's matrices are tiny: threads cost more than they save
     results = run_tokens(settings, out, smoke=args.smoke, command=command.strip(), progress=not args.no_progress)
-    from .slider import decoder_table
+    from ..stages.decode.slider import decoder_table
 
     print(decoder_table(results))
     print(f"wrote {out}")
