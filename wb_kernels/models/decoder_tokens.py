@@ -1,35 +1,48 @@
-"""Tokens per second of lesson 07's LLaMA-shaped decoder, with its attention by SDPA, by ``wb.decode`` and by
-FlashInfer's paged decode where it is installed (lesson 07_decode reads the committed file).
+"""Tokens per second of lesson 07's LLaMA-shaped decoder against its step's roofline: eager, in a CUDA graph per
+batch and under ``torch.compile``, with its attention by SDPA, by ``wb.decode`` and by FlashInfer's paged decode where
+it is installed (lesson 07_decode reads the committed file; the README shows its roofline chart).
 
-    python -m wb_kernels.models.decoder_tokens          # on a GPU: results/decode/decoder_<gpu>.json (h100, h200, ...)
-    python -m wb_kernels.models.decoder_tokens --json results/decode/decoder_h100.json --configs llama_1b
+    python -m wb_kernels.models.decoder_tokens --time-budget 300   # on a GPU: results/decode/decoder_<gpu>.json and
+                                                                   # figures/07_decoder_roofline_<gpu>.png
+    python -m wb_kernels.models.decoder_tokens --sweep-configs none --configs llama_1b    # the eager rows only
     python -m wb_kernels.models.decoder_tokens --smoke  # TINY on the CPU in float32: seconds, for the tests
 
-On a GPU, by default: ``LLAMA_1B`` and ``LLAMA_1B_D128`` in float16, batch 1 and 16, prompts (the context) of 1024
-and 8192 tokens. Each combination is timed by :func:`~.llama_decoder.time_decode` (64 greedy decode steps after 3
-untimed ones, CUDA events) five times: attention by ``sdpa_attend`` and by ``wb_attend``, each on a contiguous
-cache and on a paged one (pages of 16 keys, shuffled), and by ``FlashInferAttend`` on the paged one (where
-flashinfer is installed; elsewhere the row says why it is missing). A row records tokens/s, ms per step, the attention's ms per
-step and its share of the step; wb's tokens/s over SDPA's on the same cache layout (and, for the paged cache, over
-SDPA's on the contiguous one); and the step's roofline (:func:`~.llama_decoder.decode_step_roofline`) at the copy
-bandwidth and fp16 matmul peak measured in the same run (:func:`wb_kernels.bench.measure_ceilings`, the decode
-benchmark's ceilings), with the fraction of it the step reached.
+On a GPU, by default, in float16:
 
-Then a greedy check per model: the same random prompts generate tokens with SDPA (contiguous cache) and with
-``wb_attend`` (contiguous, then paged), then FlashInfer (paged), each pair of runs in lockstep (:func:`compare_greedy`). The file says whether the
-tokens are identical, how far the two runs' logits differed while their contexts were the same (and whether that
-is within rounding), and, if the tokens differ, the first step where they do, SDPA's margin between its top two
-logits there and the logit difference there. The weights are random, so near ties between the two largest logits
-are common, and 16-bit rounding may flip one: the record says whether rounding can account for the flip.
+1. **Eager** (the decoder as it is, every step launched from Python): ``LLAMA_1B`` and ``LLAMA_1B_D128``, batch 1 and
+   16, prompts (the context) of 1024 and 8192 tokens, each timed by :func:`~.llama_decoder.time_decode` (a real
+   prefill, 32 greedy decode steps after 3 untimed ones, CUDA events) five times: ``sdpa_attend`` and ``wb_attend``
+   on a contiguous cache and on a paged one (pages of 16 keys, shuffled), and ``FlashInferAttend`` on the paged one
+   (where flashinfer is installed; elsewhere the row says why it is missing). These rows also give the attention's
+   ms and share of the step. Then the greedy check of each model (:func:`compare_greedy`).
+2. **The roofline sweep** (``LLAMA_1B``, batch 1, 8 and 64, contexts 1k, 8k and 32k): the step without its host
+   overhead (:mod:`.decoder_graphs`), on a static cache filled with random keys and values: one CUDA graph per batch
+   with SDPA and with ``wb.decode`` (while ``wb.decode`` is not graph-safe, its rows say so and why), on both
+   layouts; then ``torch.compile(mode="reduce-overhead")`` with SDPA at two cells (each compiles the step: the
+   slowest rows, so they come last). The greedy check of each mode against the eager decoder with SDPA.
 
-About a minute on an H100 once wb.decode's CUDA extension is built (the first call builds it when it is not
-cached: a minute or two more). Every setting is bounded (see :func:`check_settings`), and a row whose cache and
-prefill would not fit in the GPU's free memory is recorded as skipped. The file is rewritten after every row.
-"""
+Every row records tokens/s, ms per step, the bytes a step must read (every weight once, and the KV cache at the mean
+context of its timed steps) and the fraction of the step's roofline reached (:func:`~.llama_decoder.
+decode_step_roofline` at the copy bandwidth and fp16 matmul peak measured in the same run by
+:func:`wb_kernels.bench.measure_ceilings`), and its speed over SDPA's in the same mode and layout.
+
+The greedy checks: the same random prompts generate tokens with the eager SDPA decoder (contiguous cache) and with
+the other, in lockstep (:func:`compare_runners`). The file says whether the tokens are identical, how far the two
+runs' logits differed while their contexts were the same (and whether that is within rounding), and, if the tokens
+differ, the first step where they do, SDPA's margin between its top two logits there and the logit difference there.
+The weights are random, so near ties between the two largest logits are common, and 16-bit rounding may flip one
+(another SDPA kernel in a graph, which reads the whole capacity under a mask; another split count; Inductor's
+fusions): the record says whether rounding can account for the flip (the near-tie rule).
+
+About five minutes on an H100 once wb.decode's CUDA extension is built (most of it the two compilations; the plan:
+:func:`estimate_seconds`). ``--time-budget`` stops starting rows after that many seconds, and the same command
+resumes the unfinished file. Every setting is bounded (see :func:`check_settings`), a row whose cache would not fit
+in the GPU's free memory is recorded as skipped, and the file is rewritten after every row."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -39,6 +52,7 @@ from pathlib import Path
 import torch
 
 from . import llama_decoder as dec
+from .decoder_graphs import CompiledDecoder, EagerRunner, GraphedDecoder, time_static, wb_decode_graph_support
 
 __all__ = ["CONFIGS", "Settings", "GPU_SETTINGS", "SMOKE_SETTINGS", "ATTENDS", "check_settings", "compare_greedy",
            "run_tokens", "default_output", "main"]
@@ -72,16 +86,39 @@ class Settings:
     greedy_prompt: int
     greedy_tokens: int  # new tokens per sequence in the greedy check (the first comes from the prefill)
     seed: int = 0
+    # The roofline sweep: the step without its host overhead (a CUDA graph per batch, torch.compile), on a static
+    # cache filled with random keys and values to `context` (no prefill: a 64 x 32k prefill would not fit)
+    sweep_configs: tuple = ()
+    sweep_batches: tuple = ()
+    sweep_contexts: tuple = ()
+    compile_cells: tuple = ()  # ((batch, context), ...) of the sweep where torch.compile runs too (each compiles)
+    compile_backend: str = "inductor"  # "inductor": mode="reduce-overhead"; "eager": traced only (the CPU smoke)
+    num_splits: int | None = None  # wb.decode's split count in a graph (None: its choice from the capacity)
 
 
 GPU_SETTINGS = Settings(configs=("llama_1b", "llama_1b_d128"), dtype="float16", device="cuda", batches=(1, 16),
-                        contexts=(1024, 8192), steps=64, warmup=3, page_size=16, greedy_batch=8, greedy_prompt=1024,
-                        greedy_tokens=32)
+                        contexts=(1024, 8192), steps=32, warmup=3, page_size=16, greedy_batch=8, greedy_prompt=1024,
+                        greedy_tokens=32, sweep_configs=("llama_1b",), sweep_batches=(1, 8, 64),
+                        sweep_contexts=(1024, 8192, 32768), compile_cells=((1, 1024), (64, 8192)))
 # TINY on the CPU; wb_attend runs on the CUDA simulator there (about a tenth of a second per call), so few steps.
 SMOKE_SETTINGS = Settings(configs=("tiny",), dtype="float32", device="cpu", batches=(2,), contexts=(16,), steps=3,
-                          warmup=1, page_size=4, greedy_batch=2, greedy_prompt=8, greedy_tokens=4)
+                          warmup=1, page_size=4, greedy_batch=2, greedy_prompt=8, greedy_tokens=4,
+                          sweep_configs=("tiny",), sweep_batches=(2,), sweep_contexts=(16,), compile_cells=((2, 16),),
+                          compile_backend="eager")
+# The contenders of the sweep, (mode, layout, attend): hand-captured graphs with SDPA and wb.decode on both layouts,
+# and torch.compile(mode="reduce-overhead") with SDPA on the contiguous cache (where compile_cells say)
+SWEEP_CONTENDERS = (("graph", "contiguous", "sdpa"), ("graph", "paged", "sdpa"), ("graph", "contiguous", "wb"),
+                    ("graph", "paged", "wb"), ("compile", "contiguous", "sdpa"))
 
 NOTES = {
+    "modes": "eager: the decoder as it is, every step launched from Python (time_decode: a real prefill of the "
+             "prompt, then the steps); graph: the step captured in one CUDA graph per batch (decoder_graphs."
+             "GraphedDecoder: a static cache, the attention told the cache's capacity, the greedy token picked "
+             "inside the graph); compile: torch.compile(mode='reduce-overhead', fullgraph=True) of the same step "
+             "(decoder_graphs.CompiledDecoder, weights and cache marked static; compile_s: its first call). The "
+             "graph and compile rows (the roofline sweep) start from a static cache filled with random keys and "
+             "values up to `context` (no prefill: how fast a step runs does not depend on the cache's values); a "
+             "graph row of wb.decode is skipped while wb.decode is not graph-safe (wb_graph_support)",
     "rows": "time_decode: `steps` greedy decode steps of `batch` random prompts of `context` tokens, after `warmup` "
             "untimed steps; on a GPU one pair of CUDA events around the steps and one around each attention call, "
             "read after the run. tokens_per_s = batch * steps / time; attention_share = the attention calls' time "
@@ -137,24 +174,63 @@ def check_settings(settings: Settings) -> None:
                                   ("greedy_tokens", s.greedy_tokens, 0, MAX_GREEDY_TOKENS)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low or (top is not None and value > top):
             raise ValueError(f"{name}={value!r}: expected an int from {low}" + (f" to {top}" if top else " up"))
-    for name in s.configs:
+    unknown = [name for name in s.sweep_configs if name not in CONFIGS]
+    if unknown:
+        raise ValueError(f"sweep_configs: expected names among {', '.join(CONFIGS)}, got {', '.join(unknown)}")
+    for name, values, top in (("sweep_batches", s.sweep_batches, MAX_BATCH), ("sweep_contexts", s.sweep_contexts,
+                                                                               None)):
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values) or \
+                (top is not None and values and max(values) > top):
+            raise ValueError(f"{name}={list(values)}: expected positive ints" + (f", at most {top}" if top else ""))
+    if bool(s.sweep_configs) != bool(s.sweep_batches and s.sweep_contexts):
+        raise ValueError("the sweep needs sweep_configs, sweep_batches and sweep_contexts together (or none of them)")
+    cells = {(b, c) for b in s.sweep_batches for c in s.sweep_contexts}
+    if any(tuple(cell) not in cells for cell in s.compile_cells):
+        raise ValueError(f"compile_cells={[list(c) for c in s.compile_cells]}: each (batch, context) must be a cell "
+                         "of the sweep")
+    if s.compile_backend not in ("inductor", "eager", "aot_eager"):
+        raise ValueError(f"compile_backend={s.compile_backend!r}: expected inductor, eager or aot_eager")
+    if s.num_splits is not None and (isinstance(s.num_splits, bool) or not isinstance(s.num_splits, int)
+                                     or not 1 <= s.num_splits <= 64):
+        raise ValueError(f"num_splits={s.num_splits!r}: expected None or an int from 1 to 64")
+    for name in set(s.configs) | set(s.sweep_configs):
         longest = CONFIGS[name].max_seq_len
-        if max(s.contexts) + max(s.steps, s.warmup) > longest:
-            raise ValueError(f"contexts: {max(s.contexts)} + {max(s.steps, s.warmup)} steps exceeds {name}'s "
+        contexts = (s.contexts if name in s.configs else ()) + (s.sweep_contexts if name in s.sweep_configs else ())
+        if max(contexts) + s.steps + s.warmup > longest:
+            raise ValueError(f"contexts: {max(contexts)} + {s.steps + s.warmup} steps exceeds {name}'s "
                              f"max_seq_len={longest}")
         if s.greedy_prompt + s.greedy_tokens > longest:
             raise ValueError(f"greedy_prompt {s.greedy_prompt} + greedy_tokens {s.greedy_tokens} exceeds {name}'s "
                              f"max_seq_len={longest}")
 
 
+def _by_cache_size(batches, contexts) -> list:
+    return sorted(((b, c) for b in batches for c in contexts), key=lambda bc: (bc[0] * bc[1], bc))
+
+
 def _plan(settings: Settings) -> list:
-    """[(config name, batch, context, layout, attend)]: per model, from the smallest cache up, SDPA before wb on each
-    layout (so a row's SDPA baseline is there when its ratio is computed)."""
-    return [(name, batch, context, layout, attend)
-            for name in settings.configs
-            for batch, context in sorted(((b, c) for b in settings.batches for c in settings.contexts),
-                                         key=lambda bc: (bc[0] * bc[1], bc))
-            for layout in LAYOUTS for attend in ATTENDS if layout in ATTEND_LAYOUTS.get(attend, LAYOUTS)]
+    """[(config name, batch, context, mode, layout, attend)] in the order they run: the eager rows per model, from
+    the smallest cache up, SDPA before wb on each layout (so a row's SDPA baseline is there when its ratio is
+    computed); then the sweep's graph rows; then its torch.compile rows (each compiles the step: the slowest rows,
+    last, so that a run stopped by its time budget has everything else)."""
+    eager = [(name, batch, context, "eager", layout, attend)
+             for name in settings.configs
+             for batch, context in _by_cache_size(settings.batches, settings.contexts)
+             for layout in LAYOUTS for attend in ATTENDS if layout in ATTEND_LAYOUTS.get(attend, LAYOUTS)]
+    cells = _by_cache_size(settings.sweep_batches, settings.sweep_contexts)
+    graph = [(name, batch, context, mode, layout, attend)
+             for name in settings.sweep_configs for batch, context in cells
+             for mode, layout, attend in SWEEP_CONTENDERS if mode == "graph"]
+    compiled = [(name, batch, context, mode, layout, attend)
+                for name in settings.sweep_configs for batch, context in cells
+                if (batch, context) in {tuple(c) for c in settings.compile_cells}
+                for mode, layout, attend in SWEEP_CONTENDERS if mode == "compile"]
+    return eager + graph + compiled
+
+
+def row_key(config, dtype, batch, context, mode, layout, attend) -> str:
+    """A row's key in the results file (and what a resumed run skips)."""
+    return f"{config}|{dtype}|B{batch}|L{context}|{mode}|{layout}|{attend}"
 
 
 def estimate_seconds(settings: Settings) -> float:
@@ -162,13 +238,16 @@ def estimate_seconds(settings: Settings) -> float:
     a guessed 5 ms of launches and the roofline's bytes at 1.5 TB/s (half the copy rate, as SDPA on a paged cache
     copies it first), a second of bookkeeping; the ceilings, the greedy checks. A plan, not a measurement."""
     total = 10.0
-    for name, batch, context, _, _ in _plan(settings):
+    for name, batch, context, mode, _, _ in _plan(settings):
         config = CONFIGS[name]
-        prefill = 2 * config.params() * batch * context / 300e12
+        prefill = 2 * config.params() * batch * context / 300e12 if mode == "eager" else 0.0
         step = dec.decode_step_roofline(config, batch=batch, context_len=context, dtype_bytes=2,
                                         bandwidth_bytes_per_s=1.5e12)["step_time_s"]
-        total += 1.0 + prefill + (settings.steps + settings.warmup) * max(5e-3, step)
+        launches = 5e-3 if mode == "eager" else 0.0  # a graph's step is its bytes' time
+        setup = {"eager": 1.0, "graph": 1.5, "compile": 60.0}[mode]  # a guessed cold compile of the 1B step
+        total += setup + prefill + (settings.steps + settings.warmup) * max(launches, step)
     greedy = len(settings.configs) * 2 * (settings.greedy_tokens * 2 * 5e-3 + 1.0)
+    greedy += len(settings.sweep_configs) * (3 * 3.0 + (60.0 if settings.compile_cells else 0.0))
     return total + greedy
 
 
@@ -211,16 +290,26 @@ def compare_greedy(model: dec.Decoder, prompt: torch.Tensor, new_tokens: int, re
     """
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
         raise ValueError(f"new_tokens={new_tokens!r}: expected an int >= 1")
-    batch, length = prompt.shape
-    caches = [model.new_cache(batch, length + new_tokens - 1, paged=paged, page_size=page_size)
-              for paged in (reference_paged, other_paged)]
-    logits = [model.prefill(prompt, cache) for cache in caches]
+    capacity = prompt.shape[1] + new_tokens - 1
+    runners = [EagerRunner(model, attend, capacity=capacity, paged=paged, page_size=page_size)
+               for attend, paged in ((reference, reference_paged), (other, other_paged))]
+    return compare_runners(runners[0], runners[1], prompt, new_tokens, model.dtype)
+
+
+@torch.inference_mode()
+def compare_runners(reference, other, prompt: torch.Tensor, new_tokens: int, dtype: torch.dtype) -> dict:
+    """:func:`compare_greedy` for any two runners with ``start(prompt) -> logits`` and ``step(tokens) -> logits``
+    (``decoder_graphs``: the eager decoder, a CUDA graph per batch bucket, the compiled step): the same record."""
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"new_tokens={new_tokens!r}: expected an int >= 1")
+    batch = prompt.shape[0]
+    logits = [runner.start(prompt) for runner in (reference, other)]
     tokens, margins, diffs, absmax = [], [], [], []
     for step in range(new_tokens):
         if step:
-            logits = [model.decode_step(token, cache, attend)
-                      for token, cache, attend in zip(tokens[-1], caches, (reference, other))]
-        ref_logits, other_logits = (x.float() for x in logits)  # exact for 16-bit logits
+            logits = [runner.step(token) for token, runner in zip(tokens[-1], (reference, other))]
+        ref_logits, other_logits = (x.float().clone() for x in logits)  # exact for 16-bit logits; a replay's
+        # logits are a view the next replay overwrites
         top2 = ref_logits.topk(2, dim=-1).values
         margins.append(top2[:, 0] - top2[:, 1])
         diffs.append((ref_logits - other_logits).abs().amax(dim=-1))
@@ -234,7 +323,7 @@ def compare_greedy(model: dec.Decoder, prompt: torch.Tensor, new_tokens: int, re
     same_context = agreed_so_far.cumprod(dim=1).bool()  # (B, new_tokens)
     max_diff, logit_absmax = float(diffs[same_context].max()), float(absmax[same_context].max())
     relative = max_diff / logit_absmax if logit_absmax > 0 else math.inf
-    tolerance = ROUNDING_ULPS * torch.finfo(model.dtype).eps
+    tolerance = ROUNDING_ULPS * torch.finfo(dtype).eps
     record = {"identical": not bool(differ.any()), "sequences_identical": int((~differ).all(dim=1).sum()),
               "max_logit_diff": _round(max_diff), "logit_absmax": _round(logit_absmax),
               "relative_logit_diff": _round(relative, 3), "rounding_tolerance": _round(tolerance, 3),
@@ -294,23 +383,23 @@ def _free_memory() -> None:
     _free_device_memory()
 
 
-def _fits(config, settings: Settings, batch: int, context: int, paged: bool) -> str | None:
+def _fits(config, settings: Settings, batch: int, context: int, paged: bool, *, prefill: bool = True) -> str | None:
     """Why a row would not fit in the GPU's free memory (None: it fits, or not on a GPU): its KV cache, plus the
-    prefill's largest activations (the MLP's gate and up projections, float32 copies in the norms and RoPE), plus
-    SDPA's gathered copy of a paged layer."""
+    prefill's largest activations (the MLP's gate and up projections, float32 copies in the norms and RoPE; none for
+    the sweep's random cache), plus SDPA's gathered copy of a paged layer (`paged`)."""
     if settings.device != "cuda":
         return None
     itemsize = torch.empty((), dtype=getattr(torch, settings.dtype)).element_size()
-    capacity = context + max(settings.steps, settings.warmup)
+    capacity = context + settings.steps + settings.warmup
     cache = batch * capacity * config.kv_bytes_per_token(itemsize)
-    prefill = batch * context * (3 * config.ffn_dim * itemsize + 8 * config.dim * 4)
+    activations = batch * context * (3 * config.ffn_dim * itemsize + 8 * config.dim * 4) if prefill else 0
     gathered = 2 * batch * capacity * config.n_kv_heads * config.head_dim * itemsize if paged else 0
-    need = cache + prefill + gathered + 2**30  # and a GiB for the allocator's rounding and the workspaces
+    need = cache + activations + gathered + 2**30  # and a GiB for the allocator's rounding and the workspaces
     free = torch.cuda.mem_get_info()[0]
     if need <= free:
         return None
-    return (f"does not fit: the cache ({cache / 2**30:.1f} GiB) and the prefill need about {need / 2**30:.1f} GiB, "
-            f"{free / 2**30:.1f} GiB are free")
+    return (f"does not fit: the cache ({cache / 2**30:.1f} GiB)" + (" and the prefill" if prefill else "")
+            + f" need about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free")
 
 
 def _warm_up_kernels(model: dec.Decoder, settings: Settings, progress: bool) -> None:
@@ -357,12 +446,33 @@ def _attend_problem(attend_name: str, settings: Settings) -> str | None:
     return problem()
 
 
+def _roofline_fields(config, settings, batch, mean_context, ms_per_step, ceilings) -> dict:
+    """The step's roofline at `mean_context` keys and the fraction of it reached: every row's last fields."""
+    itemsize = torch.empty((), dtype=getattr(torch, settings.dtype)).element_size()
+    peak = ceilings.get(f"{settings.dtype}_matmul_tflops")
+    roofline = dec.decode_step_roofline(config, batch=batch, context_len=round(mean_context), dtype_bytes=itemsize,
+                                        bandwidth_bytes_per_s=ceilings["copy_gbps"] * 1e9,
+                                        peak_flops_per_s=peak * 1e12 if peak else None)
+    return {"bytes_per_step": roofline["bytes_per_step"],
+            "roofline": {"context": round(mean_context), "step_ms": _round(roofline["step_time_s"] * 1e3, 4),
+                         "tokens_per_s": _round(roofline["tokens_per_s"], 4),
+                         "bytes_per_step": roofline["bytes_per_step"], "weight_bytes": roofline["weight_bytes"],
+                         "kv_cache_bytes": roofline["kv_cache_bytes"], "kv_share": _round(roofline["kv_share"], 3),
+                         "bandwidth_gbps": ceilings["copy_gbps"], "peak_tflops": peak},
+            "fraction_of_roofline": _round(roofline["step_time_s"] * 1e3 / ms_per_step, 3)}
+
+
+def _row_head(config_name, settings, batch, context, mode, layout, attend_name) -> dict:
+    return {"key": row_key(config_name, settings.dtype, batch, context, mode, layout, attend_name), "kind": "decoder",
+            "config": config_name, "dtype": settings.dtype, "batch": batch, "context": context, "mode": mode,
+            "layout": layout, "page_size": settings.page_size if layout == "paged" else None, "attend": attend_name,
+            "steps": settings.steps, "warmup": settings.warmup}
+
+
 def _row(config_name, settings, model, batch, context, layout, attend_name, ceilings) -> dict:
+    """An eager row: :func:`~.llama_decoder.time_decode` (a real prefill, then the steps as the decoder runs them)."""
     config = CONFIGS[config_name]
-    row = {"key": f"{config_name}|{settings.dtype}|B{batch}|L{context}|{layout}|{attend_name}", "kind": "decoder",
-           "config": config_name, "dtype": settings.dtype, "batch": batch, "context": context, "layout": layout,
-           "page_size": settings.page_size if layout == "paged" else None, "attend": attend_name,
-           "steps": settings.steps, "warmup": settings.warmup}
+    row = _row_head(config_name, settings, batch, context, "eager", layout, attend_name)
     why = _fits(config, settings, batch, context, layout == "paged") or _attend_problem(attend_name, settings)
     if why is not None:
         return {**row, "status": "skipped", "reason": why}
@@ -376,56 +486,116 @@ def _row(config_name, settings, model, batch, context, layout, attend_name, ceil
         return {**row, "status": "failed", "reason": _short(error)}
     finally:
         _free_memory()
-    itemsize = torch.empty((), dtype=getattr(torch, settings.dtype)).element_size()
-    mean_context = round(context + (settings.steps + 1) / 2)
-    peak = ceilings.get(f"{settings.dtype}_matmul_tflops")
-    roofline = dec.decode_step_roofline(config, batch=batch, context_len=mean_context, dtype_bytes=itemsize,
-                                        bandwidth_bytes_per_s=ceilings["copy_gbps"] * 1e9,
-                                        peak_flops_per_s=peak * 1e12 if peak else None)
     row.update(status="ok", **{name: _round(timing[name], 4) for name in
-                               ("tokens_per_s", "ms_per_step", "attention_ms_per_step", "attention_share")},
-               roofline={"context": mean_context, "step_ms": _round(roofline["step_time_s"] * 1e3, 4),
-                         "tokens_per_s": _round(roofline["tokens_per_s"], 4),
-                         "bytes_per_step": roofline["bytes_per_step"], "kv_share": _round(roofline["kv_share"], 3),
-                         "bandwidth_gbps": ceilings["copy_gbps"], "peak_tflops": peak},
-               fraction_of_roofline=_round(roofline["step_time_s"] * 1e3 / timing["ms_per_step"], 3))
+                               ("tokens_per_s", "ms_per_step", "attention_ms_per_step", "attention_share")})
+    row.update(_roofline_fields(config, settings, batch, context + (settings.steps + 1) / 2, timing["ms_per_step"],
+                                ceilings))
+    return row
+
+
+def graph_attend(attend_name: str, settings: Settings):
+    """The attention a graph or a compiled step calls: SDPA as it is; wb.decode with the settings' split count."""
+    if attend_name == "wb" and settings.num_splits is not None:
+        return functools.partial(dec.wb_attend, num_splits=settings.num_splits)
+    return ATTENDS[attend_name]
+
+
+def _compile_options(settings: Settings) -> dict:
+    return {} if settings.compile_backend == "inductor" else {"backend": settings.compile_backend}
+
+
+def _graph_problem(mode, attend_name, settings) -> str | None:
+    """Why this contender cannot be captured here (wb.decode while it is not graph-safe), or None."""
+    if mode == "graph" and attend_name == "wb" and settings.device == "cuda":
+        support = wb_decode_graph_support(settings.dtype, settings.num_splits)
+        if not support["graph_safe"]:
+            return f"not graph-safe yet: {support['reason']}"
+    return None
+
+
+def _sweep_row(config_name, settings, model, batch, context, mode, layout, attend_name, ceilings) -> dict:
+    """A row of the roofline sweep: :func:`~.decoder_graphs.time_static` on a random static cache."""
+    config = CONFIGS[config_name]
+    row = _row_head(config_name, settings, batch, context, mode, layout, attend_name)
+    why = (_fits(config, settings, batch, context, layout == "paged" and attend_name == "sdpa", prefill=False)
+           or _graph_problem(mode, attend_name, settings))
+    if why is not None:
+        return {**row, "status": "skipped", "reason": why}
+    try:
+        timing = time_static(model, mode, graph_attend(attend_name, settings), batch=batch, context=context,
+                             steps=settings.steps, warmup=settings.warmup, paged=layout == "paged",
+                             page_size=settings.page_size, seed=settings.seed,
+                             compile_options=_compile_options(settings) if mode == "compile" else None)
+    except Exception as error:  # noqa: BLE001 - recorded, the run goes on
+        from ..bench.measure import _short
+
+        return {**row, "status": "failed", "reason": _short(error)}
+    finally:
+        if mode == "compile":
+            torch._dynamo.reset()  # its graphs hold the cache's addresses: nothing later reuses them
+        _free_memory()
+    row.update(status="ok", tokens_per_s=_round(timing["tokens_per_s"], 4), ms_per_step=_round(timing["ms_per_step"], 4),
+               attention_ms_per_step=None, attention_share=None, captured=timing["captured"],
+               capacity=timing["capacity"], setup_s=_round(timing["setup_s"], 3),
+               first_call_s=_round(timing["first_call_s"], 3))
+    row.update(_roofline_fields(config, settings, batch, timing["mean_context"], timing["ms_per_step"], ceilings))
     return row
 
 
 def add_ratios(results: dict) -> dict:
-    """Each timed row's tokens/s over SDPA's on the same model, batch, context and layout (``vs_sdpa``), and over
-    SDPA's on the contiguous cache (``vs_sdpa_contiguous``); wb's paged rows also over FlashInfer's (``vs_flashinfer``,
-    both reading the same paged cache)."""
+    """Each timed row's tokens/s over SDPA's in the same mode on the same model, batch, context and layout
+    (``vs_sdpa``), and over SDPA's in that mode on the contiguous cache (``vs_sdpa_contiguous``); wb's eager paged rows
+    also over FlashInfer's (``vs_flashinfer``, both reading the same paged cache); a compiled row over the graph of
+    SDPA (``vs_graph_sdpa``); a graph or compiled row over the eager row of its attention and layout, where the eager
+    rows have that cell (``vs_eager``)."""
     ok = {r["key"]: r for r in results["records"] if r.get("status") == "ok"}
     for r in ok.values():
+        mode = r.get("mode", "eager")
         base = f"{r['config']}|{r['dtype']}|B{r['batch']}|L{r['context']}"
-        wanted = ((("vs_sdpa", r["layout"]),) if r["attend"] != "sdpa" else ()) + \
-            ((("vs_sdpa_contiguous", "contiguous"),) if r["layout"] != "contiguous" else ())
-        for field, layout in wanted:
-            sdpa = ok.get(f"{base}|{layout}|sdpa")
-            if sdpa is not None:
-                r[field] = _round(r["tokens_per_s"] / sdpa["tokens_per_s"], 3)
-        flashinfer = ok.get(f"{base}|paged|flashinfer")
-        if r["attend"] == "wb" and r["layout"] == "paged" and flashinfer is not None:
-            r["vs_flashinfer"] = _round(r["tokens_per_s"] / flashinfer["tokens_per_s"], 3)
+        wanted = ((("vs_sdpa", mode, r["layout"], "sdpa"),) if r["attend"] != "sdpa" else ()) + \
+            ((("vs_sdpa_contiguous", mode, "contiguous", "sdpa"),) if r["layout"] != "contiguous" else ())
+        if mode == "compile":
+            wanted += (("vs_graph_sdpa", "graph", r["layout"], "sdpa"),)
+        if mode != "eager":
+            wanted += (("vs_eager", "eager", r["layout"], r["attend"]),)
+        if mode == "eager" and r["attend"] == "wb" and r["layout"] == "paged":
+            wanted += (("vs_flashinfer", "eager", "paged", "flashinfer"),)
+        for field, other_mode, layout, attend in wanted:
+            other = ok.get(f"{base}|{other_mode}|{layout}|{attend}")
+            if other is not None:
+                r[field] = _round(r["tokens_per_s"] / other["tokens_per_s"], 3)
     return results
 
 
-# The greedy check's attentions against SDPA on the contiguous cache: wb on both layouts, FlashInfer on the paged one
+# The greedy check's attentions against SDPA on the contiguous cache, eager: wb on both layouts, FlashInfer on the
+# paged one; then the sweep's modes (mode, layout, attend), each against the same eager SDPA
 GREEDY_OTHERS = (("wb", "contiguous"), ("wb", "paged"), ("flashinfer", "paged"))
+GREEDY_MODES = (("graph", "contiguous", "sdpa"), ("graph", "contiguous", "wb"), ("graph", "paged", "wb"),
+                ("compile", "contiguous", "sdpa"))
 
 
-def _greedy(config_name, settings, model) -> list:
-    """The greedy check of one model: each of :data:`GREEDY_OTHERS` against SDPA on the contiguous cache."""
+def _greedy_prompt(config_name, settings, model) -> torch.Tensor:
     generator = torch.Generator().manual_seed(settings.seed + 1)
-    prompt = torch.randint(0, CONFIGS[config_name].vocab_size, (settings.greedy_batch, settings.greedy_prompt),
-                           generator=generator).to(model.device)
+    return torch.randint(0, CONFIGS[config_name].vocab_size, (settings.greedy_batch, settings.greedy_prompt),
+                         generator=generator).to(model.device)
+
+
+def _greedy_record(config_name, settings, other: str, layout: str) -> dict:
+    return {"config": config_name, "dtype": settings.dtype, "batch": settings.greedy_batch,
+            "prompt_len": settings.greedy_prompt, "new_tokens": settings.greedy_tokens,
+            "reference": "sdpa, contiguous", "other": other,
+            "page_size": settings.page_size if layout == "paged" else None}
+
+
+def _greedy(config_name, settings, model, done=frozenset()) -> list:
+    """The eager greedy check of one model: each of :data:`GREEDY_OTHERS` against SDPA on the contiguous cache
+    (those whose ``other`` is in `done` were measured by the run this one resumes)."""
+    prompt = _greedy_prompt(config_name, settings, model)
     records = []
     for attend_name, layout in GREEDY_OTHERS:
-        record = {"config": config_name, "dtype": settings.dtype, "batch": settings.greedy_batch,
-                  "prompt_len": settings.greedy_prompt, "new_tokens": settings.greedy_tokens,
-                  "reference": "sdpa, contiguous", "other": f"{attend_name}, {layout}",
-                  "page_size": settings.page_size if layout == "paged" else None}
+        record = _greedy_record(config_name, settings, f"{attend_name}, {layout}", layout)
+        if (config_name, record["other"]) in done:
+            continue
         why = _attend_problem(attend_name, settings)
         if why is not None:
             record.update(status="skipped", reason=why)
@@ -446,56 +616,213 @@ def _greedy(config_name, settings, model) -> list:
     return records
 
 
+def greedy_mode(config_name, settings, model, mode: str, layout: str, attend_name: str) -> dict:
+    """The greedy check of one of the sweep's modes (:data:`GREEDY_MODES`) against the eager decoder with SDPA on the
+    contiguous cache: the graph's buckets up to `greedy_batch` are all captured, so the check replays the bucket
+    that holds it; the compiled step compiles for that batch."""
+    record = _greedy_record(config_name, settings, f"{attend_name}, {layout}, {mode}", layout)
+    why = _graph_problem(mode, attend_name, settings)
+    if why is not None:
+        return {**record, "status": "skipped", "reason": why}
+    prompt = _greedy_prompt(config_name, settings, model)
+    capacity = settings.greedy_prompt + settings.greedy_tokens
+    reference = EagerRunner(model, dec.sdpa_attend, capacity=capacity)
+    try:
+        attend = graph_attend(attend_name, settings)
+        if mode == "graph":
+            other = GraphedDecoder(model, attend, max_batch=settings.greedy_batch, capacity=capacity,
+                                   paged=layout == "paged", page_size=settings.page_size)
+            record["buckets"] = list(other.buckets)
+            record["captured"] = other.captured
+        else:
+            cache = model.new_cache(settings.greedy_batch, capacity, paged=layout == "paged",
+                                    page_size=settings.page_size)
+            other = CompiledDecoder(model, attend, cache=cache, **_compile_options(settings))
+        record.update(status="ok", **compare_runners(reference, other, prompt, settings.greedy_tokens, model.dtype))
+        record["note"] = _greedy_note(record)
+    except Exception as error:  # noqa: BLE001 - recorded, the run goes on
+        from ..bench.measure import _short
+
+        record.update(status="failed", reason=_short(error))
+    finally:
+        if mode == "compile":
+            torch._dynamo.reset()
+        _free_memory()
+    return record
+
+
+def _open(settings: Settings, out_path: Path, *, smoke: bool, command, resume: bool, log) -> dict:
+    """The results to add to: `out_path` as it is when it holds a run of the same settings on this device that did
+    not finish (a run stopped by its time budget), else a new one."""
+    from ..bench.results import SCHEMA_VERSION, environment, load_results
+
+    env = environment()
+    if resume and out_path.exists():
+        try:
+            old = load_results(out_path)
+        except (OSError, ValueError):
+            old = None
+        same = (old is not None and old.get("kind") == KIND and old.get("settings") == json_roundtrip(asdict(settings))
+                and (old.get("environment") or {}).get("device") == env["device"])
+        if same and not old.get("complete"):
+            old.setdefault("resumed", []).append(env.get("date"))
+            log(f"resuming {out_path}: {len(old['records'])} rows and {len(old['greedy'])} greedy checks done")
+            return old
+        if old is not None:
+            log(f"{out_path} holds " + ("a finished run of these settings" if same else "another run")
+                + ": starting a new one (it is overwritten as rows come)")
+    return {"schema": SCHEMA_VERSION, "kind": KIND, "mode": "smoke" if smoke else "gpu", "environment": env,
+            "command": command, "settings": json_roundtrip(asdict(settings)), "notes": NOTES,
+            "configs": {name: {"params": CONFIGS[name].params(), "n_layers": CONFIGS[name].n_layers,
+                               "dim": CONFIGS[name].dim, "n_heads": CONFIGS[name].n_heads,
+                               "n_kv_heads": CONFIGS[name].n_kv_heads, "head_dim": CONFIGS[name].head_dim}
+                        for name in dict.fromkeys(settings.configs + settings.sweep_configs)},
+            "ceilings": None, "wb_graph_support": None, "records": [], "greedy": [], "complete": False}
+
+
+def json_roundtrip(value):
+    """`value` as it reads back from JSON (tuples become lists): what a resumed run compares its settings with."""
+    import json
+
+    return json.loads(json.dumps(value))
+
+
+def _row_line(row: dict, done: int, total: int) -> str:
+    head = (f"  [{done}/{total}] {row['config']} B={row['batch']} context={row['context']} {row['mode']} "
+            f"{row['layout']} {row['attend']}: ")
+    if row["status"] != "ok":
+        return head + f"{row['status']}: {row['reason']}"
+    share = row.get("attention_share")
+    return head + (f"{row['tokens_per_s']:.0f} tokens/s, {row['ms_per_step']:.3g} ms/step, "
+                   f"{100 * row['fraction_of_roofline']:.0f} percent of the roofline"
+                   + (f", attention {100 * share:.0f} percent" if share is not None else ""))
+
+
 def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: str | None = None,
-               progress: bool = True) -> dict:
-    """Measure `settings` into the JSON file `out_path` (written after every row); return the results."""
-    from ..bench.results import SCHEMA_VERSION, environment, save_results
+               progress: bool = True, time_budget: float | None = None, resume: bool = True) -> dict:
+    """Measure `settings` into the JSON file `out_path` (written after every row); return the results.
+
+    `time_budget` (seconds): no row or check starts after it; the file then says ``complete: false``, and the same
+    call (the same command) resumes it, skipping what it holds."""
+    from ..bench.results import save_results
 
     check_settings(settings)
     started = time.monotonic()
     out_path = Path(out_path)
-    results = {"schema": SCHEMA_VERSION, "kind": KIND, "mode": "smoke" if smoke else "gpu",
-               "environment": environment(), "command": command, "settings": asdict(settings), "notes": NOTES,
-               "configs": {name: {"params": CONFIGS[name].params(), "n_layers": CONFIGS[name].n_layers,
-                                  "dim": CONFIGS[name].dim, "n_heads": CONFIGS[name].n_heads,
-                                  "n_kv_heads": CONFIGS[name].n_kv_heads, "head_dim": CONFIGS[name].head_dim}
-                           for name in settings.configs},
-               "ceilings": None, "records": [], "greedy": [], "complete": False}
+    log = functools.partial(_log, progress)
+    results = _open(settings, out_path, smoke=smoke, command=command, resume=resume, log=log)
     plan = _plan(settings)
-    _log(progress, f"{len(plan)} rows and {2 * len(settings.configs)} greedy checks on "
-                   f"{results['environment']['device']}, into {out_path}"
-         + (f" (about {estimate_seconds(settings) / 60:.1f} min on an H100)" if settings.device == "cuda" else ""))
-    _log(progress, "measuring the ceilings (copy bandwidth" + (", matmul peaks)" if settings.device == "cuda" else ")"))
-    results["ceilings"] = ceilings = _ceilings(settings)
-    save_results(results, out_path)
+    done_rows = {r["key"] for r in results["records"]}
+    done_greedy = {(g["config"], g["other"]) for g in results["greedy"]}
+    log(f"{len(plan)} rows and {len(settings.configs) * len(GREEDY_OTHERS) + len(settings.sweep_configs) * len(GREEDY_MODES)} "
+        f"greedy checks on {results['environment']['device']}, into {out_path}"
+        + (f" (about {estimate_seconds(settings) / 60:.1f} min on an H100)" if settings.device == "cuda" else "")
+        + (f"; {len(done_rows)} rows already there" if done_rows else ""))
+    if results["ceilings"] is None:
+        log("measuring the ceilings (copy bandwidth" + (", matmul peaks)" if settings.device == "cuda" else ")"))
+        results["ceilings"] = _ceilings(settings)
+        save_results(results, out_path)
+    ceilings = results["ceilings"]
+
+    def out_of_time() -> bool:
+        return time_budget is not None and time.monotonic() - started > time_budget
+
+    def store(row) -> None:
+        results["records"].append(row)
+        add_ratios(results)
+        save_results(results, out_path)
+        log(_row_line(row, len(results["records"]), len(plan)))
+
+    def store_greedy(record) -> None:
+        results["greedy"].append(record)
+        save_results(results, out_path)
+        log(f"  {record['other']} vs {record['reference']}: "
+            + (record["note"] if record["status"] == "ok" else f"{record['status']}: {record['reason']}"))
+
     dtype = getattr(torch, settings.dtype)
-    for config_name in settings.configs:
-        _log(progress, f"{config_name}: {CONFIGS[config_name].params() / 1e9:.2f} billion parameters, random weights "
-                       f"in {settings.dtype} on {settings.device}")
+    stopped = False
+    for config_name in dict.fromkeys(settings.configs + settings.sweep_configs):
+        rows = [row for row in plan if row[0] == config_name
+                and row_key(config_name, settings.dtype, *row[1:]) not in done_rows]
+        greedy_left = ((config_name in settings.configs and any((config_name, f"{a}, {lay}") not in done_greedy
+                                                                for a, lay in GREEDY_OTHERS))
+                       or (config_name in settings.sweep_configs
+                           and any((config_name, f"{a}, {lay}, {m}") not in done_greedy for m, lay, a in GREEDY_MODES)))
+        if not rows and not greedy_left:
+            continue
+        if out_of_time():
+            stopped = True
+            break
+        log(f"{config_name}: {CONFIGS[config_name].params() / 1e9:.2f} billion parameters, random weights "
+            f"in {settings.dtype} on {settings.device}")
         model = dec.Decoder(CONFIGS[config_name], dtype=dtype, device=settings.device, seed=settings.seed)
         _warm_up_kernels(model, settings, progress)
-        for _, batch, context, layout, attend_name in (row for row in plan if row[0] == config_name):
-            row = _row(config_name, settings, model, batch, context, layout, attend_name, ceilings)
-            results["records"].append(row)
-            add_ratios(results)
+        if config_name in settings.sweep_configs and results["wb_graph_support"] is None:
+            if settings.device == "cuda":
+                log("asking whether wb.decode can be captured in a CUDA graph (a probe in its own process)")
+                results["wb_graph_support"] = wb_decode_graph_support(settings.dtype, settings.num_splits)
+            else:
+                results["wb_graph_support"] = {"graph_safe": None, "reason": "on the CPU nothing is captured: the "
+                                                                            "graph rows run the static step eagerly"}
+            log(f"wb.decode in a CUDA graph: {results['wb_graph_support']}")
             save_results(results, out_path)
-            # a line per row rather than a bar: the GPU check keeps stderr in a log file, where a bar is noise
-            _log(progress, f"  [{len(results['records'])}/{len(plan)}] {config_name} B={batch} context={context} "
-                           f"{layout} {attend_name}: " + (
-                f"{row['tokens_per_s']:.0f} tokens/s, {row['ms_per_step']:.3g} ms/step, attention "
-                f"{100 * row['attention_share']:.0f} percent" if row["status"] == "ok"
-                else f"{row['status']}: {row['reason']}"))
-        _log(progress, f"{config_name}: greedy check, {settings.greedy_batch} prompts of {settings.greedy_prompt} "
-                       f"tokens, {settings.greedy_tokens} new tokens each")
-        for record in _greedy(config_name, settings, model):
-            results["greedy"].append(record)
-            save_results(results, out_path)
-            _log(progress, f"  {record['other']} vs {record['reference']}: "
-                 + (record["note"] if record["status"] == "ok" else f"failed: {record['reason']}"))
+        phases = [("eager", [r for r in rows if r[3] == "eager"]),
+                  ("greedy", "eager"),
+                  ("graph", [r for r in rows if r[3] == "graph"]),
+                  ("greedy", "graph"),
+                  ("compile", [r for r in rows if r[3] == "compile"]),
+                  ("greedy", "compile")]
+        for phase, what in phases:
+            if phase == "greedy":
+                checks = []
+                if what == "eager" and config_name in settings.configs:
+                    checks = [("eager", lay, a) for a, lay in GREEDY_OTHERS
+                              if (config_name, f"{a}, {lay}") not in done_greedy]
+                elif what != "eager" and config_name in settings.sweep_configs:
+                    checks = [(m, lay, a) for m, lay, a in GREEDY_MODES
+                              if m == what and (config_name, f"{a}, {lay}, {m}") not in done_greedy
+                              and (m != "compile" or settings.compile_cells)]
+                if not checks:
+                    continue
+                if out_of_time():
+                    stopped = True
+                    break
+                log(f"{config_name}: greedy check ({what}), {settings.greedy_batch} prompts of "
+                    f"{settings.greedy_prompt} tokens, {settings.greedy_tokens} new tokens each")
+                if what == "eager":
+                    for record in _greedy(config_name, settings, model, done_greedy):
+                        store_greedy(record)
+                else:
+                    for mode, layout, attend_name in checks:
+                        if out_of_time():
+                            stopped = True
+                            break
+                        store_greedy(greedy_mode(config_name, settings, model, mode, layout, attend_name))
+                if stopped:
+                    break
+                continue
+            for _, batch, context, mode, layout, attend_name in what:
+                if out_of_time():
+                    stopped = True
+                    break
+                if mode == "eager":
+                    store(_row(config_name, settings, model, batch, context, layout, attend_name, ceilings))
+                else:
+                    store(_sweep_row(config_name, settings, model, batch, context, mode, layout, attend_name,
+                                     ceilings))
+            if stopped:
+                break
         del model
         _free_memory()
-    results.update(complete=True, elapsed_s=round(time.monotonic() - started, 1))
+        if stopped:
+            break
+    elapsed = round(time.monotonic() - started, 1)
+    results.update(complete=not stopped, elapsed_s=round(results.get("elapsed_s", 0) + elapsed, 1)
+                   if results.get("resumed") else elapsed)
     save_results(results, out_path)
+    if stopped:
+        log(f"stopped after {time_budget:.0f} s (--time-budget), {len(results['records'])} of {len(plan)} rows done: "
+            "run the same command again to continue")
     return results
 
 
@@ -534,8 +861,30 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--greedy-prompt", type=int, help="their length (GPU default: 1024)")
     parser.add_argument("--greedy-tokens", type=int, help="new tokens each (GPU default: 32)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep-configs", type=_names, help="models of the roofline sweep (GPU default: llama_1b; "
+                                                             "'none': no sweep)")
+    parser.add_argument("--sweep-batches", type=_ints, help="its batch sizes (GPU default: 1,8,64)")
+    parser.add_argument("--sweep-contexts", type=_ints, help="its contexts (GPU default: 1024,8192,32768)")
+    parser.add_argument("--compile-cells", type=_cells, help="BxL cells of the sweep where torch.compile runs, e.g. "
+                                                             "1x1024,64x8192 (GPU default); 'none': nowhere")
+    parser.add_argument("--num-splits", type=int, help="wb.decode's split count in a graph (default: its choice "
+                                                       "from the cache's capacity)")
+    parser.add_argument("--time-budget", type=float, metavar="SECONDS",
+                        help="start no row after this many seconds; the same command resumes the file")
+    parser.add_argument("--fresh", action="store_true", help="start a new file instead of resuming an unfinished one")
+    parser.add_argument("--figure", type=Path, default=None, metavar="PNG",
+                        help="the roofline chart (GPU default: figures/07_decoder_roofline_<gpu>.png)")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     return parser
+
+
+def _cells(text: str) -> tuple:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(tuple(int(x) for x in part.lower().split("x")) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected cells like 1x1024,64x8192, got {text!r}") from None
 
 
 def main(argv=None) -> int:
@@ -550,9 +899,12 @@ def main(argv=None) -> int:
     base = SMOKE_SETTINGS if args.smoke else GPU_SETTINGS
     chosen = {name: getattr(args, name) for name in ("configs", "dtype", "batches", "contexts", "steps", "warmup",
                                                      "page_size", "greedy_batch", "greedy_prompt", "greedy_tokens",
-                                                     "seed") if getattr(args, name) is not None}
+                                                     "seed", "sweep_configs", "sweep_batches", "sweep_contexts",
+                                                     "compile_cells", "num_splits") if getattr(args, name) is not None}
+    if chosen.get("sweep_configs") == ("none",):
+        chosen.update(sweep_configs=(), sweep_batches=(), sweep_contexts=(), compile_cells=())
     settings = replace(base, **chosen)
-    if args.smoke and settings.configs != ("tiny",):
+    if args.smoke and (settings.configs != ("tiny",) or settings.sweep_configs not in ((), ("tiny",))):
         parser.error("--smoke runs on the CPU: only --configs tiny (the 1B models need a GPU)")
     try:
         check_settings(settings)
@@ -562,11 +914,30 @@ def main(argv=None) -> int:
     command = "python -m wb_kernels.models.decoder_tokens " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.smoke:
         torch.set_num_threads(1)  # TINY's matrices are tiny: threads cost more than they save
-    results = run_tokens(settings, out, smoke=args.smoke, command=command.strip(), progress=not args.no_progress)
+    results = run_tokens(settings, out, smoke=args.smoke, command=command.strip(), progress=not args.no_progress,
+                         time_budget=args.time_budget, resume=not args.fresh)
     from ..stages.decode.slider import decoder_table
+    from .decoder_roofline import roofline_chart, roofline_summary
 
     print(decoder_table(results))
-    print(f"wrote {out}")
+    for line in roofline_summary(results):
+        print(line)
+    print(f"wrote {out}" + ("" if results["complete"] else " (not finished: run the same command again to resume)"))
+    figure = args.figure
+    if figure is None and not args.smoke:
+        from ..bench.decode import gpu_short_name
+        from ..plots import figures_dir
+
+        figure = figures_dir() / f"07_decoder_roofline_{gpu_short_name()}.png"
+    if figure is not None:
+        from ..plots import style
+
+        figure = Path(figure)
+        figure.parent.mkdir(parents=True, exist_ok=True)
+        with style():
+            roofline_chart(results, config=(settings.sweep_configs or settings.configs)[0]).savefig(
+                figure, metadata={"Software": None})
+        print(f"wrote {figure}")
     failed = [r for r in results["records"] + results["greedy"] if r.get("status") == "failed"]
     return 1 if failed else 0
 
