@@ -393,7 +393,8 @@ def _fits(config, settings: Settings, batch: int, context: int, paged: bool, *, 
     capacity = context + settings.steps + settings.warmup
     cache = batch * capacity * config.kv_bytes_per_token(itemsize)
     activations = batch * context * (3 * config.ffn_dim * itemsize + 8 * config.dim * 4) if prefill else 0
-    gathered = 2 * batch * capacity * config.n_kv_heads * config.head_dim * itemsize if paged else 0
+    # K and V gathered, each copied twice (the gather, then the reshape of its transposed view)
+    gathered = 4 * batch * capacity * config.n_kv_heads * config.head_dim * itemsize if paged else 0
     need = cache + activations + gathered + 2**30  # and a GiB for the allocator's rounding and the workspaces
     free = torch.cuda.mem_get_info()[0]
     if need <= free:
