@@ -166,6 +166,20 @@ def test_a_run_stopped_by_its_budget_resumes_where_it_stopped(tmp_path, capsys, 
     assert "starting a new one" in capsys.readouterr().err
 
 
+def test_the_gpu_plan_runs_every_row_once_with_the_compiled_rows_last(capsys):
+    settings = tokens.GPU_SETTINGS
+    staged = [row for _, phase, work in tokens._stages(settings) if phase == "rows" for row in work]
+    assert sorted(staged) == sorted(tokens._plan(settings)) and len(staged) == len(set(staged))
+    modes = [row[3] for row in staged]
+    assert modes == sorted(modes, key=["eager", "graph", "compile"].index)
+    cells = {(row[1], row[2]) for row in staged if row[3] == "graph"}
+    assert cells == {(b, c) for b in (1, 8, 64) for c in (1024, 8192, 32768)}
+    assert tokens.main(["--plan"]) == 0  # on any machine: nothing runs
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].startswith(f"{len(staged)} rows, 10 greedy checks; about ")
+    assert printed[-2] == "greedy check llama_1b: sdpa, contiguous, compile against sdpa, contiguous (eager)"
+
+
 # ---- the roofline chart (results made up here) ------------------------------------------------------------------
 
 def made_up_results():

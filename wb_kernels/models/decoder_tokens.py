@@ -18,8 +18,9 @@ On a GPU, by default, in float16:
 2. **The roofline sweep** (``LLAMA_1B``, batch 1, 8 and 64, contexts 1k, 8k and 32k): the step without its host
    overhead (:mod:`.decoder_graphs`), on a static cache filled with random keys and values: one CUDA graph per batch
    with SDPA and with ``wb.decode`` (while ``wb.decode`` is not graph-safe, its rows say so and why), on both
-   layouts; then ``torch.compile(mode="reduce-overhead")`` with SDPA at two cells (each compiles the step: the
-   slowest rows, so they come last). The greedy check of each mode against the eager decoder with SDPA.
+   layouts; then ``torch.compile(mode="reduce-overhead")`` with SDPA at batch 1 and 1k keys (each cell compiles the
+   step: the slowest rows, so they come last). The greedy check of each mode against the eager decoder with SDPA,
+   and of each graph against the same step uncaptured (which must give the very same tokens).
 
 Every row records tokens/s, ms per step, the bytes a step must read (every weight once, and the KV cache at the mean
 context of its timed steps) and the fraction of the step's roofline reached (:func:`~.llama_decoder.
@@ -34,8 +35,8 @@ The weights are random, so near ties between the two largest logits are common, 
 (another SDPA kernel in a graph, which reads the whole capacity under a mask; another split count; Inductor's
 fusions): the record says whether rounding can account for the flip (the near-tie rule).
 
-About five minutes on an H100 once wb.decode's CUDA extension is built (most of it the two compilations; the plan:
-:func:`estimate_seconds`). ``--time-budget`` stops starting rows after that many seconds, and the same command
+About five minutes on an H100 once wb.decode's CUDA extension is built (a minute of it the two compilations, the
+timed cell's and the greedy check's; the plan: :func:`estimate_seconds`, ``--plan`` prints it). ``--time-budget`` stops starting rows after that many seconds, and the same command
 resumes the unfinished file. Every setting is bounded (see :func:`check_settings`), a row whose cache would not fit
 in the GPU's free memory is recorded as skipped, and the file is rewritten after every row."""
 
@@ -99,7 +100,7 @@ class Settings:
 GPU_SETTINGS = Settings(configs=("llama_1b", "llama_1b_d128"), dtype="float16", device="cuda", batches=(1, 16),
                         contexts=(1024, 8192), steps=32, warmup=3, page_size=16, greedy_batch=8, greedy_prompt=1024,
                         greedy_tokens=32, sweep_configs=("llama_1b",), sweep_batches=(1, 8, 64),
-                        sweep_contexts=(1024, 8192, 32768), compile_cells=((1, 1024), (64, 8192)))
+                        sweep_contexts=(1024, 8192, 32768), compile_cells=((1, 1024),))
 # TINY on the CPU; wb_attend runs on the CUDA simulator there (about a tenth of a second per call), so few steps.
 SMOKE_SETTINGS = Settings(configs=("tiny",), dtype="float32", device="cpu", batches=(2,), contexts=(16,), steps=3,
                           warmup=1, page_size=4, greedy_batch=2, greedy_prompt=8, greedy_tokens=4,
@@ -231,6 +232,28 @@ def _plan(settings: Settings) -> list:
 def row_key(config, dtype, batch, context, mode, layout, attend) -> str:
     """A row's key in the results file (and what a resumed run skips)."""
     return f"{config}|{dtype}|B{batch}|L{context}|{mode}|{layout}|{attend}"
+
+
+def _greedy_other(mode: str, layout: str, attend: str) -> str:
+    """The ``other`` of a greedy record: "wb, paged" (eager, as the earlier files name it), "wb, paged, graph"."""
+    return f"{attend}, {layout}" + ("" if mode == "eager" else f", {mode}")
+
+
+def _stages(settings: Settings) -> list:
+    """[(config name, "rows" or "greedy", the rows of :func:`_plan` or the (mode, layout, attend) checks)] in the order
+    a run takes them: each model's eager rows and greedy check; then the sweep's graph rows and their check, its
+    compiled rows and their check (the slowest, so that a run stopped by its time budget has everything else)."""
+    plan = _plan(settings)
+    stages = []
+    for name in settings.configs:
+        stages.append((name, "rows", [r for r in plan if r[0] == name and r[3] == "eager"]))
+        stages.append((name, "greedy", [("eager", layout, attend) for attend, layout in GREEDY_OTHERS]))
+    for mode in ("graph", "compile"):
+        for name in settings.sweep_configs:
+            stages.append((name, "rows", [r for r in plan if r[0] == name and r[3] == mode]))
+            if mode == "graph" or settings.compile_cells:
+                stages.append((name, "greedy", [check for check in GREEDY_MODES if check[0] == mode]))
+    return stages
 
 
 def estimate_seconds(settings: Settings) -> float:
@@ -635,6 +658,14 @@ def greedy_mode(config_name, settings, model, mode: str, layout: str, attend_nam
                                    paged=layout == "paged", page_size=settings.page_size)
             record["buckets"] = list(other.buckets)
             record["captured"] = other.captured
+            if other.captured:
+                # the graph against the same step run eagerly: the same kernels, so the very same tokens
+                same_step = GraphedDecoder(model, attend, max_batch=settings.greedy_batch, capacity=capacity,
+                                           paged=layout == "paged", page_size=settings.page_size, capture=False)
+                uncaptured = compare_runners(same_step, other, prompt, settings.greedy_tokens, model.dtype)
+                record["vs_uncaptured"] = {"identical": uncaptured["identical"],
+                                           "max_logit_diff": uncaptured["max_logit_diff"]}
+                del same_step
         else:
             cache = model.new_cache(settings.greedy_batch, capacity, paged=layout == "paged",
                                     page_size=settings.page_size)
@@ -742,23 +773,26 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
 
     dtype = getattr(torch, settings.dtype)
     stopped = False
-    for config_name in dict.fromkeys(settings.configs + settings.sweep_configs):
-        rows = [row for row in plan if row[0] == config_name
-                and row_key(config_name, settings.dtype, *row[1:]) not in done_rows]
-        greedy_left = ((config_name in settings.configs and any((config_name, f"{a}, {lay}") not in done_greedy
-                                                                for a, lay in GREEDY_OTHERS))
-                       or (config_name in settings.sweep_configs
-                           and any((config_name, f"{a}, {lay}, {m}") not in done_greedy for m, lay, a in GREEDY_MODES)))
-        if not rows and not greedy_left:
+    model, model_name = None, None
+    for config_name, phase, work in _stages(settings):
+        if phase == "rows":
+            work = [row for row in work if row_key(config_name, settings.dtype, *row[1:]) not in done_rows]
+        else:
+            work = [check for check in work if (config_name, _greedy_other(*check)) not in done_greedy]
+        if not work:
             continue
         if out_of_time():
             stopped = True
             break
-        log(f"{config_name}: {CONFIGS[config_name].params() / 1e9:.2f} billion parameters, random weights "
-            f"in {settings.dtype} on {settings.device}")
-        model = dec.Decoder(CONFIGS[config_name], dtype=dtype, device=settings.device, seed=settings.seed)
-        _warm_up_kernels(model, settings, progress)
-        if config_name in settings.sweep_configs and results["wb_graph_support"] is None:
+        if model_name != config_name:
+            model = None
+            _free_memory()
+            log(f"{config_name}: {CONFIGS[config_name].params() / 1e9:.2f} billion parameters, random weights "
+                f"in {settings.dtype} on {settings.device}")
+            model = dec.Decoder(CONFIGS[config_name], dtype=dtype, device=settings.device, seed=settings.seed)
+            model_name = config_name
+            _warm_up_kernels(model, settings, progress)
+        if phase == "rows" and work[0][3] != "eager" and results["wb_graph_support"] is None:
             if settings.device == "cuda":
                 log("asking whether wb.decode can be captured in a CUDA graph (a probe in its own process)")
                 results["wb_graph_support"] = wb_decode_graph_support(settings.dtype, settings.num_splits)
@@ -767,56 +801,27 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
                                                                             "graph rows run the static step eagerly"}
             log(f"wb.decode in a CUDA graph: {results['wb_graph_support']}")
             save_results(results, out_path)
-        phases = [("eager", [r for r in rows if r[3] == "eager"]),
-                  ("greedy", "eager"),
-                  ("graph", [r for r in rows if r[3] == "graph"]),
-                  ("greedy", "graph"),
-                  ("compile", [r for r in rows if r[3] == "compile"]),
-                  ("greedy", "compile")]
-        for phase, what in phases:
-            if phase == "greedy":
-                checks = []
-                if what == "eager" and config_name in settings.configs:
-                    checks = [("eager", lay, a) for a, lay in GREEDY_OTHERS
-                              if (config_name, f"{a}, {lay}") not in done_greedy]
-                elif what != "eager" and config_name in settings.sweep_configs:
-                    checks = [(m, lay, a) for m, lay, a in GREEDY_MODES
-                              if m == what and (config_name, f"{a}, {lay}, {m}") not in done_greedy
-                              and (m != "compile" or settings.compile_cells)]
-                if not checks:
-                    continue
-                if out_of_time():
-                    stopped = True
-                    break
-                log(f"{config_name}: greedy check ({what}), {settings.greedy_batch} prompts of "
-                    f"{settings.greedy_prompt} tokens, {settings.greedy_tokens} new tokens each")
-                if what == "eager":
-                    for record in _greedy(config_name, settings, model, done_greedy):
-                        store_greedy(record)
-                else:
-                    for mode, layout, attend_name in checks:
-                        if out_of_time():
-                            stopped = True
-                            break
-                        store_greedy(greedy_mode(config_name, settings, model, mode, layout, attend_name))
-                if stopped:
-                    break
+        if phase == "greedy":
+            log(f"{config_name}: greedy check ({work[0][0]}), {settings.greedy_batch} prompts of "
+                f"{settings.greedy_prompt} tokens, {settings.greedy_tokens} new tokens each")
+            if work[0][0] == "eager":
+                for record in _greedy(config_name, settings, model, done_greedy):
+                    store_greedy(record)
                 continue
-            for _, batch, context, mode, layout, attend_name in what:
-                if out_of_time():
-                    stopped = True
-                    break
-                if mode == "eager":
-                    store(_row(config_name, settings, model, batch, context, layout, attend_name, ceilings))
-                else:
-                    store(_sweep_row(config_name, settings, model, batch, context, mode, layout, attend_name,
-                                     ceilings))
-            if stopped:
+        for item in work:
+            if out_of_time():
+                stopped = True
                 break
-        del model
-        _free_memory()
+            if phase == "greedy":
+                store_greedy(greedy_mode(config_name, settings, model, *item))
+            elif item[3] == "eager":
+                store(_row(config_name, settings, model, *item[1:3], *item[4:], ceilings))
+            else:
+                store(_sweep_row(config_name, settings, model, *item[1:], ceilings))
         if stopped:
             break
+    model = None
+    _free_memory()
     elapsed = round(time.monotonic() - started, 1)
     results.update(complete=not stopped, elapsed_s=round(results.get("elapsed_s", 0) + elapsed, 1)
                    if results.get("resumed") else elapsed)
@@ -875,8 +880,24 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fresh", action="store_true", help="start a new file instead of resuming an unfinished one")
     parser.add_argument("--figure", type=Path, default=None, metavar="PNG",
                         help="the roofline chart (GPU default: figures/07_decoder_roofline_<gpu>.png)")
+    parser.add_argument("--plan", action="store_true", help="print the rows this command would run and the plan's "
+                                                            "time on an H100, run nothing (works without a GPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     return parser
+
+
+def describe_plan(settings: Settings) -> str:
+    """The rows and checks `settings` run, in the order they run, and the plan's time: what ``--plan`` prints."""
+    lines = []
+    for name, phase, work in _stages(settings):
+        if phase == "rows":
+            lines += [row_key(name, settings.dtype, *row[1:]) for row in work]
+        else:
+            lines += [f"greedy check {name}: {_greedy_other(*check)} against sdpa, contiguous (eager)"
+                      for check in work]
+    rows = sum(1 for line in lines if not line.startswith("greedy"))
+    return "\n".join(lines + [f"{rows} rows, {len(lines) - rows} greedy checks; about "
+                              f"{estimate_seconds(settings) / 60:.1f} min on an H100 (a plan, not a measurement)"])
 
 
 def _cells(text: str) -> tuple:
@@ -893,7 +914,7 @@ def main(argv=None) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
-    if not args.smoke and not on_gpu():
+    if not (args.smoke or args.plan) and not on_gpu():
         print("error: the decoder benchmark times LLAMA_1B in 16-bit through wb.decode's CUDA kernel and needs a "
               "CUDA GPU; this machine has none. --smoke runs the TINY model on the CPU instead.", file=sys.stderr)
         return 2
@@ -911,6 +932,9 @@ def main(argv=None) -> int:
         check_settings(settings)
     except ValueError as error:
         parser.error(str(error))
+    if args.plan:
+        print(describe_plan(settings))
+        return 0
     out = args.json if args.json is not None else default_output(args.smoke)
     command = "python -m wb_kernels.models.decoder_tokens " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.smoke:
