@@ -119,7 +119,9 @@ NOTES = {
              "(decoder_graphs.CompiledDecoder, weights and cache marked static; compile_s: its first call). The "
              "graph and compile rows (the roofline sweep) start from a static cache filled with random keys and "
              "values up to `context` (no prefill: how fast a step runs does not depend on the cache's values); a "
-             "graph row of wb.decode is skipped while wb.decode is not graph-safe (wb_graph_support)",
+             "graph row of wb.decode is skipped while wb.decode is not graph-safe (wb_graph_support). captured: "
+             "whether the timed steps were CUDA-graph replays (false on the CPU; for compile, false when Inductor "
+             "declined to capture, which its log says why)",
     "rows": "time_decode: `steps` greedy decode steps of `batch` random prompts of `context` tokens, after `warmup` "
             "untimed steps; on a GPU one pair of CUDA events around the steps and one around each attention call, "
             "read after the run. tokens_per_s = batch * steps / time; attention_share = the attention calls' time "
