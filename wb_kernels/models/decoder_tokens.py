@@ -272,7 +272,10 @@ def estimate_seconds(settings: Settings) -> float:
         setup = {"eager": 1.0, "graph": 1.5, "compile": 60.0}[mode]  # a guessed cold compile of the 1B step
         total += setup + prefill + (settings.steps + settings.warmup) * max(launches, step)
     greedy = len(settings.configs) * 2 * (settings.greedy_tokens * 2 * 5e-3 + 1.0)
-    greedy += len(settings.sweep_configs) * (3 * 3.0 + (60.0 if settings.compile_cells else 0.0))
+    # the compiled step's check: a second compilation, or (the same shapes as a timed cell) a guessed 20 s of tracing
+    reused = settings.compile_cells and compile_check_shape(settings)[0] == settings.compile_cells[0][0]
+    compile_check = (20.0 if reused else 60.0) if settings.compile_cells else 0.0
+    greedy += len(settings.sweep_configs) * (3 * 3.0 + compile_check)
     return total + greedy
 
 
@@ -642,16 +645,34 @@ def _greedy(config_name, settings, model, done=frozenset()) -> list:
     return records
 
 
+def compile_check_shape(settings: Settings) -> tuple:
+    """(batch, cache capacity) of the compiled step's greedy check: those of the first compiled cell (its batch of the
+    greedy prompts, its timed capacity) when they hold the prompts and their new tokens, else the greedy check's own."""
+    own = (settings.greedy_batch, settings.greedy_prompt + settings.greedy_tokens)
+    if not settings.compile_cells:
+        return own
+    batch, context = settings.compile_cells[0]
+    capacity = context + max(settings.warmup, 3) + settings.steps  # time_static's cache for that cell
+    if batch <= settings.greedy_batch and capacity >= settings.greedy_prompt + settings.greedy_tokens - 1:
+        return batch, capacity
+    return own
+
+
 def greedy_mode(config_name, settings, model, mode: str, layout: str, attend_name: str) -> dict:
     """The greedy check of one of the sweep's modes (:data:`GREEDY_MODES`) against the eager decoder with SDPA on the
     contiguous cache: the graph's buckets up to `greedy_batch` are all captured, so the check replays the bucket
-    that holds it; the compiled step compiles for that batch."""
+    that holds it. The compiled step is checked with the batch and cache of the first compiled cell when the prompts
+    fit it (:func:`compile_check_shape`): the same shapes, so Inductor's cache serves the compilation again."""
     record = _greedy_record(config_name, settings, f"{attend_name}, {layout}, {mode}", layout)
     why = _graph_problem(mode, attend_name, settings)
     if why is not None:
         return {**record, "status": "skipped", "reason": why}
     prompt = _greedy_prompt(config_name, settings, model)
     capacity = settings.greedy_prompt + settings.greedy_tokens
+    if mode == "compile":
+        batch, capacity = compile_check_shape(settings)
+        prompt = prompt[:batch]
+        record["batch"] = batch
     reference = EagerRunner(model, dec.sdpa_attend, capacity=capacity)
     try:
         attend = graph_attend(attend_name, settings)
@@ -669,8 +690,7 @@ def greedy_mode(config_name, settings, model, mode: str, layout: str, attend_nam
                                            "max_logit_diff": uncaptured["max_logit_diff"]}
                 del same_step
         else:
-            cache = model.new_cache(settings.greedy_batch, capacity, paged=layout == "paged",
-                                    page_size=settings.page_size)
+            cache = model.new_cache(prompt.shape[0], capacity, paged=layout == "paged", page_size=settings.page_size)
             other = CompiledDecoder(model, attend, cache=cache, **_compile_options(settings))
         record.update(status="ok", **compare_runners(reference, other, prompt, settings.greedy_tokens, model.dtype))
         record["note"] = _greedy_note(record)
