@@ -967,8 +967,10 @@ def main(argv=None) -> int:
     from .decoder_roofline import roofline_chart, roofline_summary
 
     print(decoder_table(results))
-    for line in roofline_summary(results):
-        print(line)
+    chart_config = (settings.sweep_configs or settings.configs)[0]
+    print(f"{chart_config} against its step's roofline (copy {results['ceilings']['copy_gbps']} GB/s):")
+    for line in roofline_summary(results, config=chart_config):
+        print("  " + line)
     print(f"wrote {out}" + ("" if results["complete"] else " (not finished: run the same command again to resume)"))
     figure = args.figure
     if figure is None and not args.smoke:
@@ -982,7 +984,7 @@ def main(argv=None) -> int:
         figure = Path(figure)
         figure.parent.mkdir(parents=True, exist_ok=True)
         with style():
-            roofline_chart(results, config=(settings.sweep_configs or settings.configs)[0]).savefig(
+            roofline_chart(results, config=chart_config).savefig(
                 figure, metadata={"Software": None})
         print(f"wrote {figure}")
     failed = [r for r in results["records"] + results["greedy"] if r.get("status") == "failed"]
