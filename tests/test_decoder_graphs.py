@@ -180,6 +180,40 @@ def test_the_gpu_plan_runs_every_row_once_with_the_compiled_rows_last(capsys):
     assert printed[-2] == "greedy check llama_1b: sdpa, contiguous, compile against sdpa, contiguous (eager)"
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"compile_cells": ((2, 99),)}, "compile_cells"),
+    ({"compile_backend": "tensorrt"}, "compile_backend"),
+    ({"num_splits": 0}, "num_splits"),
+    ({"sweep_batches": (0,)}, "sweep_batches"),
+    ({"sweep_configs": ("nope",)}, "sweep_configs"),
+    ({"sweep_contexts": ()}, "together"),
+    ({"sweep_contexts": (600,), "compile_cells": ()}, "max_seq_len=512"),
+])
+def test_sweep_settings_are_checked(change, message):
+    with pytest.raises(ValueError, match=message):
+        tokens.check_settings(tokens.Settings(**{**tokens.SMOKE_SETTINGS.__dict__, **change}))
+
+
+def test_the_command_line_drops_the_sweep_or_the_compiled_cells(capsys):
+    assert tokens.main(["--plan", "--sweep-configs", "none"]) == 0
+    assert "|graph|" not in capsys.readouterr().out
+    assert tokens.main(["--plan", "--compile-cells", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "|compile|" not in out and "compile against" not in out and "|graph|" in out
+    assert tokens.main(["--plan", "--compile-cells", "1x1024,64x8192", "--num-splits", "4"]) == 0
+    assert capsys.readouterr().out.count("|compile|") == 2
+    with pytest.raises(SystemExit):
+        tokens.main(["--plan", "--compile-cells", "1by1024"])
+
+
+def test_the_compiled_check_reuses_a_timed_cells_shapes():
+    assert tokens.compile_check_shape(tokens.GPU_SETTINGS) == (1, 1024 + 3 + 32)
+    too_short = tokens.Settings(**{**tokens.GPU_SETTINGS.__dict__, "greedy_tokens": 64})
+    assert tokens.compile_check_shape(too_short) == (8, 1024 + 64)
+    assert tokens.compile_check_shape(tokens.Settings(**{**tokens.GPU_SETTINGS.__dict__, "compile_cells": ()})) == (
+        8, 1024 + 32)
+
+
 # ---- the roofline chart (results made up here) ------------------------------------------------------------------
 
 def made_up_results():
