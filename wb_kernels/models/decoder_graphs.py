@@ -454,7 +454,7 @@ def probe_wb_decode_capture(dtype: str = "float16", num_splits: int | None = Non
 _GRAPH_SUPPORT: dict = {}
 
 
-def wb_decode_graph_support(dtype: str = "float16", num_splits: int | None = None, *, timeout: float = 240) -> dict:
+def wb_decode_graph_support(dtype: str = "float16", num_splits: int | None = None, *, timeout: float = 120) -> dict:
     """Whether ``wb.decode`` can be captured in a CUDA graph here, asked once per process and dtype by
     :func:`probe_wb_decode_capture` in a child process: ``{"graph_safe": bool, "reason": str}``."""
     key = (dtype, num_splits)
