@@ -9,6 +9,7 @@ stages).
   attention is pluggable: SDPA, the float64 reference, or ``wb.decode`` (lesson 07_decode generates with it);
 - :mod:`.decoder_graphs`: the same decoder without its host overhead: a static KV cache, one CUDA graph per batch
   bucket, ``torch.compile(mode="reduce-overhead")``, and whether ``wb.decode`` can be captured;
+- :mod:`.decoder_greedy`: the greedy check: two ways of running it in lockstep, identical tokens or a near tie;
 - :mod:`.decoder_roofline`: its steps on the roofline chart (bytes per step against time per step, the copy ceiling);
 - :mod:`.decoder_tokens`: its tokens-per-second benchmark against the step's roofline
   (``python -m wb_kernels.models.decoder_tokens``, into ``results/decode/decoder_<gpu>.json``, which lesson 07 reads).
