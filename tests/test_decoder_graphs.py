@@ -154,9 +154,15 @@ def test_a_run_stopped_by_its_budget_resumes_where_it_stopped(tmp_path, capsys, 
     first = tokens.run_tokens(settings, out, smoke=True, time_budget=0.0)
     assert first["complete"] is False and first["records"] == [] and first["ceilings"] is not None
     assert "run the same command again" in capsys.readouterr().err
+    # a row that failed in the stopped run (say, out of memory) is tried again
+    first_key = tokens.row_key(*tokens._plan(settings)[0][:1], settings.dtype, *tokens._plan(settings)[0][1:])
+    stopped = json.loads(out.read_text())
+    stopped["records"].append({"key": first_key, "status": "failed", "reason": "out of memory (made up)"})
+    out.write_text(json.dumps(stopped))
     done = tokens.run_tokens(settings, out, smoke=True)
     assert "resuming" in capsys.readouterr().err
     assert done["complete"] is True and len(done["resumed"]) == 1 and done["ceilings"] == first["ceilings"]
+    assert all(r["status"] != "failed" for r in done["records"])
     keys = [r["key"] for r in done["records"]]
     assert keys == [tokens.row_key(*row[:1], settings.dtype, *row[1:]) for row in tokens._plan(settings)]
     assert [g["other"] for g in done["greedy"]] == ["sdpa, contiguous, graph"]

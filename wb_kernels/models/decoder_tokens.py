@@ -669,10 +669,13 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
     log = functools.partial(_log, progress)
     results = _open(settings, out_path, smoke=smoke, command=command, resume=resume, log=log)
     plan = _plan(settings)
+    # a resumed run tries again what failed (an earlier row's memory, a killed process): once per command
+    results["records"] = [r for r in results["records"] if r.get("status") != "failed"]
+    results["greedy"] = [g for g in results["greedy"] if g.get("status") != "failed"]
     done_rows = {r["key"] for r in results["records"]}
     done_greedy = {(g["config"], g["other"]) for g in results["greedy"]}
-    log(f"{len(plan)} rows and {len(settings.configs) * len(GREEDY_OTHERS) + len(settings.sweep_configs) * len(GREEDY_MODES)} "
-        f"greedy checks on {results['environment']['device']}, into {out_path}"
+    checks = sum(len(work) for _, phase, work in _stages(settings) if phase == "greedy")
+    log(f"{len(plan)} rows and {checks} greedy checks on {results['environment']['device']}, into {out_path}"
         + (f" (about {estimate_seconds(settings) / 60:.1f} min on an H100)" if settings.device == "cuda" else "")
         + (f"; {len(done_rows)} rows already there" if done_rows else ""))
     if results["ceilings"] is None:
