@@ -163,8 +163,8 @@ if has tokens; then
   # the roofline chart (figures/07_decoder_roofline_<gpu>.png). After build, so that the CUDA extension's build is not
   # in its time. Rows stop starting after TOKENS_LIMIT - 60 s; the same command resumes an unfinished file.
   gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
-  run_step tokens "${TOKENS_LIMIT:-360}" python3 -m wb_kernels.models.decoder_tokens \
-    --json "results/decode/decoder_$gpu.json" --time-budget $(( ${TOKENS_LIMIT:-360} - 60 )) ${TOKENS_ARGS:-}
+  run_step tokens "${TOKENS_LIMIT:-330}" python3 -m wb_kernels.models.decoder_tokens \
+    --json "results/decode/decoder_$gpu.json" --time-budget $(( ${TOKENS_LIMIT:-330} - 60 )) ${TOKENS_ARGS:-}
 fi
 if compgen -G "logs/*.xml" >/dev/null; then
   # the README's status (scripts/status.py --update-readme) is rendered from these counts, not typed

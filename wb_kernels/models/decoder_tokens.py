@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -231,6 +232,11 @@ def _plan(settings: Settings) -> list:
     return eager + graph + compiled
 
 
+# A guess at a cold compilation of the 1B step with Inductor, in seconds: a compiled row or check does not start when
+# the time budget would end before it does (estimate_seconds' guess too)
+COMPILE_GUESS_S = 60.0
+
+
 def row_key(config, dtype, batch, context, mode, layout, attend) -> str:
     """A row's key in the results file (and what a resumed run skips)."""
     return f"{config}|{dtype}|B{batch}|L{context}|{mode}|{layout}|{attend}"
@@ -269,7 +275,7 @@ def estimate_seconds(settings: Settings) -> float:
         step = dec.decode_step_roofline(config, batch=batch, context_len=context, dtype_bytes=2,
                                         bandwidth_bytes_per_s=1.5e12)["step_time_s"]
         launches = 5e-3 if mode == "eager" else 0.0  # a graph's step is its bytes' time
-        setup = {"eager": 1.0, "graph": 1.5, "compile": 60.0}[mode]  # a guessed cold compile of the 1B step
+        setup = {"eager": 1.0, "graph": 1.5, "compile": COMPILE_GUESS_S}[mode]
         total += setup + prefill + (settings.steps + settings.warmup) * max(launches, step)
     greedy = len(settings.configs) * 2 * (settings.greedy_tokens * 2 * 5e-3 + 1.0)
     # the compiled step's check: a second compilation, or (the same shapes as a timed cell) a guessed 20 s of tracing
@@ -684,8 +690,11 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
         save_results(results, out_path)
     ceilings = results["ceilings"]
 
-    def out_of_time() -> bool:
-        return time_budget is not None and time.monotonic() - started > time_budget
+    def out_of_time(expected_s: float = 0.0) -> bool:
+        """Past the budget, or would be after `expected_s` more (a compilation: do not start what cannot end), or
+        asked to stop (SIGTERM, see main)."""
+        return _STOP["requested"] or (time_budget is not None
+                                      and time.monotonic() - started + expected_s > time_budget)
 
     def store(row) -> None:
         results["records"].append(row)
@@ -709,7 +718,8 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
             work = [check for check in work if (config_name, _greedy_other(*check)) not in done_greedy]
         if not work:
             continue
-        if out_of_time():
+        compiling = (work[0][3] if phase == "rows" else work[0][0]) == "compile"
+        if out_of_time(COMPILE_GUESS_S if compiling else 0.0):
             stopped = True
             break
         if model_name != config_name:
@@ -737,7 +747,7 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
                     store_greedy(record)
                 continue
         for item in work:
-            if out_of_time():
+            if out_of_time(COMPILE_GUESS_S if compiling else 0.0):
                 stopped = True
                 break
             if phase == "greedy":
@@ -867,10 +877,29 @@ def main(argv=None) -> int:
     command = "python -m wb_kernels.models.decoder_tokens " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.smoke:
         torch.set_num_threads(1)  # TINY's matrices are tiny: threads cost more than they save
-    results = run_tokens(settings, out, smoke=args.smoke, command=command.strip(), progress=not args.no_progress,
-                         time_budget=args.time_budget, resume=not args.fresh)
+    # what the end needs, imported before the run: a SIGTERM that lands inside an import leaves that module broken
+    from ..bench.decode import gpu_short_name
+    from ..bench.results import load_results
+    from ..plots import figures_dir, style
     from ..stages.decode.slider import decoder_table
     from .decoder_roofline import roofline_chart, roofline_summary
+
+    _STOP["requested"] = False
+    try:
+        previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    except ValueError:  # not the main thread: no handler, the run stops where SIGTERM finds it
+        previous = None
+    try:
+        results = run_tokens(settings, out, smoke=args.smoke, command=command.strip(), progress=not args.no_progress,
+                             time_budget=args.time_budget, resume=not args.fresh)
+    except _Stopped:
+        results = load_results(out)  # every row finished so far (the file is saved after each)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if _STOP["requested"]:
+        print("stopped by SIGTERM: the file holds the rows finished so far; run the same command again to resume",
+              file=sys.stderr)
 
     print(decoder_table(results))
     chart_config = (settings.sweep_configs or settings.configs)[0]
@@ -880,13 +909,8 @@ def main(argv=None) -> int:
     print(f"wrote {out}" + ("" if results["complete"] else " (not finished: run the same command again to resume)"))
     figure = args.figure
     if figure is None and not args.smoke:
-        from ..bench.decode import gpu_short_name
-        from ..plots import figures_dir
-
         figure = figures_dir() / f"07_decoder_roofline_{gpu_short_name()}.png"
     if figure is not None:
-        from ..plots import style
-
         figure = Path(figure)
         figure.parent.mkdir(parents=True, exist_ok=True)
         with style():
@@ -896,6 +920,20 @@ def main(argv=None) -> int:
     failed = [r for r in results["records"] + results["greedy"] if r.get("status") == "failed"
               or (r.get("vs_uncaptured") or {}).get("identical") is False]
     return 1 if failed else 0
+
+
+class _Stopped(BaseException):
+    """SIGTERM arrived: the run stops where it is (its file is saved after every row). A BaseException, as
+    KeyboardInterrupt is, so that no row's ``except Exception`` records it as that row's failure."""
+
+
+_STOP = {"requested": False}
+
+
+def _stop_on_sigterm(signum, frame):
+    """Stop now (the exception) and, should some code swallow it, at the next row (the flag out_of_time reads)."""
+    _STOP["requested"] = True
+    raise _Stopped()
 
 
 if __name__ == "__main__":
