@@ -176,11 +176,14 @@ if has backward; then
     --no-progress --json "results/train/char_transformer_$gpu.json" --figure
 fi
 if has tokens; then
-  # the LLaMA-shaped decoder's tokens per second with SDPA and with wb.decode, contiguous and paged caches, and the
-  # greedy check (lesson 07 reads the file); after build, so that the CUDA extension's build is not in its time
+  # the LLaMA-shaped decoder's tokens per second (lesson 07): eager with SDPA, wb.decode and FlashInfer on contiguous
+  # and paged caches; then the roofline sweep, the step in a CUDA graph per batch (SDPA, wb.decode where it is
+  # graph-safe) and under torch.compile(mode="reduce-overhead"), batch 1/8/64 x context 1k/8k/32k; the greedy checks;
+  # the roofline chart (figures/07_decoder_roofline_<gpu>.png). After build, so that the CUDA extension's build is not
+  # in its time. Rows stop starting after TOKENS_LIMIT - 60 s; the same command resumes an unfinished file.
   gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
-  run_step tokens "${TOKENS_LIMIT:-300}" python3 -m wb_kernels.stages.decode.tokens \
-    --json "results/decode/decoder_$gpu.json"
+  run_step tokens "${TOKENS_LIMIT:-330}" python3 -m wb_kernels.models.decoder_tokens \
+    --json "results/decode/decoder_$gpu.json" --time-budget $(( ${TOKENS_LIMIT:-330} - 60 )) ${TOKENS_ARGS:-}
 fi
 if has distributed; then
   gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from wb_kernels.stages.decode import decoder as dec
+from wb_kernels.models import llama_decoder as dec
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,4 +1,4 @@
-"""Lesson 07 (decode): the decoder's tokens-per-second benchmark (``wb_kernels/stages/decode/tokens.py``), its greedy
+"""Lesson 07 (decode): the decoder's tokens-per-second benchmark (``wb_kernels/models/decoder_tokens.py``), its greedy
 check and the reader the lesson prints from. On the CPU: the smoke run (TINY, wb.decode on the simulator)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from wb_kernels.stages.decode import decoder as dec
+from wb_kernels.models import llama_decoder as dec
 from wb_kernels.stages.decode import slider
-from wb_kernels.stages.decode import tokens
+from wb_kernels.models import decoder_tokens as tokens
 
-ROW_FIELDS = ("key", "kind", "config", "dtype", "batch", "context", "layout", "page_size", "attend", "steps",
+ROW_FIELDS = ("key", "kind", "config", "dtype", "batch", "context", "mode", "layout", "page_size", "attend", "steps",
               "warmup", "status", "tokens_per_s", "ms_per_step", "attention_ms_per_step", "attention_share",
-              "roofline", "fraction_of_roofline")
+              "bytes_per_step", "roofline", "fraction_of_roofline")
 GREEDY_FIELDS = ("config", "dtype", "batch", "prompt_len", "new_tokens", "reference", "other", "status", "identical",
                  "sequences_identical", "max_logit_diff", "logit_absmax", "relative_logit_diff", "rounding_tolerance",
                  "agree_to_rounding", "min_reference_margin", "first_divergence", "note")
@@ -43,7 +43,7 @@ def test_smoke_run_writes_a_complete_file(smoke):
     results = json.loads(out.read_text())
     assert results["schema"] == 1 and results["kind"] == "decoder_tokens" and results["mode"] == "smoke"
     assert results["complete"] is True and results["elapsed_s"] > 0
-    assert results["command"].startswith("python -m wb_kernels.stages.decode.tokens --smoke")
+    assert results["command"].startswith("python -m wb_kernels.models.decoder_tokens --smoke")
     env = results["environment"]
     for key in ("date", "torch", "cuda", "device", "gpu", "git_commit", "backend"):
         assert key in env, key
@@ -51,8 +51,13 @@ def test_smoke_run_writes_a_complete_file(smoke):
     assert results["ceilings"]["copy_gbps"] > 0
 
     rows = results["records"]
-    assert {(r["layout"], r["attend"]) for r in rows} == {(layout, attend) for layout in ("contiguous", "paged")
-                                                          for attend in ("sdpa", "wb")} | {("paged", "flashinfer")}
+    assert {(r["layout"], r["attend"]) for r in rows if r["mode"] == "eager"} == {
+        (layout, attend) for layout in ("contiguous", "paged") for attend in ("sdpa", "wb")} | {("paged", "flashinfer")}
+    # the sweep: every contender once, in the smoke's one cell; on the CPU nothing is captured, and the row says so
+    assert [(r["mode"], r["layout"], r["attend"]) for r in rows if r["mode"] != "eager"] == list(
+        tokens.SWEEP_CONTENDERS)
+    assert all(r["captured"] is False for r in rows if r["mode"] != "eager")
+    assert results["wb_graph_support"]["graph_safe"] is None
     # FlashInfer needs a CUDA GPU: on the CPU its row is there, skipped, and says why
     missing = [r for r in rows if r["attend"] == "flashinfer"]
     assert [r["status"] for r in missing] == ["skipped"] and "flashinfer" in missing[0]["reason"]
@@ -62,7 +67,11 @@ def test_smoke_run_writes_a_complete_file(smoke):
         missing = [field for field in ROW_FIELDS if field not in r]
         assert not missing, (r["key"], missing)
         assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0
-        assert 0 < r["attention_ms_per_step"] <= r["ms_per_step"] and 0 < r["attention_share"] <= 1
+        if r["mode"] == "eager":  # the attention's own time is measured in the eager step only
+            assert 0 < r["attention_ms_per_step"] <= r["ms_per_step"] and 0 < r["attention_share"] <= 1
+        else:
+            assert r["attention_share"] is None and r["capacity"] >= r["context"] + r["steps"] + r["warmup"]
+        assert r["bytes_per_step"] == roofline_bytes(r)
         # tokens/s and ms/step are the same measurement: batch tokens per step
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_step"], rel=1e-3)
         roofline = r["roofline"]
@@ -71,15 +80,23 @@ def test_smoke_run_writes_a_complete_file(smoke):
         assert ("vs_sdpa" in r) == (r["attend"] != "sdpa")
         assert ("vs_sdpa_contiguous" in r) == (r["layout"] == "paged")
         assert (r["page_size"] is None) == (r["layout"] == "contiguous")
-    by = {(r["layout"], r["attend"]): r for r in rows}
+    by = {(r["layout"], r["attend"]): r for r in rows if r["mode"] == "eager"}
     wb_paged = by[("paged", "wb")]
     assert wb_paged["vs_sdpa"] == pytest.approx(wb_paged["tokens_per_s"] / by[("paged", "sdpa")]["tokens_per_s"],
                                                 rel=1e-2)
 
+    compiled = next(r for r in rows if r["mode"] == "compile")
+    assert compiled["vs_graph_sdpa"] == pytest.approx(
+        compiled["tokens_per_s"] / next(r for r in rows if r["key"] == compiled["key"].replace("compile", "graph"))[
+            "tokens_per_s"], rel=1e-2)
+
     greedy = results["greedy"]
-    assert [g["other"] for g in greedy] == ["wb, contiguous", "wb, paged", "flashinfer, paged"]
-    assert greedy[-1]["status"] == "skipped" and "flashinfer" in greedy[-1]["reason"]
-    for g in greedy[:-1]:
+    assert [g["other"] for g in greedy] == ["wb, contiguous", "wb, paged", "flashinfer, paged",
+                                            "sdpa, contiguous, graph", "wb, contiguous, graph", "wb, paged, graph",
+                                            "sdpa, contiguous, compile"]
+    assert greedy[2]["status"] == "skipped" and "flashinfer" in greedy[2]["reason"]
+    assert greedy[3]["buckets"] == [1, 2] and greedy[3]["captured"] is False
+    for g in greedy[:2] + greedy[3:]:
         missing = [field for field in GREEDY_FIELDS if field not in g]
         assert not missing, missing
         # float32 on the CPU: the simulator's kernel and SDPA agree to rounding, and TINY has no near tie here
@@ -87,6 +104,14 @@ def test_smoke_run_writes_a_complete_file(smoke):
         assert "identical tokens" in g["note"]
 
     assert "tiny" in printed and "greedy, tiny" in printed and f"wrote {out}" in printed
+    assert "CUDA graph, wb, paged: " in printed and "% of the roofline at best" in printed
+
+
+def roofline_bytes(row):
+    """Weights and the KV cache at the row's mean context, in the row's dtype: what decode_step_roofline counts."""
+    return dec.decode_step_roofline(tokens.CONFIGS[row["config"]], batch=row["batch"],
+                                    context_len=row["roofline"]["context"], dtype_bytes=4,
+                                    bandwidth_bytes_per_s=1.0)["bytes_per_step"]
 
 
 def test_smoke_file_is_a_valid_results_file_for_the_repository_checks(smoke):
@@ -197,7 +222,7 @@ def test_bad_arguments_get_clear_errors(capsys, argv, message):
 def test_settings_are_bounded():
     tokens.check_settings(tokens.GPU_SETTINGS)
     tokens.check_settings(tokens.SMOKE_SETTINGS)
-    assert tokens.estimate_seconds(tokens.GPU_SETTINGS) < 180  # the default GPU run's plan: under 3 minutes
+    assert tokens.estimate_seconds(tokens.GPU_SETTINGS) < 360  # the default GPU run's plan: under 6 minutes
     with pytest.raises(ValueError, match="steps"):
         tokens.check_settings(tokens.Settings(**{**tokens.SMOKE_SETTINGS.__dict__, "steps": tokens.MAX_STEPS + 1}))
 
@@ -234,12 +259,16 @@ def test_decoder_table_shows_every_row_and_the_greedy_verdicts(smoke):
     for column in ("batch", "context", "layout", "attend", "tokens/s", "ms/step", "attention", "vs SDPA",
                    "roofline"):
         assert column in header
+    for column in ("mode",):
+        assert column in header
     rows = [line for line in lines if line.startswith("tiny ")]
-    assert len(rows) == 6 and rows[-1].endswith("skipped: does not fit: test")
+    assert len(rows) == 11 and rows[-1].endswith("skipped: does not fit: test")
     assert sum("flashinfer" in row and "skipped: flashinfer" in row for row in rows) == 1  # no GPU here: why
-    wb_rows = [row.split() for row in rows if row.split()[4] == "wb"]
+    wb_rows = [row.split() for row in rows if row.split()[5] == "wb"]
     # vs SDPA, vs FlashInfer (none to compare with here: a dash), roofline
-    assert len(wb_rows) == 2 and all(cells[-3].endswith("x") and cells[-2] == "–" and cells[-1].endswith("%")
+    assert len(wb_rows) == 4 and all(cells[-3].endswith("x") and cells[-2] == "–" and cells[-1].endswith("%")
                                      for cells in wb_rows)
-    assert sum(line.startswith("greedy, tiny") for line in lines) == 3
+    # a graph row has no attention share of its own: a dash
+    assert all(cells[-4] == "–" for cells in wb_rows if cells[3] == "graph")
+    assert sum(line.startswith("greedy, tiny") for line in lines) == 7
     assert "smoke run" in lines[0]

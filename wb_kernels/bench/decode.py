@@ -269,7 +269,7 @@ def _wb_decode_prepare(inputs, layout, workload):
 
 def _decode_forward_prepare(inputs, layout, workload):
     from ..device import like_input
-    from ..stages.decode.launcher import decode_forward
+    from ..stages.decode import decode_forward  # the rung's export, not its launcher module
 
     k, v, table = _cache_args(inputs, layout)
     # like_input: on the simulator the kernels return NumPy; on a GPU the CUDA tensor comes back as it is
@@ -367,7 +367,7 @@ def _stage_refusal(workload: DecodeWorkload, on_cuda: bool) -> Optional[str]:
     """Why the decode stage does not take this workload (dtype, head dim), or None. On a GPU wb.decode runs the CUDA
     kernel for its dtypes and head dims (bfloat16 too), whatever the numba stage's Stage.dtypes say."""
     from ..stages import get_stage
-    from ..stages.decode.launcher import CUDA_KERNEL_DTYPES, CUDA_KERNEL_HEAD_DIMS
+    from ..stages.decode import CUDA_KERNEL_DTYPES, CUDA_KERNEL_HEAD_DIMS
 
     if on_cuda and workload.dtype in CUDA_KERNEL_DTYPES and workload.D in CUDA_KERNEL_HEAD_DIMS:
         return None

@@ -10,25 +10,24 @@ Files:
   flight per lane, the KV group's query heads in registers), built with torch's ``load_inline``; what ``wb.decode``
   runs on a GPU for float16/bfloat16 at D 64 or 128;
 - ``launcher.py``: launching them, the paged-cache helpers, and this stage's ``wb.attention`` entry;
-- ``decoder.py``: a LLaMA-shaped decoder in plain torch (random weights, contiguous or paged KV cache) whose decode
-  attention is pluggable: SDPA, the float64 reference, or ``wb.decode``; tokens per second and the step's roofline;
-- ``tokens.py``: the decoder's benchmark, ``python -m wb_kernels.stages.decode.tokens``: tokens per second of the 1B
-  models with SDPA and with ``wb.decode``, contiguous and paged, against the step's roofline, and a greedy check
-  that both attentions generate the same tokens (``results/decode/decoder_<gpu>.json``, which the lesson reads);
 - ``slider.py``: the logic behind the lesson's figures and slider (a decode step's FLOPs and bytes on the roofline,
   the merge's weights, splits and blocks per workload against the SMs, a paged cache against contiguous ones);
 - ``exercises.py`` and ``solutions.py``: the lesson's exercises and its puzzle (the merge), their worked answers;
 - ``NOTES.md``: the versions, each with its prediction and measurement;
 - the decode entry point itself is ``wb.decode`` (``wb_kernels/decoding.py``).
 
-Lesson: ``notebooks/07_decode.ipynb``; tests: ``tests/test_decode.py``, ``tests/test_decoder.py`` and
-``tests/test_decoder_tokens.py``.
+The LLaMA-shaped decoder that lesson 07 generates with is a user of this rung, not part of it:
+``wb_kernels/models/llama_decoder.py`` and its tokens-per-second benchmark ``wb_kernels/models/decoder_tokens.py``.
+What code outside the rung may use (the benchmark's contenders) is exported here: ``decode_forward`` (the launcher
+behind ``wb.decode``, without its validation) and the CUDA kernel's dtypes and head dims.
+
+Lesson: ``notebooks/07_decode.ipynb``; tests: ``tests/test_decode.py``.
 """
 
 import math
 
 from .. import Stage
-from .launcher import forward
+from .launcher import CUDA_KERNEL_DTYPES, CUDA_KERNEL_HEAD_DIMS, decode_forward, forward
 from .splitkv import split_bounds
 
 
@@ -52,4 +51,4 @@ STAGE = Stage(
     linear_memory=True,
 )
 
-__all__ = ["STAGE", "split_bounds"]
+__all__ = ["STAGE", "split_bounds", "decode_forward", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS"]

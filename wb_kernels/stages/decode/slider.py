@@ -2,7 +2,7 @@
 
 What a decode step costs (FLOPs, bytes, where that sits on a roofline), how many key splits fill the GPU, a paged
 cache against contiguous ones sized to a maximum length, and the committed GPU numbers the lesson reads (the decode
-benchmark's, and the decoder's tokens per second from ``tokens.py``), read for the lesson's asserted claims, and the
+benchmark's, and the decoder's tokens per second from ``wb_kernels/models/decoder_tokens.py``), read for the lesson's asserted claims, and the
 picture of the CUDA kernel's fused merge (:func:`draw_fused_merge`). Plain
 functions (inputs -> numbers or a matplotlib Figure): pytest calls them (``tests/test_decode.py``), and the lesson
 wires :func:`draw_split_choice` to three sliders with :func:`wb_kernels.widgets.link_sliders`.
@@ -370,12 +370,12 @@ def describe_tune_run(results: dict, variant: str | None = None) -> list:
 
 
 NO_DECODER_RUN = ("No decoder run is committed yet (results/decode/decoder_<gpu>.json, from "
-                  "`python -m wb_kernels.stages.decode.tokens`)")
+                  "`python -m wb_kernels.models.decoder_tokens`)")
 
 
 def committed_decoder_results(folder=None):
     """The newest committed GPU run of the decoder's tokens per second (``results/decode/decoder_*.json``, written by
-    ``python -m wb_kernels.stages.decode.tokens``), by the date it records; None while there is none. Smoke runs and
+    ``python -m wb_kernels.models.decoder_tokens``), by the date it records; None while there is none. Smoke runs and
     files that are not such runs (unreadable, another kind) are passed over."""
     import json
 
@@ -398,7 +398,7 @@ def _cell(value, text: str) -> str:
 
 
 def decoder_table(results: dict) -> str:
-    """A results file of ``tokens.py`` as text: where and how it ran, one line per row (model, batch, context, cache
+    """A results file of ``wb_kernels/models/decoder_tokens.py`` as text: where and how it ran, one line per row (model, batch, context, cache
     layout, attention, tokens/s, ms per step, the attention's share of the step, tokens/s over SDPA's on the same
     layout, percent of the step's roofline), then the greedy check's verdicts."""
     env = results.get("environment") or {}
@@ -412,18 +412,22 @@ def decoder_table(results: dict) -> str:
              f"{ceilings.get('copy_gbps')} GB/s"
              + ("" if results.get("complete") else "; the run did not finish"),
              "",
-             f"{'config':<14} {'batch':>5} {'context':>7}  {'layout':<10} {'attend':<10} {'tokens/s':>9} "
+             f"{'config':<14} {'batch':>5} {'context':>7}  {'mode':<8} {'layout':<10} {'attend':<10} {'tokens/s':>9} "
              f"{'ms/step':>8} {'attention':>9} {'vs SDPA':>8} {'vs FI':>7} {'roofline':>8}"]
     for r in results.get("records", []):
-        head = (f"{r['config']:<14} {r['batch']:>5} {r['context']:>7}  {r['layout']:<10} {r['attend']:<10} ")
+        head = (f"{r['config']:<14} {r['batch']:>5} {r['context']:>7}  {r.get('mode', 'eager'):<8} {r['layout']:<10} "
+                f"{r['attend']:<10} ")
         if r.get("status") != "ok":
             lines.append(head + f"{r.get('status')}: {r.get('reason', '')}")
             continue
+        share = r.get("attention_share")
         lines.append(head + f"{r['tokens_per_s']:>9.4g} {r['ms_per_step']:>8.3g} "
-                     f"{100 * r['attention_share']:>8.0f}% {_cell(r.get('vs_sdpa'), '{:.3g}x'):>8} "
+                     f"{_cell(None if share is None else 100 * share, '{:.0f}%'):>9} "
+                     f"{_cell(r.get('vs_sdpa'), '{:.3g}x'):>8} "
                      f"{_cell(r.get('vs_flashinfer'), '{:.3g}x'):>7} "
                      f"{_cell(r.get('fraction_of_roofline'), '{:.0%}'):>8}")
-    lines.append("(attention: its share of the step; vs SDPA: tokens/s over SDPA's on the same cache layout; vs FI: "
+    lines.append("(mode: eager, a CUDA graph per batch, or torch.compile; attention: its share of the step, eager only; "
+                 "vs SDPA: tokens/s over SDPA's in the same mode on the same cache layout; vs FI: "
                  "wb's tokens/s over FlashInfer's on the same paged cache; roofline: the step's roofline time over the "
                  "measured one)")
     for g in results.get("greedy", []):
@@ -568,8 +572,9 @@ def copy_bandwidths() -> dict:
     return found
 
 
-def decoder_speedups(results: dict, *, layout: str = "paged", attend: str = "wb") -> list:
-    """(config, batch, context, tokens/s over SDPA's on the same layout) of a decoder run's `attend` rows."""
+def decoder_speedups(results: dict, *, layout: str = "paged", attend: str = "wb", mode: str = "eager") -> list:
+    """(config, batch, context, tokens/s over SDPA's on the same layout) of a decoder run's `attend` rows in `mode`
+    (eager, graph or compile; a file written before the modes holds eager rows only)."""
     return [(r["config"], r["batch"], r["context"], r["vs_sdpa"]) for r in results.get("records", [])
             if r.get("status") == "ok" and r["layout"] == layout and r["attend"] == attend
-            and r.get("vs_sdpa") is not None]
+            and r.get("mode", "eager") == mode and r.get("vs_sdpa") is not None]

@@ -162,6 +162,19 @@ class KVCache:
         self.cache_seqlens.clamp_(max=length)
         self.host_max_len = min(self.host_max_len, length)
 
+    def head(self, batch: int) -> "KVCache":
+        """The first `batch` sequences of this cache, as views of its tensors (nothing copied): what a CUDA graph of
+        a smaller batch bucket reads and writes (``decoder_graphs``). A paged view shares the whole pool and takes
+        the first `batch` rows of the block table."""
+        if not 1 <= batch <= self.cache_seqlens.shape[0]:
+            raise ValueError(f"head({batch}): the cache holds {self.cache_seqlens.shape[0]} sequences")
+        if self.paged:
+            keys, values, table = self.keys, self.values, self.block_table[:batch]
+        else:
+            keys, values, table = [k[:batch] for k in self.keys], [v[:batch] for v in self.values], None
+        return KVCache(keys, values, self.cache_seqlens[:batch], self.capacity, table, self.page_size,
+                       self.host_max_len, self.host_uniform)
+
 
 def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> torch.Tensor:
     """The first `num_keys` keys of every sequence of a paged pool, copied into a contiguous (B, Hk, num_keys, D).
@@ -229,15 +242,18 @@ def _sdpa_attend(q, k_cache, v_cache, cache_seqlens, block_table, max_seqlen, eq
 
 
 def wb_attend(q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqlen=None, equal_lengths=False,
-              stage: str = "decode"):
+              stage: str = "decode", num_splits: int | None = None):
     """Decode attention by this series' kernel: ``wb.decode`` (lesson 07), its output in q's dtype.
 
     `max_seqlen` (known on the host) lets the kernel split the keys there are rather than the cache's capacity;
     `equal_lengths` needs nothing special here: the kernel reads each sequence's own length on the GPU.
+    `num_splits`: the kernel's split count (default: its own choice from the problem and `max_seqlen`); a CUDA
+    graph passes the capacity as `max_seqlen`, so that the split count is the same on every replay.
     """
     import wb_kernels as wb
 
-    out = wb.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table, stage=stage, max_seqlen=max_seqlen)
+    out = wb.decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table, stage=stage, max_seqlen=max_seqlen,
+                    num_splits=num_splits)
     return out.to(q.dtype)
 
 
@@ -256,7 +272,7 @@ class FlashInferAttend:
         self._decode = None
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqlen=None, equal_lengths=False):
-        from ...bench import flashinfer
+        from ..bench import flashinfer
 
         if block_table is None:
             raise ValueError("FlashInferAttend reads a paged cache (its batch decode takes pages and a block table); "
@@ -458,22 +474,31 @@ class Decoder:
         (B, vocab) for the next one. `attend` is the decode attention under test (see the module docstring).
 
         Nothing here reads a GPU value back to the host, so the host can queue the next kernels while the
-        GPU runs; token ids are not range-checked for that reason.
+        GPU runs; token ids are not range-checked for that reason. The host tells the attention the longest
+        length it knows (``cache.host_max_len``), so that it reads only the keys there are.
         """
-        c = self.config
         if cache.host_max_len + 1 > cache.capacity:
             raise ValueError(f"the cache is full: {cache.host_max_len} keys per sequence, capacity {cache.capacity}")
+        cache.host_max_len += 1
+        return self.forward_step(tokens.to(self.device), cache, attend, max_seqlen=cache.host_max_len,
+                                 equal_lengths=cache.host_uniform)
+
+    def forward_step(self, tokens: torch.Tensor, cache: KVCache, attend, *, max_seqlen: int,
+                     equal_lengths: bool) -> torch.Tensor:
+        """One decode step on the device alone: what :meth:`decode_step` runs, and what a CUDA graph captures
+        (``decoder_graphs``). Every position comes from ``cache.cache_seqlens`` on the device, every size from
+        the host's `max_seqlen` (a graph passes the cache's capacity, the same on every replay), and nothing is
+        read back, allocated by the host or checked against a value on the GPU."""
+        c = self.config
         batch = tokens.shape[0]
         positions = cache.cache_seqlens.long()[:, None]  # (B, 1): where the new token goes, and its RoPE angle
-        cache.cache_seqlens += 1  # every layer's attention sees the new token's key
-        cache.host_max_len += 1
-        x = self.embedding[tokens.to(self.device)][:, None, :]  # (B, 1, dim)
+        cache.cache_seqlens.add_(1)  # every layer's attention sees the new token's key
+        x = self.embedding[tokens][:, None, :]  # (B, 1, dim)
         for index, layer in enumerate(self.layers):
             q, k, v = self._project_qkv(layer, x, positions)
             cache.write(index, k, v, positions)
             attended = attend(q[:, :, 0, :], cache.keys[index], cache.values[index], cache.cache_seqlens,
-                              cache.block_table, max_seqlen=cache.host_max_len,
-                              equal_lengths=cache.host_uniform)  # (B, H, D)
+                              cache.block_table, max_seqlen=max_seqlen, equal_lengths=equal_lengths)  # (B, H, D)
             if attended.shape != (batch, c.n_heads, c.head_dim) or attended.dtype != self.dtype:
                 raise ValueError(f"attend returned {tuple(attended.shape)} {attended.dtype}; expected "
                                  f"{(batch, c.n_heads, c.head_dim)} {self.dtype}")
@@ -635,7 +660,7 @@ def draw_decode_roofline(config: DecoderConfig, *, dtype_bytes: int, bandwidth_b
 
     `measured`: results of :func:`time_decode` to mark on the left panel (their context: prompt_len + steps/2).
     """
-    from ...plots import new_figure
+    from ..plots import new_figure
 
     fig, (speed_ax, share_ax) = new_figure(ncols=2)
     for context_len in context_lens:
