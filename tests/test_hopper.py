@@ -1,0 +1,230 @@
+"""Rung hopper, v0 (the primitives lab) and the mbarrier ring model.
+
+On the CPU (CI):
+- the TMA's 128-byte swizzle in NumPy (``tma_swizzle``): the address-bit formula is the mma rung's chunk XOR;
+- the compile check with nvcc alone, for sm_90a: every kernel of ``hopper_lab.cu`` compiles without spills and with
+  the watchdog; its SASS holds ``HGMMA`` (wgmma), ``UTMALDG`` (the TMA load) and the mbarrier's ``SYNCS``; a wgmma
+  that ptxas serializes (a printf in the kernel) fails the build; the CUDA 13.0 toolkit's nvcc too, when present;
+- the ring model (``barrier_ring``): correct schedules finish under many interleavings, and each classic mistake
+  (wrong parity, wrong byte count, a missing release, a wrong arrival count) raises instead of hanging.
+
+On a Hopper GPU: ``gpu_checks`` (the TMA tile bit for bit, every GEMM variant against float64, the watchdog) in a
+subprocess under a time limit each, since a wrong barrier hangs the kernel rather than failing it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import wb_kernels as wb
+from wb_kernels import cuda_build
+from wb_kernels.cuda_toolchain import toolkit_tool
+from wb_kernels.stages.hopper import barrier_ring as br
+from wb_kernels.stages.hopper import build as hb
+from wb_kernels.stages.hopper import tma_swizzle as ts
+from wb_kernels.stages.mma import swizzle as mma_swizzle
+from wb_kernels.sync import module_regions
+from stage_cases import tool_or_skip
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_CHECK_SECONDS = 60  # per subprocess: a cached build loads in milliseconds; a hang is cut off here
+
+
+def _is_hopper() -> bool:
+    if wb.BACKEND.is_simulator:
+        return False
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    except ImportError:
+        return False
+
+
+needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="the hopper rung's kernels need a Hopper GPU (sm_90) "
+                                                           "and a CUDA build of torch")
+rng = np.random.default_rng(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The 128-byte swizzle
+
+def test_the_tma_swizzle_is_the_mma_rungs_xor_for_128_byte_rows():
+    """Bits 4-6 of a byte address XOR bits 7-9: for rows of 64 16-bit elements, chunk c of row r moves to c ^ (r % 8)."""
+    row, chunk = np.meshgrid(np.arange(64), np.arange(8), indexing="ij")
+    plain = row * ts.ROW_BYTES + chunk * 16
+    assert np.array_equal(ts.swizzle_128b(plain), mma_swizzle.offset_bytes("swizzled", row, chunk, 64))
+    # within a chunk the bytes keep their order, and each 1024-byte group of 8 rows is permuted within itself
+    offsets = np.arange(64 * ts.ROW_BYTES)
+    stored = ts.swizzle_128b(offsets)
+    assert np.array_equal(stored % 16, offsets % 16) and np.array_equal(stored // 1024, offsets // 1024)
+    assert sorted(stored) == list(offsets)
+
+
+@pytest.mark.parametrize("row0, column0", [(0, 0), (8, 64), (80, 160), (99, 192)])
+def test_both_swizzle_models_give_one_image_and_ragged_boxes_are_zero_filled(row0, column0):
+    x = rng.integers(1, 1000, size=(100, 200)).astype(np.int16)
+    box = ts.tma_box(x, row0, column0)
+    assert box.shape == (64, 64)
+    valid_rows, valid_columns = min(64, 100 - row0), min(64, 200 - column0)
+    assert np.array_equal(box[:valid_rows, :valid_columns], x[row0:row0 + valid_rows, column0:column0 + valid_columns])
+    assert not box[valid_rows:].any() and not box[:, valid_columns:].any()
+    image = ts.swizzled_image(box)
+    assert np.array_equal(image, ts.swizzled_image_by_bits(box))
+    assert np.array_equal(image[:8], box[0, :8]) and np.array_equal(image[64 + 8:64 + 16], box[1, :8])  # row 1: 0 -> 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The compile check for sm_90a (nvcc alone; CI runs it)
+
+@pytest.fixture(scope="module")
+def report():
+    tool_or_skip(cuda_build.find_nvcc, "the hopper rung's compile check")
+    return hb.nvcc_compile_report()
+
+
+def test_every_kernel_compiles_for_sm_90a_without_spills(report):
+    found = {(r.function, r.dtype) for r in report}
+    expected = {("tma_tile", None)} | {(v.label, dtype) for v in hb.GEMM_VARIANTS for dtype in ("float16", "bfloat16")}
+    assert found == expected
+    for kernel in report:
+        assert kernel.spill_stores == kernel.spill_loads == kernel.stack_bytes == 0, kernel
+        assert kernel.registers <= 168, kernel  # 64 x 128 fp32 accumulators are 64 registers per thread
+
+
+def test_the_cuda_13_0_toolkit_compiles_it_too():
+    """The GPU host builds with its toolkit's nvcc (13.0), not the wheel's: the same checks with that compiler."""
+    nvcc = toolkit_tool("nvcc")
+    if nvcc is None:
+        pytest.skip("no CUDA toolkit nvcc on this machine (the wheel's nvcc is checked above)")
+    report = hb.nvcc_compile_report(nvcc=nvcc)
+    assert len(report) == 1 + 2 * len(hb.GEMM_VARIANTS)
+    assert all(r.spill_stores == r.spill_loads == r.stack_bytes == 0 for r in report)
+    assert any("HGMMA" in line for line in hb.sass("wgmma_gemm_kernel", nvcc=nvcc, pattern="HGMMA"))
+
+
+@pytest.mark.parametrize("variant", hb.GEMM_VARIANTS, ids=lambda v: v.label)
+def test_the_gemm_is_wgmma_fed_by_the_tma(report, variant):
+    tool_or_skip(cuda_build.find_cuobjdump, "the hopper rung's machine-code check")
+    mangled = (f"wgmma_gemm_kernelI6__halfLi{variant.n}ELi{variant.k_steps}ELb{int(variant.a_in_registers)}"
+               f"ELb{int(variant.b_mn_major)}E")
+    lines = hb.sass(mangled)
+    hgmma = [line for line in lines if line.startswith("HGMMA.")]
+    assert len(hgmma) == variant.k_steps, hgmma  # one wgmma.mma_async per k16 step, none serialized away
+    assert all(line.startswith(f"HGMMA.64x{variant.n}x16.F32 ") for line in hgmma), hgmma
+    assert all(("tnspB" in line) == variant.b_mn_major for line in hgmma), hgmma
+    # SS: A's descriptor first; RS: A's registers first (HGMMA.64xNx16.F32 R24, R88, gdesc[...])
+    assert all((line.split()[2].startswith("R")) == variant.a_in_registers for line in hgmma), hgmma
+    loads = [line for line in lines if line.startswith("UTMALDG.2D")]
+    assert len(loads) == (1 + variant.n // 64 if variant.b_mn_major else 2), loads
+    assert any(line.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for line in lines)  # mbarrier.try_wait
+    assert any(line.startswith("WARPGROUP.ARRIVE") for line in lines)  # wgmma.fence
+    assert not [line for line in lines if line.startswith(("LDL", "STL"))]  # no local memory
+
+
+def test_the_tma_tile_kernel_and_the_watchdog(report):
+    tool_or_skip(cuda_build.find_cuobjdump, "the hopper rung's machine-code check")
+    watched = hb.sass("tma_tile_kernel")
+    assert sum(line.startswith("UTMALDG.2D") for line in watched) == 1
+    assert any(line.startswith("SYNCS.ARRIVE.TRANS64") for line in watched)  # mbarrier.arrive.expect_tx
+    assert any(line.startswith("BPT.TRAP") for line in watched)  # the watchdog's __trap
+    unwatched = hb.sass("tma_tile_kernel", watchdog_seconds=None)
+    assert not any(line.startswith("BPT.TRAP") for line in unwatched)
+
+
+def test_a_serialized_wgmma_fails_the_build():
+    """A printf between the wgmma and its wait makes ptxas serialize every wgmma (a C75xx note, not a warning)."""
+    tool_or_skip(cuda_build.find_nvcc, "the hopper rung's compile check")
+    broken = hb.package_source().replace("    wgmma_commit_group();\n",
+                                         '    printf("%f\\n", d[0]);\n    wgmma_commit_group();\n', 1)
+    assert broken != hb.package_source()
+    with pytest.raises(cuda_build.CudaBuildError, match=r"serialized.*wgmma_gemm_kernel"):
+        hb.nvcc_compile_report(broken)
+
+
+def test_the_lesson_regions_exist():
+    regions = module_regions(hb.SOURCE.path)
+    assert {"mbarrier", "tma", "wgmma_descriptor", "wgmma", "tma_tile_kernel", "gemm_kernel", "tensor_map",
+            "torch_entry_points"} <= set(regions)
+
+
+def test_the_build_names_the_mma_rung_on_a_gpu_that_is_not_hopper(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (8, 0))
+    with pytest.raises(RuntimeError, match=r"sm_80.*stage='mma'"):
+        hb.build()
+
+
+# ---------------------------------------------------------------------------------------------
+# The mbarrier ring, modelled
+
+@pytest.mark.parametrize("stages, consumers", [(1, 1), (2, 1), (3, 1), (2, 2), (4, 2)])
+def test_a_correct_ring_finishes_under_every_interleaving(stages, consumers):
+    result = br.simulate(stages=stages, tiles=11, consumers=consumers, seeds=range(30))
+    assert sorted(result.reads) == sorted((f"consumer {c}", t) for c in range(consumers) for t in range(11))
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_the_producer_runs_ahead_by_the_ring_depth_and_no_further(stages):
+    """With copies slower than the loop around them, the producer fills every slot; the empty barriers stop it there."""
+    aheads = [br.simulate(stages=stages, tiles=12, seeds=[seed], copy_delay=6).max_ahead for seed in range(10)]
+    assert max(aheads) == stages
+
+
+@pytest.mark.parametrize("options, error, words", [
+    (dict(producer_options=dict(expect_bytes=16384 + 16)), br.Deadlock, "16 byte"),
+    (dict(producer_options=dict(expect_bytes=16384 - 16)), br.Deadlock, "-16 byte"),
+    (dict(producer_options=dict(empty_parity_flip=False)), br.Deadlock, "producer waits on empty[0] for parity 0"),
+    (dict(consumer_options=dict(release=False)), br.Deadlock, "producer waits on empty[0]"),
+    (dict(consumer_options=dict(flip_on_wrap=False)), br.Deadlock, "consumer 0 waits on full[0] for parity 0"),
+    (dict(empty_count=2), br.Deadlock, "1 of 2 arrival"),
+    (dict(consumer_options=dict(start_phase=1)), br.StaleRead, "holds nothing yet"),
+], ids=["too-many-bytes", "too-few-bytes", "producer-parity", "no-release", "consumer-no-flip", "empty-count",
+        "consumer-parity"])
+def test_each_classic_mistake_raises_instead_of_hanging(options, error, words):
+    with pytest.raises(error) as raised:
+        br.simulate(**options)
+    assert words in str(raised.value)
+
+
+def test_a_producer_that_never_waits_is_caught():
+    with pytest.raises(br.RingError):
+        br.simulate(producer_options=dict(wait_empty=False))
+
+
+def test_a_wait_on_the_previous_phase_returns_at_once():
+    barrier = br.MBarrier("b", count=1)
+    assert barrier.try_wait(1) and not barrier.try_wait(0)
+    barrier.arrive(expect_bytes=100)
+    assert not barrier.try_wait(0)  # one arrival in, 100 bytes missing
+    barrier.complete_tx(100)
+    assert barrier.try_wait(0) and not barrier.try_wait(1) and barrier.phase == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# On a Hopper GPU, one subprocess per check, under a time limit
+
+def _run_gpu_check(name: str) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    try:
+        done = subprocess.run([sys.executable, "-m", "wb_kernels.stages.hopper.gpu_checks", name], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=GPU_CHECK_SECONDS)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"gpu check {name!r} did not finish in {GPU_CHECK_SECONDS} s (a barrier that never completes?); "
+                    f"its output: {hung.stdout!r} {hung.stderr!r}")
+    output = done.stdout + done.stderr[-3000:]
+    assert done.returncode == 0 and f"CHECK {name} ok" in done.stdout, output
+    return done.stdout
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", ["tma", "gemm", "watchdog"])
+def test_on_the_gpu(name):
+    print(_run_gpu_check(name))
