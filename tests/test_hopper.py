@@ -8,8 +8,10 @@ On the CPU (CI):
 - the ring model (``barrier_ring``): correct schedules finish under many interleavings, and each classic mistake
   (wrong parity, wrong byte count, a missing release, a wrong arrival count) raises instead of hanging.
 
-On a Hopper GPU: ``gpu_checks`` (the TMA tile bit for bit, every GEMM variant against float64, the watchdog) in a
-subprocess under a time limit each, since a wrong barrier hangs the kernel rather than failing it.
+On a Hopper GPU: ``gpu_checks`` (the TMA tile bit for bit, every GEMM variant against float64, v1 attention against
+the float64 reference with wb.check's rule, the watchdog) in a subprocess under a time limit each, since a wrong
+barrier hangs the kernel rather than failing it. v1 is not a registered stage yet, so the shared test matrix does not
+cover it; the ``attention`` check runs a matrix of its own (dtypes, head dims, masks, GQA, rows without keys).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from wb_kernels.sync import module_regions
 from stage_cases import tool_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_CHECK_SECONDS = 60  # per subprocess: a cached build loads in milliseconds; a hang is cut off here
+GPU_CHECK_SECONDS = {"tma": 60, "gemm": 60, "attention": 150, "watchdog": 60}  # a hang is cut off here
 
 
 def _is_hopper() -> bool:
@@ -92,6 +94,7 @@ def report():
 def test_every_kernel_compiles_for_sm_90a_without_spills(report):
     found = {(r.function, r.dtype) for r in report}
     expected = {("tma_tile", None)} | {(v.label, dtype) for v in hb.GEMM_VARIANTS for dtype in ("float16", "bfloat16")}
+    expected |= {(f"flash_v1 D={D}", dtype) for D in (64, 128) for dtype in ("float16", "bfloat16")}
     assert found == expected
     for kernel in report:
         assert kernel.spill_stores == kernel.spill_loads == kernel.stack_bytes == 0, kernel
@@ -104,7 +107,7 @@ def test_the_cuda_13_0_toolkit_compiles_it_too():
     if nvcc is None:
         pytest.skip("no CUDA toolkit nvcc on this machine (the wheel's nvcc is checked above)")
     report = hb.nvcc_compile_report(nvcc=nvcc)
-    assert len(report) == 1 + 2 * len(hb.GEMM_VARIANTS)
+    assert len(report) == 1 + 2 * len(hb.GEMM_VARIANTS) + 4
     assert all(r.spill_stores == r.spill_loads == r.stack_bytes == 0 for r in report)
     assert any("HGMMA" in line for line in hb.sass("wgmma_gemm_kernel", nvcc=nvcc, pattern="HGMMA"))
 
@@ -138,6 +141,21 @@ def test_the_tma_tile_kernel_and_the_watchdog(report):
     assert not any(line.startswith("BPT.TRAP") for line in unwatched)
 
 
+@pytest.mark.parametrize("dtype, D", [("6__half", 64), ("6__half", 128), ("13__nv_bfloat16", 128)])
+def test_v1_key_loop_is_wgmma_on_tma_tiles(report, dtype, D):
+    """Per key tile: D / 16 SS wgmma for S = Q K^T (K-major), 4 RS wgmma for O += P V (V MN-major: tnspB), the K and V
+    tiles by 3-D TMA loads, no local memory."""
+    tool_or_skip(cuda_build.find_cuobjdump, "the hopper rung's machine-code check")
+    lines = hb.sass(f"flash_v1_kernelI{dtype}Li{D}E")
+    hgmma = [line for line in lines if line.startswith("HGMMA.")]
+    s_products = [line for line in hgmma if line.startswith("HGMMA.64x64x16.F32") and "tnspB" not in line]
+    pv_products = [line for line in hgmma if line.startswith(f"HGMMA.64x{D}x16.F32") and "tnspB" in line]
+    assert (len(s_products), len(pv_products), len(hgmma)) == (D // 16, 4, D // 16 + 4), hgmma
+    assert all(line.split()[2].startswith("R") for line in pv_products)  # P from registers
+    assert any(line.startswith("UTMALDG.3D") for line in lines)
+    assert not [line for line in lines if line.startswith(("LDL", "STL"))]
+
+
 def test_a_serialized_wgmma_fails_the_build():
     """A printf between the wgmma and its wait makes ptxas serialize every wgmma (a C75xx note, not a warning)."""
     tool_or_skip(cuda_build.find_nvcc, "the hopper rung's compile check")
@@ -151,7 +169,7 @@ def test_a_serialized_wgmma_fails_the_build():
 def test_the_lesson_regions_exist():
     regions = module_regions(hb.SOURCE.path)
     assert {"mbarrier", "tma", "wgmma_descriptor", "wgmma", "tma_tile_kernel", "gemm_kernel", "tensor_map",
-            "torch_entry_points"} <= set(regions)
+            "torch_entry_points", "tma_3d", "flash_v1_params", "flash_v1_kernel", "flash_v1_entry_point"} <= set(regions)
 
 
 def test_the_build_names_the_mma_rung_on_a_gpu_that_is_not_hopper(monkeypatch):
@@ -212,12 +230,13 @@ def test_a_wait_on_the_previous_phase_returns_at_once():
 # On a Hopper GPU, one subprocess per check, under a time limit
 
 def _run_gpu_check(name: str) -> str:
+    limit = GPU_CHECK_SECONDS[name]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     try:
         done = subprocess.run([sys.executable, "-m", "wb_kernels.stages.hopper.gpu_checks", name], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=GPU_CHECK_SECONDS)
+                              capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired as hung:
-        pytest.fail(f"gpu check {name!r} did not finish in {GPU_CHECK_SECONDS} s (a barrier that never completes?); "
+        pytest.fail(f"gpu check {name!r} did not finish in {limit} s (a barrier that never completes?); "
                     f"its output: {hung.stdout!r} {hung.stderr!r}")
     output = done.stdout + done.stderr[-3000:]
     assert done.returncode == 0 and f"CHECK {name} ok" in done.stdout, output
@@ -225,6 +244,6 @@ def _run_gpu_check(name: str) -> str:
 
 
 @needs_hopper
-@pytest.mark.parametrize("name", ["tma", "gemm", "watchdog"])
+@pytest.mark.parametrize("name", list(GPU_CHECK_SECONDS))
 def test_on_the_gpu(name):
     print(_run_gpu_check(name))

@@ -2,8 +2,9 @@
 
 Work in progress; no ``STAGE`` is registered yet (NOTES.md says what runs and what remains). Files:
 
-- ``hopper_lab.cu``: v0, the primitives lab: mbarrier, the TMA tile load with the 128-byte swizzle, the wgmma
-  shared-memory descriptor, wgmma in its SS and RS forms, each in a small kernel with a torch launcher;
+- ``hopper_lab.cu``: v0, the primitives lab (mbarrier, the TMA tile load with the 128-byte swizzle, the wgmma
+  shared-memory descriptor, wgmma in its SS and RS forms, each in a small kernel with a torch launcher), and v1,
+  attention with those pieces and one warpgroup (not yet run on a GPU);
 - ``build.py``: the lab described to the shared :mod:`wb_kernels.cuda_build`, for ``sm_90a``: the extension (with the
   barrier watchdog by default) and, without a GPU, the compile report and the SASS (``HGMMA``, ``UTMALDG``); a wgmma
   that ptxas serialized fails both;

@@ -27,10 +27,12 @@ SOURCE_NAME = SOURCE.name
 LINE_NAME = SOURCE.file_name
 ARCH = "sm_90a"  # wgmma and setmaxnreg: Hopper's architecture-specific target
 WATCHDOG_SECONDS = 2.0  # a barrier wait longer than this traps (the kernels here finish in microseconds)
-_FUNCTIONS = ["hopper_tma_tile", "hopper_wgmma_gemm"]
+_FUNCTIONS = ["hopper_tma_tile", "hopper_wgmma_gemm", "hopper_flash_v1_forward"]
 _CPP_DECLARATION = (
     "torch::Tensor hopper_tma_tile(torch::Tensor x, int64_t row0, int64_t column0, int64_t expect_bytes);\n"
-    "torch::Tensor hopper_wgmma_gemm(torch::Tensor a, torch::Tensor b, bool a_in_registers, bool b_mn_major);"
+    "torch::Tensor hopper_wgmma_gemm(torch::Tensor a, torch::Tensor b, bool a_in_registers, bool b_mn_major);\n"
+    "std::vector<torch::Tensor> hopper_flash_v1_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, "
+    "torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale);"
 )
 
 package_source = SOURCE.package_source
@@ -101,7 +103,7 @@ def extension():
 class KernelResources:
     """What ptxas reports for one kernel (per thread; shared memory is static here, per block)."""
 
-    function: str  # "tma_tile" or a GemmVariant's label
+    function: str  # "tma_tile", a GemmVariant's label or "flash_v1 D=64" / "D=128"
     dtype: str | None
     variant: GemmVariant | None
     registers: int
@@ -114,9 +116,15 @@ class KernelResources:
 _MANGLED = re.compile(r"wgmma_gemm_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELi(\d+)ELb([01])ELb([01])E")
 
 
+_V1 = re.compile(r"flash_v1_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
+
+
 def _decode(function: str):
     if "tma_tile_kernel" in function:
         return "tma_tile", None, None
+    match = _V1.search(function)
+    if match is not None:
+        return f"flash_v1 D={match.group(2)}", "float16" if match.group(1) == "6__half" else "bfloat16", None
     match = _MANGLED.search(function)
     if match is None:
         return None

@@ -11,6 +11,7 @@ the exit status is the number of failed checks.
   NumPy model of the 128-byte swizzle (:mod:`.tma_swizzle`), ragged parts zero;
 - ``gemm``: (b, c) every GEMM variant (SS and RS, B K-major and MN-major, N = 64 and 128, K = 16, 40, 64) in fp16
   and bf16 against torch.matmul in float64 of the same inputs;
+- ``attention``: v1 (work in progress) against the float64 reference with wb.check's rule;
 - ``watchdog``: a TMA load whose barrier expects 16 bytes more than arrive: the phase never completes, and the
   watchdog's trap must end the kernel with an error (this check passes when the launch fails).
 """
@@ -25,7 +26,7 @@ from . import lab
 from .build import GEMM_VARIANTS
 from .tma_swizzle import swizzled_image, tma_box
 
-__all__ = ["check_tma", "check_gemm", "check_watchdog", "CHECKS", "main"]
+__all__ = ["check_tma", "check_gemm", "check_attention", "check_watchdog", "CHECKS", "main"]
 
 
 def _bits(t):
@@ -79,6 +80,49 @@ def check_gemm() -> str:
     return f"{cases} products within fp32 accumulation error of float64 (worst {worst:.2g})"
 
 
+def check_attention() -> str:
+    """v1 against the float64 reference with wb.check's rule: both dtypes and head dims, ragged lengths, Lq != Lk,
+    L = 1, both causal alignments, key padding, GQA, rows that see no key."""
+    import torch
+
+    import wb_kernels as wb
+
+    failures, cases = [], 0
+    shapes = [(1, 2, 1, 1, 2), (2, 3, 100, 77, 3), (1, 2, 64, 64, 1), (1, 2, 200, 70, 2), (2, 4, 130, 300, 2),
+              (1, 4, 77, 513, 1)]
+    for dtype in ("float16", "bfloat16"):
+        for D in (64, 128):
+            for B, H, Lq, Lk, Hk in shapes:
+                q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, dtype=dtype, framework="torch", device="cuda",
+                                        seed=Lq + 3 * Lk + D)
+                k, v = k[:, :Hk].contiguous(), v[:, :Hk].contiguous()
+                for causal in (False, "top_left", "bottom_right"):
+                    for padded in (False, True):
+                        mask = wb.random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
+                        out, lse = lab.flash_v1(q, k, v, causal=causal, key_padding_mask=mask)
+                        cases += 1
+                        name = f"v1 {dtype} D={D} {(B, H, Lq, Lk)} Hk={Hk} causal={causal} padded={padded}"
+                        try:
+                            result = wb.check(name, out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask,
+                                              verbose=False, raise_on_failure=False)
+                        except AssertionError as error:  # wb.check's CheckFailed: a wrong shape
+                            failures.append(f"{name}: {error}")
+                            continue
+                        if not result.passed:
+                            failures.append(result.line())
+    # rows 0-4 see only keys 0-4, all padded out: zeros and an LSE of -inf
+    q, k, v = wb.random_qkv(1, 2, 70, 64, dtype="float16", framework="torch", device="cuda", seed=3)
+    mask = torch.ones(1, 70, dtype=torch.bool, device="cuda")
+    mask[0, :5] = False
+    out, lse = lab.flash_v1(q, k, v, causal=True, key_padding_mask=mask)
+    if not (torch.all(out[:, :, :5] == 0) and torch.all(lse[:, :, :5] == float("-inf")) and torch.isfinite(out).all()
+            and torch.isfinite(lse[:, :, 5:]).all()):
+        failures.append("rows without a key: not zeros and -inf")
+    if failures:
+        raise AssertionError(f"{len(failures)} of {cases + 1} cases failed: " + "; ".join(failures[:6]))
+    return f"{cases + 1} cases within wb.check's rule (both dtypes, D 64/128, masks, GQA, rows without keys)"
+
+
 def check_watchdog() -> str:
     import torch
 
@@ -91,7 +135,7 @@ def check_watchdog() -> str:
     raise AssertionError("a barrier expecting 16 bytes too many completed: the watchdog did not fire")
 
 
-CHECKS = {"tma": check_tma, "gemm": check_gemm, "watchdog": check_watchdog}
+CHECKS = {"tma": check_tma, "gemm": check_gemm, "attention": check_attention, "watchdog": check_watchdog}
 
 
 def main(names) -> int:

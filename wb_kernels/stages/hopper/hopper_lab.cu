@@ -1,6 +1,6 @@
 // Hopper's primitives, one small kernel each, before any attention uses them (rung "hopper", version v0).
 //
-// The one CUDA source of the rung's primitives lab. Used by:
+// The one CUDA source of the rung so far (the primitives lab and v1). Used by:
 //   - wb_kernels/stages/hopper/build.py: torch load_inline builds it on a Hopper GPU with
 //     -gencode arch=compute_90a,code=sm_90a (wgmma exists only on that target); without a GPU nvcc compiles it for
 //     sm_90a (-DWB_KERNEL_ONLY) and the compile report shows HGMMA (wgmma) and UTMALDG (the TMA load) in the SASS;
@@ -18,10 +18,13 @@
 //                            writes it, compared with a NumPy model (swizzle.py of the mma rung)
 //   region gemm_kernel       (b, c) C (64 x N, fp32) = A (64 x K) B (K x N), K <= 64, one warpgroup, B K-major
 //                            or MN-major, A from shared memory (SS) or registers (RS)
+//   region flash_v1_kernel   v1, work in progress (not yet a stage, not yet run on a GPU): attention with the same
+//                            pieces, one warpgroup per 64 query rows, K/V tiles by TMA in a 2-slot ring, S by SS
+//                            wgmma, P in registers as the RS wgmma's A (lab.flash_v1; gpu_checks "attention")
 //
 // Build options: -DWB_WATCHDOG_NS=<n> makes every barrier wait trap after n nanoseconds instead of spinning for ever
-// (no printf: a printf in a kernel with wgmma makes ptxas serialize the wgmma, warning C7510, and the build treats
-// ptxas warnings as errors).
+// (no printf: a printf in a kernel with wgmma makes ptxas serialize the wgmma, a C7510/C7520 note, and build.py
+// refuses a source whose wgmma ptxas serialized).
 
 #include <cuda.h>  // CUtensorMap and its enums (types only; the encoder is looked up at run time)
 #include <cuda_bf16.h>
@@ -158,6 +161,13 @@ template <int R>
 __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int R>
+__device__ __forceinline__ void zero_accumulators(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) d[i] = 0.0f;
+    fence_accumulators(d);
 }
 
 #define WB_ACC32 "{" \
@@ -301,9 +311,7 @@ __global__ void __launch_bounds__(WARPGROUP) wgmma_gemm_kernel(const __grid_cons
         }
     }
     float d[N / 2];
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) d[i] = 0.0f;
-    fence_accumulators(d);
+    zero_accumulators(d);
     wgmma_fence();
 #pragma unroll
     for (int step = 0; step < K_STEPS; ++step) {
@@ -331,6 +339,234 @@ __global__ void __launch_bounds__(WARPGROUP) wgmma_gemm_kernel(const __grid_cons
 }
 // endregion
 
+// region: tma_3d
+// The same copy over a rank-3 tensor map (column, row, head): a box never crosses into the next head, and rows past
+// the head's length arrive as zeros. v1 views q, k, v (B, H, L, D) as (B H, L, D).
+__device__ __forceinline__ void tma_load_3d(void* destination, const CUtensorMap* map, int column, int row, int head,
+                                            uint64_t* barrier) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+        ::"r"(smem_address(destination)), "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(head),
+        "r"(smem_address(barrier))
+        : "memory");
+}
+// endregion
+
+// region: flash_v1_params
+struct FlashV1Params {
+    void* out;                // (B, H, Lq, D), q's dtype
+    float* lse;               // (B, H, Lq), natural log
+    const uint8_t* key_keep;  // (B, Lk), 1 = key takes part; nullptr = no padding mask
+    int B, H, Lq, Lk, kv_group;  // query head h reads K/V head h / kv_group
+    float scale_log2;         // scale * log2(e) > 0
+    int causal, causal_offset;  // query i sees keys j <= i + causal_offset
+};
+// endregion
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+    if constexpr (is_half<T>) {
+        __half2 pair = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&pair);
+    } else {
+        __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&pair);
+    }
+}
+
+constexpr int V1_BLOCK_M = 64;   // query rows per block: one warpgroup, 16 per warp
+constexpr int V1_BLOCK_N = 64;   // keys per tile
+constexpr int V1_STAGES = 2;     // K/V tiles in flight
+
+template <int HEAD_DIM>
+constexpr int v1_smem_bytes() {  // Q, then STAGES x (K, V); each tile HEAD_DIM / 64 swizzled blocks of 64 x 128 bytes
+    return 1024 /* alignment slack */ + (1 + 2 * V1_STAGES) * 64 * HEAD_DIM * 2;
+}
+
+// region: flash_v1_kernel
+// v1: one warpgroup per 64 query rows of one (batch, head). Thread 0 loads Q and K/V tiles by TMA into a ring of
+// V1_STAGES slots, each with a full barrier; the block's __syncthreads at the end of a tile is the "empty" signal
+// (v2 replaces it with empty barriers and a producer warpgroup). Per key tile:
+//   S (64 x 64, fp32 registers) = Q K^T       SS wgmma, HEAD_DIM / 16 k-steps, both operands K-major
+//   online softmax on S's registers           a row lives in the 4 lanes of a quad: two shuffles
+//   P packed to 16 bits in registers          S's accumulator layout is, per warp, the RS form's A layout
+//   O (64 x HEAD_DIM) += P V                  RS wgmma, 4 k-steps over the keys, V MN-major (imm-trans-b)
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_constant__ CUtensorMap q_map,
+                                                           const __grid_constant__ CUtensorMap k_map,
+                                                           const __grid_constant__ CUtensorMap v_map,
+                                                           const FlashV1Params params) {
+    constexpr int TILE_BYTES = 64 * HEAD_DIM * 2;
+    constexpr int COLUMN_BLOCKS = HEAD_DIM / 64;  // 64-wide blocks of D: the 128-byte swizzle's span each
+    constexpr int BLOCK_BYTES = 64 * TILE_ROW_BYTES;
+    extern __shared__ uint8_t raw_smem[];
+    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+    uint8_t* q_tile = smem;
+    uint8_t* k_tiles = smem + TILE_BYTES;                       // slot s at k_tiles + s * TILE_BYTES
+    uint8_t* v_tiles = smem + (1 + V1_STAGES) * TILE_BYTES;
+    __shared__ __align__(8) uint64_t q_full, kv_full[V1_STAGES];
+
+    const int m_block = blockIdx.x, bh = blockIdx.y;
+    const int b = bh / params.H, h = bh % params.H;
+    const int kv_head = b * (params.H / params.kv_group) + h / params.kv_group;
+    const int m0 = m_block * V1_BLOCK_M;
+    // keys this block needs: all, or under the causal mask up to the last row's diagonal
+    int kv_end = params.Lk;
+    if (params.causal) kv_end = max(0, min(params.Lk, min(m0 + V1_BLOCK_M, params.Lq) + params.causal_offset));
+    const int n_tiles = (kv_end + V1_BLOCK_N - 1) / V1_BLOCK_N;
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(&q_full, 1);
+        for (int s = 0; s < V1_STAGES; ++s) mbarrier_init(&kv_full[s], 1);
+        fence_barrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbarrier_arrive_expect_tx(&q_full, TILE_BYTES);
+        for (int c = 0; c < COLUMN_BLOCKS; ++c) tma_load_3d(q_tile + c * BLOCK_BYTES, &q_map, 64 * c, m0, bh, &q_full);
+        if (n_tiles > 0) {
+            mbarrier_arrive_expect_tx(&kv_full[0], 2 * TILE_BYTES);
+            for (int c = 0; c < COLUMN_BLOCKS; ++c) {
+                tma_load_3d(k_tiles + c * BLOCK_BYTES, &k_map, 64 * c, 0, kv_head, &kv_full[0]);
+                tma_load_3d(v_tiles + c * BLOCK_BYTES, &v_map, 64 * c, 0, kv_head, &kv_full[0]);
+            }
+        }
+    }
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row_in_block = 16 * warp + lane / 4;  // and + 8: this thread's two rows
+    float o[HEAD_DIM / 2];
+    zero_accumulators(o);
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    const uint8_t* keep = params.key_keep ? params.key_keep + static_cast<int64_t>(b) * params.Lk : nullptr;
+
+    mbarrier_wait(&q_full, 0);
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const int slot = tile % V1_STAGES;
+        if (threadIdx.x == 0 && tile + 1 < n_tiles) {  // the next tile's slot was released by the last __syncthreads
+            const int next = (tile + 1) % V1_STAGES;
+            mbarrier_arrive_expect_tx(&kv_full[next], 2 * TILE_BYTES);
+            for (int c = 0; c < COLUMN_BLOCKS; ++c) {
+                tma_load_3d(k_tiles + next * TILE_BYTES + c * BLOCK_BYTES, &k_map, 64 * c, (tile + 1) * V1_BLOCK_N, kv_head, &kv_full[next]);
+                tma_load_3d(v_tiles + next * TILE_BYTES + c * BLOCK_BYTES, &v_map, 64 * c, (tile + 1) * V1_BLOCK_N, kv_head, &kv_full[next]);
+            }
+        }
+        mbarrier_wait(&kv_full[slot], (tile / V1_STAGES) & 1);
+
+        // S = Q K^T
+        float s[V1_BLOCK_N / 2];
+        zero_accumulators(s);
+        wgmma_fence();
+#pragma unroll
+        for (int step = 0; step < HEAD_DIM / 16; ++step) {
+            const uint32_t within = (step / 4) * BLOCK_BYTES + (step % 4) * 32;
+            wgmma_ss<T, 0, V1_BLOCK_N>(s, smem_descriptor(smem_address(q_tile) + within, 16, 1024),
+                                       smem_descriptor(smem_address(k_tiles + slot * TILE_BYTES) + within, 16, 1024),
+                                       step > 0);
+        }
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        fence_accumulators(s);
+
+        // online softmax, base 2; s[4 j + 2 r + e] = S[row r][8 j + 2 (lane % 4) + e]
+        const int n0 = tile * V1_BLOCK_N;
+        const bool needs_mask = n0 + V1_BLOCK_N > params.Lk || keep != nullptr ||
+                                (params.causal && n0 + V1_BLOCK_N - 1 > m0 + params.causal_offset);
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int query = m0 + row_in_block + 8 * r;
+            float tile_max = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < V1_BLOCK_N / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float x = s[4 * j + 2 * r + e] * params.scale_log2;
+                    if (needs_mask) {
+                        const int key = n0 + 8 * j + 2 * (lane % 4) + e;
+                        const bool visible = key < params.Lk && (keep == nullptr || keep[key] != 0) &&
+                                             (!params.causal || key <= query + params.causal_offset);
+                        x = visible ? x : -INFINITY;
+                    }
+                    s[4 * j + 2 * r + e] = x;
+                    tile_max = fmaxf(tile_max, x);
+                }
+            }
+            const float new_max = fmaxf(row_max[r], quad_max(tile_max));
+            const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key so far subtracts 0
+            alpha[r] = exp2f(row_max[r] - base);  // exp2(-inf) = 0 for the first tile
+            row_max[r] = new_max;
+            float tile_sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < V1_BLOCK_N / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(s[4 * j + 2 * r + e] - base);
+                    s[4 * j + 2 * r + e] = p;
+                    tile_sum += p;
+                }
+            }
+            row_sum[r] = row_sum[r] * alpha[r] + tile_sum;  // each lane its part; the quad adds them at the end
+        }
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; ++j) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[4 * j + i] *= alpha[i / 2];
+        }
+        // P as the RS form's A: k-step t covers keys 16 t .. 16 t + 15, a[i] = s[8 t + 2 i], s[8 t + 2 i + 1]
+        uint32_t p[V1_BLOCK_N / 16][4];
+#pragma unroll
+        for (int t = 0; t < V1_BLOCK_N / 16; ++t) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) p[t][i] = pack_pair<T>(s[8 * t + 2 * i], s[8 * t + 2 * i + 1]);
+        }
+
+        // O += P V, V MN-major: k-step t is 16 key rows further (16 x 128 bytes), 64-wide blocks of D 64 rows apart
+        fence_accumulators(o);
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < V1_BLOCK_N / 16; ++t) {
+            wgmma_rs<T, 1, HEAD_DIM>(o, p[t],
+                                     smem_descriptor(smem_address(v_tiles + slot * TILE_BYTES) + t * 16 * TILE_ROW_BYTES,
+                                                     BLOCK_BYTES, 1024), 1);
+        }
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        fence_accumulators(o);
+        __syncthreads();  // every warp is done with this slot: thread 0 may refill it
+    }
+
+    // epilogue: O / l, rows past Lq dropped; a row with no key gives 0 and LSE -inf
+    T* out = static_cast<T*>(params.out) + static_cast<int64_t>(bh) * params.Lq * HEAD_DIM;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int query = m0 + row_in_block + 8 * r;
+        const float total = quad_sum(row_sum[r]);
+        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        if (query < params.Lq) {
+#pragma unroll
+            for (int j = 0; j < HEAD_DIM / 8; ++j) {
+                *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(query) * HEAD_DIM + 8 * j + 2 * (lane % 4)) =
+                    pack_pair<T>(o[4 * j + 2 * r] * inverse, o[4 * j + 2 * r + 1] * inverse);
+            }
+            if (lane % 4 == 0) {
+                params.lse[static_cast<int64_t>(bh) * params.Lq + query] =
+                    total > 0.0f ? (row_max[r] + log2f(total)) * 0.6931471805599453f : -INFINITY;
+            }
+        }
+    }
+}
+// endregion
+
 }  // namespace wb
 
 // Every GEMM variant the launcher can choose: X(N, K_STEPS, A_IN_REGISTERS, B_MN_MAJOR), each for fp16 and bf16.
@@ -344,12 +580,20 @@ __global__ void __launch_bounds__(WARPGROUP) wgmma_gemm_kernel(const __grid_cons
     template __global__ void wb::wgmma_gemm_kernel<T, N, KS, RS, MN>(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap, float*);
 #define WB_INSTANTIATE_BOTH(N, KS, RS, MN) WB_INSTANTIATE(__half, N, KS, RS, MN) WB_INSTANTIATE(__nv_bfloat16, N, KS, RS, MN)
 WB_FOR_EACH_GEMM_VARIANT(WB_INSTANTIATE_BOTH)
+#define WB_INSTANTIATE_V1(T, D)                                                                                     \
+    template __global__ void wb::flash_v1_kernel<T, D>(const __grid_constant__ CUtensorMap,                       \
+                                                       const __grid_constant__ CUtensorMap,                       \
+                                                       const __grid_constant__ CUtensorMap, const wb::FlashV1Params);
+WB_INSTANTIATE_V1(__half, 64) WB_INSTANTIATE_V1(__half, 128) WB_INSTANTIATE_V1(__nv_bfloat16, 64)
+WB_INSTANTIATE_V1(__nv_bfloat16, 128)
 #else
 // region: tensor_map
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
+
+#include <limits>
 
 namespace wb {
 
@@ -439,6 +683,93 @@ torch::Tensor hopper_wgmma_gemm(torch::Tensor a, torch::Tensor b, bool a_in_regi
     TORCH_CHECK(false, "hopper_wgmma_gemm: no variant N=", N, " K=", K, " a_in_registers=", a_in_registers,
                 " b_mn_major=", b_mn_major);
     return c;
+}
+// endregion
+
+// region: flash_v1_entry_point
+namespace wb {
+// A rank-3 tensor map over x (B, Hx, L, D), contiguous, viewed as (B Hx, L, D): boxes of 64 rows x 64 elements of
+// one head, the 128-byte swizzle, rows past L zero-filled.
+CUtensorMap head_map_3d(const torch::Tensor& x) {
+    const int64_t D = x.size(3), L = x.size(2), heads = x.size(0) * x.size(1);
+    CUtensorMap map;
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(L), static_cast<cuuint64_t>(heads)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(D * 2), static_cast<cuuint64_t>(L * D * 2)};
+    const cuuint32_t box[3] = {64, 64, 1};
+    const cuuint32_t element_strides[3] = {1, 1, 1};
+    const CUresult result = tensor_map_encoder()(
+        &map, x.scalar_type() == torch::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        3, x.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(result == CUDA_SUCCESS, "hopper: cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(result), ")");
+    return map;
+}
+
+template <typename T, int HEAD_DIM>
+void launch_flash_v1(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const FlashV1Params& params,
+                     cudaStream_t stream) {
+    constexpr int smem = v1_smem_bytes<HEAD_DIM>();
+    auto kernel = flash_v1_kernel<T, HEAD_DIM>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const dim3 grid((params.Lq + V1_BLOCK_M - 1) / V1_BLOCK_M, params.B * params.H);
+    kernel<<<grid, WARPGROUP, smem, stream>>>(head_map_3d(q), head_map_3d(k), head_map_3d(v), params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+}  // namespace wb
+
+// Returns [out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) float32]. v1: work in progress, not a registered stage.
+std::vector<torch::Tensor> hopper_flash_v1_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                                   torch::Tensor key_keep, bool causal, int64_t causal_offset,
+                                                   double scale) {
+    TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "hopper_flash_v1: q, k, v must be CUDA tensors");
+    TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16),
+                "hopper_flash_v1: q, k, v must be all float16 or all bfloat16");
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.is_contiguous() && k.is_contiguous() &&
+                v.is_contiguous(), "hopper_flash_v1: q, k, v must be contiguous (B, H, L, D)");
+    const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2);
+    TORCH_CHECK(D == 64 || D == 128, "hopper_flash_v1: head dim must be 64 or 128, got ", D);
+    TORCH_CHECK(k.size(0) == B && k.size(1) > 0 && H % k.size(1) == 0 && k.size(3) == D && v.sizes() == k.sizes(),
+                "hopper_flash_v1: k and v must be (B, Hk, Lk, D) with q's B and D, and Hk dividing H");
+    TORCH_CHECK(scale > 0, "hopper_flash_v1: the launcher passes a positive scale (got ", scale, ")");
+    TORCH_CHECK(B * H <= 65535, "hopper_flash_v1: B * H = ", B * H, " is over gridDim.y's 65,535");
+    const bool has_mask = key_keep.numel() > 0;
+    if (has_mask) {
+        TORCH_CHECK(key_keep.is_cuda() && key_keep.scalar_type() == torch::kUInt8 && key_keep.is_contiguous() &&
+                    key_keep.dim() == 2 && key_keep.size(0) == B && key_keep.size(1) == Lk,
+                    "hopper_flash_v1: key_keep must be a contiguous CUDA uint8 tensor (B, Lk)");
+    }
+    const c10::cuda::CUDAGuard guard(q.device());
+    auto out = torch::empty_like(q);
+    auto lse = torch::empty({B, H, Lq}, q.options().dtype(torch::kFloat32));
+    if (out.numel() == 0) return {out, lse};
+    if (Lk == 0) {  // no key at all: a tensor map cannot have an empty dimension
+        out.zero_();
+        lse.fill_(-std::numeric_limits<float>::infinity());
+        return {out, lse};
+    }
+    wb::FlashV1Params params;
+    params.out = out.data_ptr();
+    params.lse = lse.data_ptr<float>();
+    params.key_keep = has_mask ? key_keep.data_ptr<uint8_t>() : nullptr;
+    params.B = static_cast<int>(B);
+    params.H = static_cast<int>(H);
+    params.Lq = static_cast<int>(Lq);
+    params.Lk = static_cast<int>(Lk);
+    params.kv_group = static_cast<int>(H / k.size(1));
+    params.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    params.causal = causal ? 1 : 0;
+    params.causal_offset = static_cast<int>(causal_offset);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const bool is_half = q.scalar_type() == torch::kHalf;
+    if (D == 64) {
+        if (is_half) wb::launch_flash_v1<__half, 64>(q, k, v, params, stream);
+        else wb::launch_flash_v1<__nv_bfloat16, 64>(q, k, v, params, stream);
+    } else {
+        if (is_half) wb::launch_flash_v1<__half, 128>(q, k, v, params, stream);
+        else wb::launch_flash_v1<__nv_bfloat16, 128>(q, k, v, params, stream);
+    }
+    return {out, lse};
 }
 // endregion
 #endif
