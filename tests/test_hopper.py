@@ -30,6 +30,8 @@ from wb_kernels.cuda_toolchain import toolkit_tool
 from wb_kernels.stages.hopper import barrier_ring as br
 from wb_kernels.stages.hopper import build as hb
 from wb_kernels.stages.hopper import tma_swizzle as ts
+from wb_kernels.stages.hopper import v1_model
+from wb_kernels.stages.hopper import wgmma_fragments as wf
 from wb_kernels.stages.mma import swizzle as mma_swizzle
 from wb_kernels.sync import module_regions
 from stage_cases import tool_or_skip
@@ -80,6 +82,101 @@ def test_both_swizzle_models_give_one_image_and_ragged_boxes_are_zero_filled(row
     image = ts.swizzled_image(box)
     assert np.array_equal(image, ts.swizzled_image_by_bits(box))
     assert np.array_equal(image[:8], box[0, :8]) and np.array_equal(image[64 + 8:64 + 16], box[1, :8])  # row 1: 0 -> 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The register layouts the kernels assume, against the mma rung's fragment model
+
+@pytest.mark.parametrize("n", [64, 128])
+def test_every_accumulator_element_is_held_once_and_matches_mma_c_fragments(n):
+    held = [rc for thread in range(wf.WARPGROUP) for rc in wf.accumulator_coords(thread, n)]
+    assert sorted(held) == [(r, c) for r in range(64) for c in range(n)]
+    for thread in range(wf.WARPGROUP):
+        warp, lane = divmod(thread, 32)
+        for j in range(n // 8):  # each 8-column slice is mma.m16n8's C fragment on warp w's rows
+            expected = [(16 * warp + r, 8 * j + c) for r, c in wf.mma_fragments.c_coords(lane)]
+            assert wf.accumulator_coords(thread, n)[4 * j:4 * j + 4] == expected
+
+
+@pytest.mark.parametrize("step", range(4))
+def test_the_rs_operand_the_lab_loads_is_the_mma_a_fragment(step):
+    for thread in range(wf.WARPGROUP):
+        assert wf.a_register_coords(thread, step) == wf.mma_a_coords(thread, step)
+
+
+@pytest.mark.parametrize("step", range(4))
+def test_v1_packs_p_from_s_without_moving_data_between_threads(step):
+    """The kernel's p[t][i] = pack(s[8t + 2i], s[8t + 2i + 1]) holds, in each thread, exactly the A operand the RS
+    wgmma of k-step t expects: columns 16 t .. 16 t + 15 of P, in the A fragment's order."""
+    for thread in range(wf.WARPGROUP):
+        s_coords = wf.accumulator_coords(thread, 64)
+        assert [s_coords[index] for index in wf.p_from_s(step)] == wf.a_register_coords(thread, step)
+
+
+def test_the_source_indexes_registers_as_the_python_transcription_says():
+    """The expressions wgmma_fragments.py transcribes, as they stand in hopper_lab.cu: if the kernel changes them,
+    this fails until the transcription (and the layout tests above) follow."""
+    source = hb.package_source()
+    for expression in (
+            "const int row = 16 * warp + lane / 4 + 8 * (i % 2), column = 16 * step + 2 * (lane % 4) + 8 * (i / 2);",
+            "const int row = 16 * warp + lane / 4 + 8 * h, column = 8 * j + 2 * (lane % 4);",
+            "make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1])",
+            "p[t][i] = pack_pair<T>(s[8 * t + 2 * i], s[8 * t + 2 * i + 1]);",
+            "const int key = n0 + 8 * j + 2 * (lane % 4) + e;",
+            "pack_pair<T>(o[4 * j + 2 * r] * inverse, o[4 * j + 2 * r + 1] * inverse)"):
+        assert expression in source, expression
+
+
+# ---------------------------------------------------------------------------------------------
+# v1's control flow and arithmetic in NumPy (v1_model), against the float64 reference
+
+V1_CASES = [(1, 2, 1, 1, 2, 64), (2, 3, 100, 77, 3, 64), (1, 2, 200, 70, 2, 128), (2, 4, 130, 300, 2, 64),
+            (1, 4, 77, 513, 1, 128)]
+
+
+def _v1_inputs(B, H, Lq, Lk, Hk, D):
+    q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, dtype="float16", seed=Lq + Lk)
+    return q, k[:, :Hk].copy(), v[:, :Hk].copy()
+
+
+@pytest.mark.parametrize("case", V1_CASES, ids=lambda c: "B{}H{}Lq{}Lk{}Hk{}D{}".format(*c))
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_v1_model_meets_the_tolerance_rule(case, causal, padded):
+    q, k, v = _v1_inputs(*case)
+    mask = wb.random_padding_mask(case[0], case[3], seed=case[3]) if padded else None
+    out, lse = v1_model.forward(q, k, v, causal=causal, key_padding_mask=mask)
+    wb.check(f"v1 model {case} causal={causal} padded={padded}", out, q, k, v, lse=lse, causal=causal,
+             key_padding_mask=mask, verbose=False)
+
+
+def test_v1_model_rows_without_keys_give_zero_and_minus_inf():
+    q, k, v = wb.random_qkv(1, 2, 70, 64, dtype="float16", seed=3)
+    mask = np.ones((1, 70), bool)
+    mask[0, :5] = False
+    out, lse = v1_model.forward(q, k, v, causal=True, key_padding_mask=mask)
+    assert not out[:, :, :5].any() and np.all(lse[:, :, :5] == -np.inf) and np.isfinite(lse[:, :, 5:]).all()
+
+
+def test_v1_model_fails_when_the_causal_tile_count_ignores_the_offset(monkeypatch):
+    """The check has teeth: a kv_end that forgets the bottom-right offset drops keys the last rows see."""
+    monkeypatch.setattr(v1_model, "key_tiles", lambda m0, Lq, Lk, offset: -(-(
+        Lk if offset is None else max(0, min(Lk, min(m0 + 64, Lq)))) // 64))
+    q, k, v = _v1_inputs(1, 2, 77, 513, 1, 64)
+    out, lse = v1_model.forward(q, k, v, causal="bottom_right")
+    with pytest.raises(wb.CheckFailed):
+        wb.check("v1 model, kv_end without the offset", out, q, k, v, lse=lse, causal="bottom_right", verbose=False)
+
+
+def test_the_source_decides_tiles_and_masks_as_the_model_does():
+    source = hb.package_source()
+    for expression in (
+            "if (params.causal) kv_end = max(0, min(params.Lk, min(m0 + V1_BLOCK_M, params.Lq) + params.causal_offset));",
+            "const bool needs_mask = n0 + V1_BLOCK_N > params.Lk || keep != nullptr ||",
+            "(params.causal && n0 + V1_BLOCK_N - 1 > m0 + params.causal_offset);",
+            "const float base = new_max == -INFINITY ? 0.0f : new_max;",
+            "total > 0.0f ? (row_max[r] + log2f(total)) * 0.6931471805599453f : -INFINITY"):
+        assert expression in source, expression
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ Work in progress; no ``STAGE`` is registered yet (NOTES.md says what runs and wh
 - ``lab.py``: the Python launchers of the lab's kernels; ``gpu_checks.py``: their checks against torch and NumPy,
   one process each (``python -m wb_kernels.stages.hopper.gpu_checks tma gemm watchdog``);
 - ``tma_swizzle.py``: the TMA's 128-byte swizzle in NumPy, the same XOR as the mma rung's ``swizzle.py``;
+- ``wgmma_fragments.py``: which thread holds which element of a wgmma accumulator and of the RS form's A operand,
+  from the mma rung's fragment model, and how v1 packs P from S's accumulators;
+- ``v1_model.py``: v1's control flow and arithmetic in NumPy (tiles loaded, masks, online softmax), for ``wb.check``;
 - ``barrier_ring.py``: the full/empty mbarrier ring of a warp-specialized kernel as a Python model that raises on a
   deadlock, a stale read or an overwrite instead of hanging;
 - ``NOTES.md``: the version table, what is checked where, what remains.
