@@ -326,6 +326,22 @@ def test_a_wait_on_the_previous_phase_returns_at_once():
 # ---------------------------------------------------------------------------------------------
 # On a Hopper GPU, one subprocess per check, under a time limit
 
+def test_a_failed_gpu_check_names_its_last_launch(monkeypatch, capsys):
+    """A trap surfaces at the next synchronisation, maybe cases later: the report names the last case launched."""
+    from wb_kernels.stages.hopper import gpu_checks
+
+    def trapped():
+        gpu_checks._running("gemm float16 64x64x16 SS, B K-major K=16")
+        raise RuntimeError("CUDA error: unspecified launch failure\nCUDA kernel errors might be reported later")
+
+    monkeypatch.setattr(gpu_checks, "CHECKS", {"fake": trapped, "fine": lambda: "all good"})
+    assert gpu_checks.main(["fake", "fine"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["CHECK fake FAILED (last launch: gemm float16 64x64x16 SS, B K-major K=16): RuntimeError: CUDA "
+                     "error: unspecified launch failure CUDA kernel errors might be reported later",
+                     "CHECK fine ok: all good"]
+
+
 BUILD_SECONDS = 600  # a cold build: nvcc on torch's headers and every kernel, a minute or two
 
 

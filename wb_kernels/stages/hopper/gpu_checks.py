@@ -29,6 +29,13 @@ from .tma_swizzle import swizzled_image, tma_box
 __all__ = ["check_tma", "check_gemm", "check_attention", "check_watchdog", "CHECKS", "main"]
 
 
+_current = {"case": "before the first launch"}  # what ran last: a trap or a hang names it in the report
+
+
+def _running(case: str) -> None:
+    _current["case"] = case
+
+
 def _bits(t):
     import torch
 
@@ -42,6 +49,7 @@ def check_tma() -> str:
     for dtype in (torch.float16, torch.bfloat16):
         x = torch.randn(100, 200, device="cuda").to(dtype)
         for row0, column0 in ((0, 0), (8, 64), (36, 136), (80, 160), (99, 192)):
+            _running(f"tma {dtype} box at ({row0}, {column0})")
             dump = lab.tma_tile(x, row0, column0)
             torch.cuda.synchronize()
             expected = swizzled_image(tma_box(_bits(x), row0, column0))
@@ -66,6 +74,7 @@ def check_gemm() -> str:
                 a = torch.randn(64, K, device="cuda").to(dtype)
                 b = torch.randn(K, variant.n, device="cuda").to(dtype)
                 operand = b if variant.b_mn_major else b.t().contiguous()
+                _running(f"gemm {dtype} {variant.label} K={K}")
                 c = lab.wgmma_gemm(a, operand, a_in_registers=variant.a_in_registers, b_mn_major=variant.b_mn_major)
                 expected = a.double() @ b.double()
                 error = float((c.double() - expected).abs().max())
@@ -99,7 +108,9 @@ def check_attention() -> str:
                 for causal in (False, "top_left", "bottom_right"):
                     for padded in (False, True):
                         mask = wb.random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
+                        _running(f"attention {dtype} D={D} {(B, H, Lq, Lk)} Hk={Hk} causal={causal} padded={padded}")
                         out, lse = lab.flash_v1(q, k, v, causal=causal, key_padding_mask=mask)
+                        torch.cuda.synchronize()
                         cases += 1
                         name = f"v1 {dtype} D={D} {(B, H, Lq, Lk)} Hk={Hk} causal={causal} padded={padded}"
                         try:
@@ -141,12 +152,15 @@ CHECKS = {"tma": check_tma, "gemm": check_gemm, "attention": check_attention, "w
 def main(names) -> int:
     failed = 0
     for name in names or list(CHECKS):
+        _running("before the first launch")
         try:
             detail = CHECKS[name]()
             print(f"CHECK {name} ok: {detail}", flush=True)
         except Exception as error:  # noqa: BLE001 (each check reports and the next one runs)
             failed += 1
-            print(f"CHECK {name} FAILED: {type(error).__name__}: {error}", flush=True)
+            message = " ".join(str(error).split())[:1500]
+            print(f"CHECK {name} FAILED (last launch: {_current['case']}): {type(error).__name__}: {message}",
+                  flush=True)
     return failed
 
 
