@@ -245,3 +245,37 @@ def test_every_dependency_nvcc_reports_exists_in_the_build_directory(tmp_path):
     assert wmma_build.LINE_NAME in dependencies
     missing = [d for d in dependencies if not (tmp_path / d).exists()]
     assert not missing, f"ninja would rebuild every time: missing {missing}"
+
+
+# --- Hopper's target and ptxas' notes (the hopper rung) ---------------------------------------------
+
+
+def test_gencode_names_the_architecture_specific_target():
+    assert cuda_build.gencode("sm_90a") == ["-gencode", "arch=compute_90a,code=sm_90a"]
+    assert cuda_build.gencode("90") == ["-gencode", "arch=compute_90,code=sm_90"]
+    assert cuda_build.build_flags(cuda_build.gencode("sm_90a"))[-2:] == ["-gencode", "arch=compute_90a,code=sm_90a"]
+    with pytest.raises(ValueError, match="sm_80 or newer"):
+        cuda_build.gencode("sm_75")
+
+
+def test_serialized_wgmma_notes_are_found_in_a_ptxas_log():
+    """ptxas prints these as ``info``, so the build itself succeeds: the rung has to look for them (C7520 as
+    nvcc 13.0 printed it for a printf on a divergent path; C7510 for a printf on every path)."""
+    log = ("ptxas info    : Compiling entry function '_Z6kernelv' for 'sm_90a'\n"
+           "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+           "program dependence on compiler-inserted WG.AR in divergent path in the function '_Z6kernelv'\n"
+           "ptxas info    : (C7510) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+           "the presence of Extern calls in the function '_Z5otherv'\n"
+           "ptxas info    : Used 90 registers, used 1 barriers, 24584 bytes smem\n")
+    assert cuda_build.serialized_wgmma(log) == [
+        ("C7520", "program dependence on compiler-inserted WG.AR in divergent path", "_Z6kernelv"),
+        ("C7510", "the presence of Extern calls", "_Z5otherv")]
+    assert cuda_build.serialized_wgmma("ptxas info    : Used 90 registers") == []
+
+
+def test_compile_cubin_caches_per_extra_flags():
+    _nvcc_or_skip()
+    source = "__global__ void k(float* x) {\n#ifdef TWICE\n x[0] *= 2.0f;\n#endif\n x[0] += 1.0f; }\n"
+    plain, _ = cuda_build.compile_cubin("sm_90a", source, "tiny.cu")
+    twice, _ = cuda_build.compile_cubin("sm_90a", source, "tiny.cu", extra_flags=("-DTWICE",))
+    assert plain != twice and cuda_build.compile_cubin("sm_90a", source, "tiny.cu")[0] == plain

@@ -14,6 +14,9 @@ What every CUDA C++ rung shares:
 - :func:`compile_cubin`, :func:`ptxas_entries` and :func:`sass_lines` (need only nvcc, no GPU, no CUDA torch):
   compile the kernels alone (``-DWB_KERNEL_ONLY``) to a cubin for sm_80 or sm_90, read registers, spills and
   stack from ``ptxas -v``, and list machine instructions (the tensor-core HMMA ones, say) via ``cuobjdump -sass``.
+  :func:`serialized_wgmma` finds ptxas' notes that it serialized a Hopper kernel's ``wgmma`` (codes C7510, C7520:
+  "Potential Performance Loss"), which ptxas prints as information, not as a warning, so that a build passes
+  with them; a rung that uses ``wgmma`` refuses a build that has one (``stages/hopper/build.py``).
   The tools come from the CUDA wheels on PyPI when installed (``make lab``), else from a toolkit
   (:mod:`wb_kernels.cuda_toolchain`). CI runs these, so a broken ``.cu`` fails CI on machines without a GPU.
 """
@@ -38,7 +41,7 @@ from .sync import PACKAGE_ROOT, install_input_transformer, lines_changed, module
 __all__ = [
     "CudaBuildError", "NvccNotFound", "EditableSource", "enable_region_cells", "record_region_cell", "build_flags",
     "extension_name", "build_extension", "find_nvcc", "find_cuobjdump", "compile_cubin", "PtxasEntry",
-    "ptxas_entries", "sass_lines", "trim_compiler_output",
+    "ptxas_entries", "sass_lines", "trim_compiler_output", "gencode", "serialized_wgmma",
 ]
 
 
@@ -283,23 +286,34 @@ def _check_arch(arch) -> str:
     return arch
 
 
-_cubins: dict = {}  # (source hash, arch) -> (cubin path, ptxas log)
+def gencode(arch: str) -> list:
+    """nvcc's flags for one target: ``gencode("sm_90a")`` -> ``["-gencode", "arch=compute_90a,code=sm_90a"]``
+    (the ``a`` target: Hopper's wgmma and setmaxnreg; pass it to :func:`build_flags` on a Hopper GPU)."""
+    arch = _check_arch(arch)
+    return ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
 
 
-def compile_cubin(arch: str, source: str, file_name: str, display_name: str | None = None):
+_cubins: dict = {}  # (source hash, arch, flags, nvcc) -> (cubin path, ptxas log)
+
+
+def compile_cubin(arch: str, source: str, file_name: str, display_name: str | None = None, *,
+                  extra_flags: tuple = (), nvcc: str | None = None):
     """nvcc alone (no GPU): `source` compiled for `arch` to a cubin, ``-DWB_KERNEL_ONLY`` (the kernels without their
-    torch launcher); returns (cubin path, ptxas's -v report). Cached per source and arch in this process."""
+    torch launcher); returns (cubin path, ptxas's -v report). `extra_flags`: more nvcc flags (``-D...`` build
+    options); `nvcc`: a compiler other than :func:`find_nvcc`'s. Cached per source, arch, flags and nvcc in this
+    process."""
     arch = _check_arch(arch)
     display_name = display_name or file_name
-    key = (hashlib.sha256(source.encode()).hexdigest(), arch)
+    nvcc = nvcc or find_nvcc()
+    key = (hashlib.sha256(source.encode()).hexdigest(), arch, tuple(extra_flags), nvcc)
     if key in _cubins and Path(_cubins[key][0]).exists():
         return _cubins[key]
     workdir = Path(tempfile.mkdtemp(prefix="wb_nvcc_"))
     cu = workdir / file_name
     cu.write_text(source)
     cubin = workdir / f"{Path(file_name).stem}_sm{arch}.cubin"
-    command = [find_nvcc(), "-std=c++17", "-O3", "--use_fast_math", "-DWB_KERNEL_ONLY", "-cubin",
-               "-gencode", f"arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-o", cubin.name, cu.name]  # relative: messages name flash_wmma.cu, not a temp dir
+    command = [nvcc, "-std=c++17", "-O3", "--use_fast_math", "-DWB_KERNEL_ONLY", *extra_flags, "-cubin",
+               *gencode(arch), "-Xptxas", "-v", "-o", cubin.name, cu.name]  # relative: messages name flash_wmma.cu, not a temp dir
     result = subprocess.run(command, capture_output=True, text=True, cwd=workdir)
     log = result.stdout + result.stderr
     if result.returncode != 0:
@@ -344,6 +358,19 @@ def ptxas_entries(log: str) -> list:
             found.append(PtxasEntry(function, f"sm_{arch}", int(match.group(1)), spills[1], spills[2], spills[0]))
             function = None
     return found
+
+
+_SERIALIZED_WGMMA = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions are "
+                               r"serialized due to ([^']*?) in the function '(\w+)'")
+
+
+def serialized_wgmma(log: str) -> list:
+    """ptxas' notes in `log` that it serialized the wgmma of a kernel: (code, reason, mangled function) each.
+
+    ptxas then waits for every wgmma before issuing the next, which costs a Hopper kernel most of its tensor-core
+    throughput; a printf in the kernel, accumulator registers touched while a wgmma is in flight, or a wgmma
+    reached on a divergent path cause it. The note comes as ``ptxas info``, so the build itself succeeds."""
+    return [match.groups() for match in _SERIALIZED_WGMMA.finditer(log)]
 
 
 def sass_lines(cubin: str, function, pattern: str = "HMMA") -> list:

@@ -1,0 +1,22 @@
+"""Rung ``hopper``: FlashAttention on Hopper by hand, TMA, mbarriers, wgmma, warp specialization (issue #31).
+
+Work in progress; no ``STAGE`` is registered yet (NOTES.md says what runs and what remains). Files:
+
+- ``hopper_lab.cu``: v0, the primitives lab (mbarrier, the TMA tile load with the 128-byte swizzle, the wgmma
+  shared-memory descriptor, wgmma in its SS and RS forms, each in a small kernel with a torch launcher), and v1,
+  attention with those pieces and one warpgroup (not yet run on a GPU);
+- ``build.py``: the lab described to the shared :mod:`wb_kernels.cuda_build`, for ``sm_90a``: the extension (with the
+  barrier watchdog by default) and, without a GPU, the compile report and the SASS (``HGMMA``, ``UTMALDG``); a wgmma
+  that ptxas serialized fails both;
+- ``lab.py``: the Python launchers of the lab's kernels; ``gpu_checks.py``: their checks against torch and NumPy,
+  one process each (``python -m wb_kernels.stages.hopper.gpu_checks tma gemm watchdog``);
+- ``tma_swizzle.py``: the TMA's 128-byte swizzle in NumPy, the same XOR as the mma rung's ``swizzle.py``;
+- ``wgmma_fragments.py``: which thread holds which element of a wgmma accumulator and of the RS form's A operand,
+  from the mma rung's fragment model, and how v1 packs P from S's accumulators;
+- ``v1_model.py``: v1's control flow and arithmetic in NumPy (tiles loaded, masks, online softmax), for ``wb.check``;
+- ``barrier_ring.py``: the full/empty mbarrier ring of a warp-specialized kernel as a Python model that raises on a
+  deadlock, a stale read or an overwrite instead of hanging;
+- ``NOTES.md``: the version table, what is checked where, what remains.
+
+Tests: ``tests/test_hopper.py``.
+"""

@@ -1,0 +1,270 @@
+"""The mbarrier ring of a warp-specialized Hopper kernel, as a Python model that fails instead of hanging
+(rung ``hopper``; tests/test_hopper.py).
+
+A producer (one thread of the producer warpgroup) fills a ring of ``stages`` shared-memory slots with tiles by TMA;
+consumers (warpgroups) compute on them. Two mbarriers per slot:
+
+- ``full[s]``: the producer arrives once with ``arrive.expect_tx(tile bytes)``; the copy engine's ``complete_tx``
+  delivers the bytes. Its phase completes when both have happened: the slot holds its tile.
+- ``empty[s]``: each consumer arrives once when it no longer reads the slot. Its phase completes when all have.
+
+Everyone walks the ring with a slot index and a phase bit that flips each time the index wraps to 0. The consumer
+waits ``full[s]`` with parity ``phase``; the producer waits ``empty[s]`` with parity ``phase ^ 1``, because a wait
+on the parity of the phase *before* the current one returns at once: the ring starts empty, and the producer's
+first lap must not wait for consumers that have read nothing yet.
+
+On the GPU a wrong parity or a wrong byte count shows in one of two ways: a wait that never returns (the kernel
+hangs; the rung's watchdog build traps), or a wait that returns too early (a consumer reads a slot before its tile
+landed, or the producer overwrites a tile a consumer still reads: wrong numbers, sometimes). The model runs the
+same program text against :class:`MBarrier`, which follows the PTX ISA's rules ("mbarrier": phases, pending
+arrivals, tx-count; ``try_wait.parity``), under a scheduler that interleaves the agents and the copy engine, and
+raises :class:`Deadlock`, :class:`StaleRead` or :class:`Overwrite`, each naming the barrier, its phase and who
+waits on what.
+
+:func:`producer` and :func:`consumer` are the kernel's loops, line for line; their keyword arguments are the
+mistakes a learner makes (``empty_parity_flip=False``, ``expect_bytes`` off by one, ``flip_on_wrap=False`` ...).
+:func:`simulate` runs them under many interleavings (``seeds``).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+__all__ = ["MBarrier", "Ring", "Wait", "ArriveExpectTx", "Arrive", "Copy", "Read", "Deadlock", "StaleRead",
+           "Overwrite", "RingError", "producer", "consumer", "simulate", "Result"]
+
+
+class RingError(RuntimeError):
+    """A schedule that would hang or compute on wrong data on the GPU."""
+
+
+class Deadlock(RingError):
+    """Every agent waits on a phase that nothing left can complete: on the GPU, a hang."""
+
+
+class StaleRead(RingError):
+    """A consumer read a slot whose tile had not landed: on the GPU, wrong numbers (a wait returned too early)."""
+
+
+class Overwrite(RingError):
+    """A tile landed in a slot a consumer had not released: on the GPU, wrong numbers."""
+
+
+# region: mbarrier_model
+@dataclass
+class MBarrier:
+    """One mbarrier: ``count`` arrivals and ``tx`` bytes complete a phase; then the phase number advances (its parity
+    is what ``try_wait.parity`` compares) and the counts start over."""
+
+    name: str
+    count: int
+    phase: int = 0  # phases completed so far; the current phase's parity is phase % 2
+    pending: int = field(init=False)  # arrivals still missing in the current phase
+    tx: int = 0  # bytes announced by expect_tx and not yet delivered by complete_tx (may dip below 0 in between)
+
+    def __post_init__(self):
+        self.pending = self.count
+
+    def arrive(self, expect_bytes: int = 0) -> None:
+        if self.pending == 0:
+            raise RingError(f"{self.name}: an arrival beyond its count {self.count} in phase {self.phase}")
+        self.tx += expect_bytes
+        self.pending -= 1
+        self._complete_if_done()
+
+    def complete_tx(self, nbytes: int) -> None:
+        self.tx -= nbytes
+        self._complete_if_done()
+
+    def _complete_if_done(self) -> None:
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def try_wait(self, parity: int) -> bool:
+        """True when the phase of parity `parity` is over: the current phase has the other parity. (Waiting on the
+        parity of the phase before the current one returns at once.)"""
+        return self.phase % 2 != parity
+
+    def state(self) -> str:
+        return (f"{self.name}: phase {self.phase} (parity {self.phase % 2}) waits for {self.pending} of {self.count} "
+                f"arrival(s) and {self.tx} byte(s)")
+# endregion
+
+
+class Ring:
+    """``stages`` slots, each with its ``full`` and ``empty`` barrier and what it holds."""
+
+    def __init__(self, stages: int, consumers: int = 1, empty_count: int | None = None):
+        self.stages = stages
+        self.full = [MBarrier(f"full[{s}]", 1) for s in range(stages)]
+        self.empty = [MBarrier(f"empty[{s}]", consumers if empty_count is None else empty_count)
+                      for s in range(stages)]
+        self.tile_in = [None] * stages  # which tile the slot holds (None: nothing landed yet)
+        self.readers_left = [0] * stages  # consumers that still have to read the slot's tile
+        self.consumers = consumers
+
+
+# The instructions an agent yields to the scheduler
+@dataclass(frozen=True)
+class Wait:
+    barrier: MBarrier
+    parity: int
+
+
+@dataclass(frozen=True)
+class ArriveExpectTx:
+    barrier: MBarrier
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Arrive:
+    barrier: MBarrier
+
+
+@dataclass(frozen=True)
+class Copy:
+    """cp.async.bulk.tensor: tile `tile` into slot `stage`, `nbytes` delivered to `barrier` when it lands."""
+
+    stage: int
+    tile: int
+    nbytes: int
+    barrier: MBarrier
+
+
+@dataclass(frozen=True)
+class Read:
+    stage: int
+    tile: int
+
+
+# region: ring_loops
+def producer(ring: Ring, tiles: int, tile_bytes: int, *, expect_bytes: int | None = None,
+             empty_parity_flip: bool = True, flip_on_wrap: bool = True, wait_empty: bool = True):
+    """The producer's loop: wait for the slot to be free, announce the bytes, start the copy."""
+    stage, phase = 0, 0
+    for tile in range(tiles):
+        if wait_empty:
+            yield Wait(ring.empty[stage], phase ^ 1 if empty_parity_flip else phase)
+        yield ArriveExpectTx(ring.full[stage], tile_bytes if expect_bytes is None else expect_bytes)
+        yield Copy(stage, tile, tile_bytes, ring.full[stage])
+        stage += 1
+        if stage == ring.stages:
+            stage = 0
+            phase ^= 1 if flip_on_wrap else 0
+
+
+def consumer(ring: Ring, tiles: int, *, flip_on_wrap: bool = True, release: bool = True, start_phase: int = 0):
+    """A consumer's loop: wait for the slot's tile, compute on it, release the slot."""
+    stage, phase = 0, start_phase
+    for tile in range(tiles):
+        yield Wait(ring.full[stage], phase)
+        yield Read(stage, tile)
+        if release:
+            yield Arrive(ring.empty[stage])
+        stage += 1
+        if stage == ring.stages:
+            stage = 0
+            phase ^= 1 if flip_on_wrap else 0
+# endregion
+
+
+@dataclass
+class Result:
+    reads: list  # (consumer, tile) in the order they happened
+    steps: int  # scheduler steps taken
+    max_ahead: int  # most tiles copied but not yet read by every consumer: up to `stages` when the ring works
+
+
+def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int) -> Result:
+    blocked = {name: None for name in agents}  # name -> the Wait it is stuck on, or None
+    current = {name: None for name in agents}
+    copies = []  # [ticks left, Copy]
+    reads, steps, ahead = [], 0, 0
+    issued = [0]
+    finished = set()
+
+    def step(name) -> bool:
+        """Run `name`'s next instruction; False when it is blocked on a wait."""
+        instruction = current[name]
+        if instruction is None:
+            try:
+                instruction = current[name] = next(agents[name])
+            except StopIteration:
+                finished.add(name)
+                return True
+        if isinstance(instruction, Wait):
+            if not instruction.barrier.try_wait(instruction.parity):
+                blocked[name] = instruction
+                return False
+            blocked[name] = None
+        elif isinstance(instruction, ArriveExpectTx):
+            instruction.barrier.arrive(instruction.nbytes)
+        elif isinstance(instruction, Arrive):
+            instruction.barrier.arrive()
+        elif isinstance(instruction, Copy):
+            copies.append([copy_delay + rng.randrange(3), instruction])
+            issued[0] += 1
+        elif isinstance(instruction, Read):
+            held = ring.tile_in[instruction.stage]
+            if held != instruction.tile:
+                raise StaleRead(f"{name} read slot {instruction.stage} for tile {instruction.tile}, but the slot "
+                                f"holds {'nothing yet' if held is None else f'tile {held}'}: its full-barrier wait "
+                                f"returned before the copy landed ({ring.full[instruction.stage].state()})")
+            ring.readers_left[instruction.stage] -= 1
+            reads.append((name, instruction.tile))
+        current[name] = None
+        return True
+
+    def land(copy: Copy) -> None:
+        if ring.readers_left[copy.stage] > 0:
+            raise Overwrite(f"tile {copy.tile} landed in slot {copy.stage} while {ring.readers_left[copy.stage]} "
+                            f"consumer(s) still had to read tile {ring.tile_in[copy.stage]}: the producer's wait on "
+                            f"{ring.empty[copy.stage].name} returned too early ({ring.empty[copy.stage].state()})")
+        ring.tile_in[copy.stage] = copy.tile
+        ring.readers_left[copy.stage] = ring.consumers
+        copy.barrier.complete_tx(copy.nbytes)
+
+    while len(finished) < len(agents) or copies:
+        steps += 1
+        slowest = min(sum(1 for who, _ in reads if who == name) for name in agents if name != "producer")
+        ahead = max(ahead, issued[0] - slowest)
+        for entry in copies:
+            entry[0] -= 1
+        for entry in [e for e in copies if e[0] <= 0]:
+            copies.remove(entry)
+            land(entry[1])
+        runnable = [name for name in agents if name not in finished]
+        rng.shuffle(runnable)
+        progressed = False
+        for name in runnable:
+            progressed = step(name) or progressed
+        if not progressed and not copies and len(finished) < len(agents):
+            waiting = [f"{name} waits on {w.barrier.name} for parity {w.parity}" for name, w in blocked.items()
+                       if w is not None]
+            states = sorted({w.barrier.state() for w in blocked.values() if w is not None})
+            raise Deadlock("no agent can move and no copy is in flight: " + "; ".join(waiting) + ". " +
+                           "; ".join(states))
+        if steps > 100_000:
+            raise RingError("the simulation did not finish in 100,000 steps")
+    return Result(reads, steps, ahead)
+
+
+def simulate(stages: int = 2, tiles: int = 7, consumers: int = 1, *, tile_bytes: int = 16384, seeds=range(20),
+             copy_delay: int = 2, empty_count: int | None = None, producer_options: dict | None = None,
+             consumer_options: dict | None = None) -> Result:
+    """Run one producer and `consumers` consumers over `tiles` tiles under each seed's interleaving; returns the last
+    run's :class:`Result`, or raises the first :class:`RingError` any interleaving meets."""
+    result = None
+    for seed in seeds:
+        ring = Ring(stages, consumers, empty_count)
+        agents = {"producer": producer(ring, tiles, tile_bytes, **(producer_options or {}))}
+        for c in range(consumers):
+            agents[f"consumer {c}"] = consumer(ring, tiles, **(consumer_options or {}))
+        result = _run(ring, agents, random.Random(seed), copy_delay)
+        expected = sorted((f"consumer {c}", t) for c in range(consumers) for t in range(tiles))
+        if sorted(result.reads) != expected:
+            raise RingError(f"seed {seed}: reads {sorted(result.reads)} instead of every tile once per consumer")
+    return result

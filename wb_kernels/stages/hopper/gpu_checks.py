@@ -1,0 +1,177 @@
+"""The primitives lab's checks on a Hopper GPU, one per process (rung ``hopper``; run by tests/test_hopper.py).
+
+    python -m wb_kernels.stages.hopper.gpu_checks tma gemm        # each named check; prints one line per check
+    compute-sanitizer --tool memcheck --error-exitcode 1 python -m wb_kernels.stages.hopper.gpu_checks tma gemm attention_quick
+    compute-sanitizer --tool synccheck --error-exitcode 1 python -m wb_kernels.stages.hopper.gpu_checks tma gemm attention_quick
+
+A kernel that waits on an mbarrier hangs instead of failing when the barrier is wrong, and a trapped kernel leaves
+the process's CUDA context unusable: so the tests start this module in a subprocess under a time limit, and the
+extension carries the watchdog (``build.WATCHDOG_SECONDS``). Each check prints ``CHECK <name> ok|FAILED: <detail>``;
+the exit status is the number of failed checks.
+
+- ``tma``: (a) TMA boxes of fp16 and bf16 tensors, inside and across the tensor's edges, bit for bit against the
+  NumPy model of the 128-byte swizzle (:mod:`.tma_swizzle`), ragged parts zero;
+- ``gemm``: (b, c) every GEMM variant (SS and RS, B K-major and MN-major, N = 64 and 128, K = 16, 40, 64) in fp16
+  and bf16 against torch.matmul in float64 of the same inputs;
+- ``attention``: v1 (work in progress) against the float64 reference with wb.check's rule; ``attention_quick``: two
+  of its cases (fp16, D 64 and 128, ragged, GQA, bottom-right causal, key padding) plus rows without keys, for the
+  sanitizers;
+- ``watchdog``: a TMA load whose barrier expects 16 bytes more than arrive: the phase never completes, and the
+  watchdog's trap must end the kernel with an error (this check passes when the launch fails).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from . import lab
+from .build import GEMM_VARIANTS
+from .tma_swizzle import swizzled_image, tma_box
+
+__all__ = ["check_tma", "check_gemm", "check_attention", "check_watchdog", "CHECKS", "main"]
+
+
+_current = {"case": "before the first launch"}  # what ran last: a trap or a hang names it in the report
+
+
+def _running(case: str) -> None:
+    _current["case"] = case
+
+
+def _bits(t):
+    import torch
+
+    return t.view(torch.int16).cpu().numpy()
+
+
+def check_tma() -> str:
+    import torch
+
+    failures, cases = [], 0
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(100, 200, device="cuda").to(dtype)
+        for row0, column0 in ((0, 0), (8, 64), (36, 136), (80, 160), (99, 192)):
+            _running(f"tma {dtype} box at ({row0}, {column0})")
+            dump = lab.tma_tile(x, row0, column0)
+            torch.cuda.synchronize()
+            expected = swizzled_image(tma_box(_bits(x), row0, column0))
+            cases += 1
+            if not np.array_equal(_bits(dump), expected):
+                wrong = int((_bits(dump) != expected).sum())
+                failures.append(f"{dtype} box at ({row0}, {column0}): {wrong} of {expected.size} elements differ")
+    if failures:
+        raise AssertionError("; ".join(failures))
+    return f"{cases} boxes equal to the NumPy swizzle model bit for bit"
+
+
+def check_gemm() -> str:
+    import torch
+
+    failures, cases, worst = [], 0, 0.0
+    for dtype in (torch.float16, torch.bfloat16):
+        for variant in GEMM_VARIANTS:
+            for K in ((16,) if variant.k_steps == 1 else (16, 40, 64)):
+                if variant.k_steps == 4 and K == 16 and not variant.b_mn_major and variant.n == 64:
+                    continue  # the launcher takes the one-step kernel for that shape
+                a = torch.randn(64, K, device="cuda").to(dtype)
+                b = torch.randn(K, variant.n, device="cuda").to(dtype)
+                operand = b if variant.b_mn_major else b.t().contiguous()
+                _running(f"gemm {dtype} {variant.label} K={K}")
+                c = lab.wgmma_gemm(a, operand, a_in_registers=variant.a_in_registers, b_mn_major=variant.b_mn_major)
+                expected = a.double() @ b.double()
+                error = float((c.double() - expected).abs().max())
+                # fp32 accumulation of K exact products: |error| <= K * 2^-24 * sum |a||b|, with room to spare
+                bound = 1e-4 * float((a.double().abs() @ b.double().abs()).max()) + 1e-6
+                cases += 1
+                worst = max(worst, error)
+                if not error <= bound:
+                    failures.append(f"{dtype} {variant.label} K={K}: max |error| {error:.3g} > {bound:.3g}")
+    if failures:
+        raise AssertionError("; ".join(failures))
+    return f"{cases} products within fp32 accumulation error of float64 (worst {worst:.2g})"
+
+
+def check_attention(quick: bool = False) -> str:
+    """v1 against the float64 reference with wb.check's rule: both dtypes and head dims, ragged lengths, Lq != Lk,
+    L = 1, both causal alignments, key padding, GQA, rows that see no key. `quick`: two cases (fp16, D = 64 and 128)
+    and the rows without keys, for the sanitizers."""
+    import torch
+
+    import wb_kernels as wb
+
+    failures, cases = [], 0
+    shapes = [(1, 2, 1, 1, 2), (2, 3, 100, 77, 3), (1, 2, 64, 64, 1), (1, 2, 200, 70, 2), (2, 4, 130, 300, 2),
+              (1, 4, 77, 513, 1)]
+    dtypes, head_dims = ("float16", "bfloat16"), (64, 128)
+    if quick:
+        shapes, dtypes = [(2, 4, 130, 300, 2)], ("float16",)
+    for dtype in dtypes:
+        for D in head_dims:
+            for B, H, Lq, Lk, Hk in shapes:
+                q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, dtype=dtype, framework="torch", device="cuda",
+                                        seed=Lq + 3 * Lk + D)
+                k, v = k[:, :Hk].contiguous(), v[:, :Hk].contiguous()
+                for causal in (("bottom_right",) if quick else (False, "top_left", "bottom_right")):
+                    for padded in ((True,) if quick else (False, True)):
+                        mask = wb.random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
+                        _running(f"attention {dtype} D={D} {(B, H, Lq, Lk)} Hk={Hk} causal={causal} padded={padded}")
+                        out, lse = lab.flash_v1(q, k, v, causal=causal, key_padding_mask=mask)
+                        torch.cuda.synchronize()
+                        cases += 1
+                        name = f"v1 {dtype} D={D} {(B, H, Lq, Lk)} Hk={Hk} causal={causal} padded={padded}"
+                        try:
+                            result = wb.check(name, out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask,
+                                              verbose=False, raise_on_failure=False)
+                        except AssertionError as error:  # wb.check's CheckFailed: a wrong shape
+                            failures.append(f"{name}: {error}")
+                            continue
+                        if not result.passed:
+                            failures.append(result.line())
+    # rows 0-4 see only keys 0-4, all padded out: zeros and an LSE of -inf
+    q, k, v = wb.random_qkv(1, 2, 70, 64, dtype="float16", framework="torch", device="cuda", seed=3)
+    mask = torch.ones(1, 70, dtype=torch.bool, device="cuda")
+    mask[0, :5] = False
+    out, lse = lab.flash_v1(q, k, v, causal=True, key_padding_mask=mask)
+    if not (torch.all(out[:, :, :5] == 0) and torch.all(lse[:, :, :5] == float("-inf")) and torch.isfinite(out).all()
+            and torch.isfinite(lse[:, :, 5:]).all()):
+        failures.append("rows without a key: not zeros and -inf")
+    if failures:
+        raise AssertionError(f"{len(failures)} of {cases + 1} cases failed: " + "; ".join(failures[:6]))
+    return f"{cases + 1} cases within wb.check's rule (both dtypes, D 64/128, masks, GQA, rows without keys)"
+
+
+def check_watchdog() -> str:
+    import torch
+
+    x = torch.randn(64, 64, device="cuda").half()
+    try:
+        lab.tma_tile(x, expect_bytes=64 * 128 + 16)
+        torch.cuda.synchronize()
+    except RuntimeError as error:
+        return f"the wrong byte count trapped: {str(error).splitlines()[0][:120]}"
+    raise AssertionError("a barrier expecting 16 bytes too many completed: the watchdog did not fire")
+
+
+CHECKS = {"tma": check_tma, "gemm": check_gemm, "attention": check_attention,
+          "attention_quick": lambda: check_attention(quick=True), "watchdog": check_watchdog}
+
+
+def main(names) -> int:
+    failed = 0
+    for name in names or list(CHECKS):
+        _running("before the first launch")
+        try:
+            detail = CHECKS[name]()
+            print(f"CHECK {name} ok: {detail}", flush=True)
+        except Exception as error:  # noqa: BLE001 (each check reports and the next one runs)
+            failed += 1
+            message = " ".join(str(error).split())[:1500]
+            print(f"CHECK {name} FAILED (last launch: {_current['case']}): {type(error).__name__}: {message}",
+                  flush=True)
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,57 @@
+"""The primitives lab's Python side (rung ``hopper``, v0): each launcher runs one small kernel of ``hopper_lab.cu``.
+
+Needs a Hopper GPU and a CUDA build of torch. A kernel that waits on an mbarrier hangs when the barrier is wrong:
+the extension is built with the watchdog (``build.WATCHDOG_SECONDS``), and the tests run every launcher in a
+subprocess under a time limit (:mod:`.gpu_checks`).
+
+- :func:`tma_tile`: (a) one TMA box, 64 x 64 16-bit elements, returned as the raw shared-memory image;
+- :func:`flash_v1`: v1 attention (work in progress: TMA + wgmma, one warpgroup per 64 query rows), not yet a stage;
+- :func:`wgmma_gemm`: (b, c) C = A B in fp32 by one warpgroup, A (64, K <= 64) from shared memory (SS) or registers
+  (RS), B K-major (given as its transpose, (N, K)) or MN-major ((K, N)), N = 64 or 128.
+"""
+
+from __future__ import annotations
+
+from . import build as hopper_build
+
+__all__ = ["tma_tile", "wgmma_gemm", "flash_v1"]
+
+TILE_BYTES = 64 * 128
+
+
+def tma_tile(x, row0: int = 0, column0: int = 0, *, expect_bytes: int | None = None, module=None):
+    """Shared memory after one TMA load of the 64 x 64 box at (row0, column0) of `x` (2-D CUDA, fp16/bf16, row
+    length a multiple of 8), flat, in x's dtype. `expect_bytes` (default: the box's 8192) is what thread 0
+    announces with arrive.expect_tx; another value never completes the barrier's phase (the watchdog traps)."""
+    module = module or hopper_build.extension()
+    return module.hopper_tma_tile(x.contiguous(), int(row0), int(column0),
+                                  TILE_BYTES if expect_bytes is None else int(expect_bytes))
+
+
+def wgmma_gemm(a, b, *, a_in_registers: bool = False, b_mn_major: bool = False, module=None):
+    """C = A B (64 x N, float32). `a`: (64, K); `b`: (N, K) (K-major, B's transpose) or, with `b_mn_major`, (K, N)."""
+    module = module or hopper_build.extension()
+    return module.hopper_wgmma_gemm(a.contiguous(), b.contiguous(), bool(a_in_registers), bool(b_mn_major))
+
+
+def flash_v1(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=None):
+    """v1 attention (work in progress, not a registered stage): q (B, H, Lq, D), k and v (B, Hk, Lk, D), CUDA,
+    fp16/bf16, D = 64 or 128; causal False, True/"top_left" or "bottom_right"; returns (out, lse).
+    Takes a positive scale only (the mma stage's launcher turns 0 and negative scales into positive ones; that logic
+    moves to a shared helper before this becomes a stage)."""
+    import torch
+
+    from ...reference import causal_offset
+
+    module = module or hopper_build.extension()
+    D = q.shape[-1]
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    if not scale > 0:
+        raise ValueError(f"flash_v1 takes a positive scale, got {scale}")
+    offset = causal_offset(causal, q.shape[2], k.shape[2])
+    if key_padding_mask is None:
+        keep = torch.empty(0, dtype=torch.uint8, device=q.device)
+    else:
+        keep = torch.as_tensor(key_padding_mask).to(device=q.device, dtype=torch.uint8).contiguous()
+    return module.hopper_flash_v1_forward(q.contiguous(), k.contiguous(), v.contiguous(), keep, offset is not None,
+                                          offset or 0, scale)
