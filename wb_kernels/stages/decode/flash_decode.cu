@@ -518,17 +518,17 @@ void check_cache_layout(const torch::Tensor& k_pages, const torch::Tensor& v_pag
         for (int i = 0; i < 3; ++i) aligned = aligned && cache->stride(i) % 8 == 0 && cache->stride(i) >= 0;
         TORCH_CHECK_VALUE(aligned, "flash_decode: the cache is read 8 values (16 bytes) at a time, so its head dim "
                           "must be contiguous (stride 1), its other strides multiples of 8 and its data 16-byte "
-                          "aligned; got strides ", cache->strides(), ", data ", reinterpret_cast<uintptr_t>(
-                          cache->data_ptr()) % 16, " bytes past a multiple of 16. Allocate the cache once in that form (a fresh "
-                          "tensor is), rather than copying it every step");
+                          "aligned. Allocate the cache once in that form (a fresh tensor is), rather than copying it "
+                          "every step");
     }
+    // (no numbers in these messages: formatting one inside this extension crashed the process on the H100 host,
+    // in libstdc++'s stream insertion; wb.decode checks the same in Python first and says what it found)
     TORCH_CHECK_VALUE(v_pages.strides() == k_pages.strides(), "flash_decode: k and v caches must have the same "
-                      "strides (one offset per key serves both); got ", k_pages.strides(), " and ",
-                      v_pages.strides(), ". Allocate both caches alike");
+                      "strides (one offset per key serves both). Allocate both caches alike");
     const int64_t span = (k_pages.size(1) - 1) * k_pages.stride(1) + (k_pages.size(2) - 1) * k_pages.stride(2);
     TORCH_CHECK_VALUE(span + k_pages.size(3) <= INT32_MAX && k_pages.stride(0) <= INT32_MAX, "flash_decode: one "
-                      "page of the cache (a sequence of a contiguous one) must span fewer than 2^31 elements; got "
-                      "shape ", k_pages.sizes(), ", strides ", k_pages.strides(), ". Use a paged cache for longer ones");
+                      "page of the cache (a sequence of a contiguous one) must span fewer than 2^31 elements. Use a "
+                      "paged cache for longer ones");
 }
 
 // endregion

@@ -26,7 +26,7 @@ from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, NEG_HALF
 from ..naive.kernel import check_grid
 from .splitkv import choose_num_splits, split_bounds
 
-__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "cuda_blocks_per_sm", "cuda_row_chunks", "uses_cuda_kernel", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES", "status_buffer", "read_status", "STATUS_MESSAGES"]
+__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "check_cache_layout", "cuda_blocks_per_sm", "cuda_row_chunks", "uses_cuda_kernel", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES", "status_buffer", "read_status", "STATUS_MESSAGES"]
 
 CAUSAL_MODES = {False: CAUSAL_NONE, True: CAUSAL_TOP_LEFT, "top_left": CAUSAL_TOP_LEFT,
                 "bottom_right": CAUSAL_BOTTOM_RIGHT}
@@ -227,6 +227,28 @@ def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, 
     return (*cuda_split_plan(max_len, num_splits), float(D) ** -0.5)
 
 
+def check_cache_layout(k_cache, v_cache) -> None:
+    """What the CUDA kernel can read in place, refused here with what was found (the extension checks the same, with
+    messages that carry no numbers: formatting one there crashed the process on the H100 host). The kernel reads 8
+    values (16 bytes) at a time and one offset per key serves k and v."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        strides, misaligned = tuple(cache.stride()), cache.data_ptr() % 16
+        if strides[3] != 1 or any(s % 8 or s < 0 for s in strides[:3]) or misaligned:
+            raise ValueError(f"wb.decode: the CUDA kernel reads the cache 8 values (16 bytes) at a time, so its head "
+                             f"dim must be contiguous (stride 1), its other strides multiples of 8 and its data "
+                             f"16-byte aligned; {name} has strides {strides} and data {misaligned} bytes past a "
+                             f"multiple of 16. Allocate the cache once in that form (a fresh tensor is), rather than "
+                             f"copying it every step")
+    if tuple(k_cache.stride()) != tuple(v_cache.stride()):
+        raise ValueError(f"wb.decode: k and v caches must have the same strides (one offset per key serves both); "
+                         f"got {tuple(k_cache.stride())} and {tuple(v_cache.stride())}. Allocate both caches alike")
+    span = (k_cache.shape[1] - 1) * k_cache.stride(1) + (k_cache.shape[2] - 1) * k_cache.stride(2) + k_cache.shape[3]
+    if span > 2**31 - 1 or k_cache.stride(0) > 2**31 - 1:
+        raise ValueError(f"wb.decode: one page of the cache (a sequence of a contiguous one) must span fewer than 2^31 "
+                         f"elements; got shape {tuple(k_cache.shape)}, strides {tuple(k_cache.stride())}. Use a paged "
+                         f"cache for longer ones")
+
+
 def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None, num_splits=None,
                         max_seqlen=None):
     """The CUDA C++ split-KV kernel: q (B, H, D) -> ``(out (B, H, D) in q's dtype, lse (B, H) float32)``.
@@ -254,6 +276,7 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
             cache_seqlens = _torch_from_host(cache_seqlens)
         if block_table is not None and not is_torch(block_table):
             block_table = _torch_from_host(block_table)
+    check_cache_layout(k_cache, v_cache)
     return build.extension().flash_decode_forward(q, k_cache, v_cache, block_table, cache_seqlens,
                                                   status_buffer(device_index), keys_per_split, num_splits,
                                                   default_scale if scale is None else float(scale))
