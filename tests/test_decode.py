@@ -611,7 +611,7 @@ def test_the_fused_merge_figure_draws_any_finish_order():
     for order in ((0, 1, 2), (2, 1, 0)):
         fig = slider.draw_fused_merge(3, finish_order=order)
         texts = " ".join(t.get_text() for t in fig.axes[0].texts)
-        assert "atomicAdd -> 2\n= num_splits - 1: last" in texts and "__threadfence" in texts and "counter" in texts
+        assert "add (release) -> 2\n= num_splits - 1: last" in texts and "__syncthreads" in texts and "counter" in texts
     with pytest.raises(ValueError, match="finish_order"):
         slider.draw_fused_merge(3, finish_order=(0, 0, 1))
 

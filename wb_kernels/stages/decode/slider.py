@@ -454,9 +454,9 @@ def describe_decoder_run(folder=None) -> str:
 
 def draw_fused_merge(num_splits: int = 4, finish_order=(2, 0, 3, 1)):
     """flash_decode.cu's merge in the split kernel's own launch, for one (sequence, KV head): each split block writes
-    its partial output and LSE, makes them visible to the whole GPU (``__threadfence``), then adds one to the group's
-    counter; the block whose add returns ``num_splits - 1`` is the last, merges every split's partial result (read
-    from L2) and sets the counter back to 0 for the next launch. `finish_order` is the order in which the blocks
+    its partial output and LSE, then adds one to the group's counter with a release at GPU scope (its results are
+    visible before its count); the block whose add returns ``num_splits - 1`` is the last, acquires, and merges every
+    split's partial result (read from L2). The counters are the call's own, zeroed by a memset before the launch. `finish_order` is the order in which the blocks
     finish (any order: the GPU schedules blocks as it likes)."""
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
@@ -476,17 +476,17 @@ def draw_fused_merge(num_splits: int = 4, finish_order=(2, 0, 3, 1)):
         ax.add_patch(FancyArrowPatch((x + 0.9, 3.0), (x + 0.9, 2.2), arrowstyle="-|>", mutation_scale=10))
         ax.text(x + 0.95, 2.6, "1. write", fontsize=7)
         ax.plot([x + 0.9, x + 0.9], [0.45, 0.25], color="#888888", lw=0.8)  # to the counter: the bus below
-        ax.text(x + 0.9, 0.95, f"2. __threadfence\n3. atomicAdd -> {rank}" + ("\n= num_splits - 1: last" if last else
+        ax.text(x + 0.9, 0.95, f"2. __syncthreads\n3. add (release) -> {rank}" + ("\n= num_splits - 1: last" if last else
                                                                                    "\n< num_splits - 1: exit"),
                 ha="center", va="top", fontsize=7.5, color="C1" if last else "black")
     ax.plot([1.3, 10.4], [0.25, 0.25], color="#888888", lw=0.8)
     ax.add_patch(FancyArrowPatch((10.4, 0.25), (10.4, 1.5), arrowstyle="-|>", mutation_scale=10, color="#888888"))
-    ax.text(10.45, 0.7, "atomicAdd", fontsize=7, color="#555555")
+    ax.text(10.45, 0.7, "add", fontsize=7, color="#555555")
     ax.add_patch(Rectangle((9.6, 1.5), 1.6, 0.8, facecolor="white", edgecolor="black", lw=0.8))
     ax.text(10.4, 1.9, "counter of\n(sequence, KV head)", ha="center", va="center", fontsize=7.5)
     x_last = 0.4 + (num_splits - 1) * 2.2
     ax.add_patch(FancyArrowPatch((x_last + 1.8, 3.4), (10.4, 3.4), arrowstyle="-|>", mutation_scale=10, color="C1"))
-    ax.text(10.4, 3.55, f"4. the last block merges all {num_splits}\n(merge_splits, reads from L2),\n5. counter = 0",
+    ax.text(10.4, 3.55, f"4. the last block acquires, merges all {num_splits}\n(merge_splits, reads from L2)",
             ha="center", va="bottom", fontsize=7.5, color="C1")
     ax.set_xlim(0, 11.6)
     ax.set_ylim(0.0, 4.6)
