@@ -579,7 +579,8 @@ def run_benchmark(args, ranks: Ranks) -> dict:
     ranks.barrier()  # every rank has read the old file before rank 0 writes the new one
     command = (f"python -m torch.distributed.run --standalone --nproc_per_node={ranks.world} "
                f"-m wb_kernels.stages.distributed.scaling {' '.join(args.argv)}")
-    results = {"schema": SCHEMA, "environment": _environment(ranks, args.stage), "command": command,
+    results = {"schema": SCHEMA, "kind": "distributed_scaling", "environment": _environment(ranks, args.stage),
+               "command": command,
                "timing": {"method": "CUDA events" if ranks.cuda else "wall clock",
                           "statistic": "median over repeats of the slowest rank's time, a barrier before each",
                           "warmup": args.warmup, "repeats": args.repeats},
