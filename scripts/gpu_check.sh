@@ -197,17 +197,13 @@ if has distributed; then
     has build || build_rungs mma backward
     # every method (ring, zigzag, ulysses, split-KV decode, the backwards) on NCCL, each rank's attention the mma
     # stage, the whole result graded by wb.check's rule (2x SDPA's error in the same precision; the gradients by
-    # wb.check_gradients'); --timeout bounds every collective. One JSON line per rank and case, kept in
-    # results/distributed/; a file without failures is not run again. float16 and bfloat16 side by side: their
-    # float64 checks are NumPy on the CPU, one core per rank.
+    # wb.check_gradients'); --timeout bounds every collective. One JSON line per rank and case, into
+    # results/distributed/ (run every time: a file from an earlier commit says nothing of this one). float16 and
+    # bfloat16 side by side: their float64 checks are NumPy on the CPU, one core per rank.
     mkdir -p results/distributed
     gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
     check_nccl() {  # dtype: run.py's cases on NCCL into results/distributed/nccl_<gpu>x<W>_<dtype>.jsonl
       local dtype=$1 checked="results/distributed/nccl_${gpu}x${world}_$1.jsonl"
-      if [ -s "$checked" ] && ! grep -q '"status": "FAILED"' "$checked"; then
-        echo "== distributed_nccl_$dtype: passed before, see $checked" | tee -a "$LOG"
-        return
-      fi
       run_step "distributed_nccl_$dtype" "${DIST_CHECK_LIMIT:-180}" python3 -m torch.distributed.run --standalone \
         --nproc_per_node="$world" -m wb_kernels.stages.distributed.run --backend nccl --dtype "$dtype" --stage mma \
         --timeout 60 --json

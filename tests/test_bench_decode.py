@@ -472,4 +472,7 @@ def test_decode_bar_lines_judge_each_bar_shape_as_its_record_says():
     assert "50.0% of copy: bar missed by 20.0%" in lines[1] and "contiguous" in lines[1]
     assert lines[2].endswith("not measured (a reason)")
     contiguous["fraction_of_copy"] = 0.9
+    contiguous["vs_best_sdpa"] = {"backend": "sdpa", "ratio": 0.97}  # the goal's fraction, but slower than SDPA
+    assert "bar met, the goal's fraction too" in decode_bar_lines(results)[1]
+    contiguous["vs_best_sdpa"] = {"backend": "sdpa", "ratio": 1.02}
     assert "goal met" in decode_bar_lines(results)[1]

@@ -297,9 +297,8 @@ def _flex_prepare(q, k, v, dout, workload, mode):
 
     # The bwd mode runs one forward and times its backward again and again (retain_graph=True); a backward compiled
     # with donated buffers refuses that (measured on the H100: RuntimeError on every bwd row). A patch of the setting
-    # around the first calls was not enough (the run at c11746a failed every bwd row the same way), so it is off for
-    # the whole benchmark process, before anything is compiled (only FlexAttention is compiled there; donated
-    # buffers save memory, not time).
+    # around the first calls was not enough (the run at c11746a failed every bwd row the same way), so it is off from
+    # here to the end of the backward benchmark (run_backward restores it; donated buffers save memory, not time).
     functorch_config.donated_buffer = False
     if workload not in _FLEX_COMPILED:
         _FLEX_COMPILED.clear()
@@ -495,7 +494,22 @@ def _new_backward(presets, command) -> dict:
     return {**_new_results(presets, command), "kind": "backward", "notes": BACKWARD_NOTES}
 
 
-def run_backward(presets, out_path, *, policy: Optional[TimingPolicy] = None, resume: bool = True,
+def run_backward(presets, out_path, **options) -> dict:
+    """Run the backward `presets` (names in :data:`BACKWARD_PRESETS`) into `out_path`; return the results (the
+    options: :func:`_run_backward`'s). FlexAttention's compilation turns torch's donated buffers off
+    (:func:`_flex_prepare`); the setting the caller had comes back afterwards."""
+    try:
+        import torch._functorch.config as functorch_config
+    except ImportError:  # no torch: nothing to restore
+        return _run_backward(presets, out_path, **options)
+    donated = functorch_config.donated_buffer
+    try:
+        return _run_backward(presets, out_path, **options)
+    finally:
+        functorch_config.donated_buffer = donated
+
+
+def _run_backward(presets, out_path, *, policy: Optional[TimingPolicy] = None, resume: bool = True,
                  retry_failed: bool = False, seed: int = 0,
                  progress: bool = True, time_budget: Optional[float] = None, table: Optional[dict] = None,
                  command: Optional[str] = None, log=print) -> dict:

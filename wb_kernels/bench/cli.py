@@ -174,6 +174,8 @@ def main(argv=None) -> int:
             if own and (len(own) != len(presets) or custom is not None):
                 raise Refused(f"preset {', '.join(own)} measures {what} into a file of its own: run it "
                               "without other presets or free flags (--stages, --lengths, ...)")
+        if args.retry_failed and not backward:
+            raise Refused("--retry-failed applies to the backward presets (backward, backward-bar, backward-smoke) only")
         if not on_cuda:
             gpu_only = [p for p in presets if p in GPU_PRESETS]
             if gpu_only:
