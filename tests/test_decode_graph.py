@@ -249,3 +249,29 @@ def test_gpu_lengths_on_another_gpu_or_kind_are_refused_or_copied():
     with pytest.raises(ValueError, match="must be on the GPU .*update them in place"):
         with torch.cuda.graph(graph):
             wb.decode(q, k, v, cpu_lens)
+
+
+_FIRST_CALL_IN_A_CAPTURE = """
+import torch, wb_kernels as wb
+q = torch.randn(1, 8, 64, device="cuda", dtype=torch.float16)
+k = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16)
+lens = torch.full((1,), 64, dtype=torch.int32, device="cuda")
+graph = torch.cuda.CUDAGraph()
+try:
+    with torch.cuda.graph(graph):
+        wb.decode(q, k, k, lens)
+    print("captured")
+except ValueError as error:
+    print("refused", "call it once before capturing" in str(error))
+"""
+
+
+def test_gpu_first_call_inside_a_capture_is_refused_with_what_to_do():
+    """A fresh process whose first wb.decode is inside a capture: refused (its status word would come from the graph's
+    pool, zeroed by every replay), saying to call it once before."""
+    import subprocess
+    import sys
+
+    found = subprocess.run([sys.executable, "-c", _FIRST_CALL_IN_A_CAPTURE], capture_output=True, text=True,
+                           timeout=300)
+    assert found.stdout.strip().splitlines()[-1:] == ["refused True"], found.stdout + found.stderr[-2000:]

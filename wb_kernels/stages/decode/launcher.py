@@ -262,6 +262,11 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
 
     B, H, D = q.shape
     device_index = q.get_device()
+    if device_index not in _STATUS and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # a first call inside a capture would make the status word from the graph's private pool, with a zero-fill
+        # that every replay repeats, and load the extension while capturing
+        raise ValueError("wb.decode's first call on a GPU cannot be inside a CUDA graph's capture: call it once "
+                         "before capturing (a warm-up step, as torch.cuda.graphs' examples do)")
     capacity = (block_table.shape[1] if block_table is not None else 1) * k_cache.shape[2]
     max_len = capacity if max_seqlen is None else min(capacity, int(max_seqlen))
     keys_per_split, num_splits, default_scale = _cuda_launch_plan(device_index, B, H, k_cache.shape[1], max_len,

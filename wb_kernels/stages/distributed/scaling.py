@@ -142,12 +142,8 @@ def find_scaling_results(root=None):
             found = [path for path in found if path in tracked]
     except (OSError, subprocess.SubprocessError):  # no git: every file counts
         pass
-    dated = []
-    for path in found:
-        try:
-            dated.append((load_scaling(path)["environment"].get("date") or "", path.name, path))
-        except (ValueError, KeyError, OSError):
-            continue
+    # a committed file that cannot be read is an error to fix, not a reason to show an older one
+    dated = [(load_scaling(path)["environment"].get("date") or "", path.name, path) for path in found]
     return max(dated)[2] if dated else None
 
 

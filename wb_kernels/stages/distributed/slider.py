@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ...plots import new_figure
+from .scaling import BARS as SCALING_BARS
 from .sharding import chunk_bounds, pair_blocks, predicted_efficiency, ring_work, shard_pieces, visible_pairs
 
 __all__ = ["LINKS", "ACHIEVED_TFLOPS", "simulate_ring", "chunk_pair_map", "draw_ring_blocks", "overlap_tokens",
@@ -44,8 +45,9 @@ LINKS = {
 ACHIEVED_TFLOPS = 600.0
 SLIDER_WORLDS = (2, 3, 4, 6, 8)
 SLIDER_TFLOPS = (100, 200, 300, 400, 600, 800, 1000)
-# issue #32's first bar: scaling efficiency at L = 128k on 2 GPUs, non-causal (any ring) and causal (zigzag)
-BARS = {"non-causal": 0.90, "causal (zigzag)": 0.85}
+# issue #32's first bar: scaling efficiency at L = 128k on 2 GPUs, non-causal (any ring) and causal (zigzag); the
+# numbers are the benchmark's (scaling.BARS, keyed by causal), named here as the lesson prints them
+BARS = {"non-causal": SCALING_BARS[False], "causal (zigzag)": SCALING_BARS[True]}
 BAR_LENGTH, BAR_WORLD = 131072, 2
 
 
