@@ -28,8 +28,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-if "torch" in __import__("sys").modules:  # torch came first: define torch.ops.wb.attention now (api._register_op)
-    from .api import _register_op
+if "torch" in __import__("sys").modules:  # torch came first: define the package's torch ops now (ops.py)
+    from . import ops
 
-    _register_op()
-    del _register_op
+    ops.register()

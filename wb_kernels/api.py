@@ -19,6 +19,7 @@ import warnings
 
 import numpy as np
 
+from . import ops
 from .backend import BACKEND
 from .device import ValidatedCalls, cuda_signature, is_torch, like_input
 from .reference import attention_mask
@@ -188,8 +189,8 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     buffers would not fit: the message says how much they need and suggests the flash stages).
     """
     torch = sys.modules.get("torch")  # None: no torch tensor can have been given
-    if torch is not None and not _op_registered() and not torch.compiler.is_compiling():
-        _register_op()  # eagerly, once: a compiler tracing a first call could not run the registration
+    if torch is not None:
+        ops.ensure(torch)  # defined eagerly, once (lookups after it): a compiler tracing a first call could not
     if torch is not None and (torch.compiler.is_compiling()
                               or (isinstance(q, torch.Tensor) and _needs_op(torch, q, k, v))):
         return _through_op(torch, q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask,
@@ -214,22 +215,6 @@ def validated(q, k, v, *, stage, causal, key_padding_mask, scale):
         spec = _VALIDATED.remember(key, validate(q, k, v, stage=stage, causal=causal,
                                                  key_padding_mask=key_padding_mask, scale=scale))
     return spec
-
-
-def _op_registered() -> bool:
-    """Whether ``torch.ops.wb.attention`` is defined in this process (:func:`wb_kernels.autograd.register`)."""
-    autograd = sys.modules.get(f"{__package__}.autograd")
-    return autograd is not None and autograd.registered()
-
-
-def _register_op() -> None:
-    """Define ``torch.ops.wb.attention`` and its backward (:func:`wb_kernels.autograd.register`), once per process:
-    at ``import wb_kernels`` when torch was imported first, else at the first eager call that sees torch. Not while
-    a compiler traces: ``torch.compile(fullgraph=True)`` refuses to trace ``torch.library.Library``'s creation, so
-    a compiled first call must find the op already defined (measured: the test that compiles first failed so)."""
-    from .autograd import register
-
-    register()
 
 
 def _needs_op(torch, q, k, v) -> bool:
@@ -261,11 +246,8 @@ def _through_op(torch, q, k, v, *, stage, causal, key_padding_mask, scale, retur
 
         out, lse = EagerAttention.apply(q, k, v, key_padding_mask, spec, causal, scale, bool(check_finite))
         return (out, lse) if return_lse else out
-    if not _op_registered():  # (traced: registering here would be traced too, which the compiler refuses)
-        raise RuntimeError(
-            "wb.attention's operator (torch.ops.wb.attention) is registered when wb_kernels is imported after torch, "
-            "or by the first eager call; this process imported wb_kernels before torch and compiles its first call. "
-            "Import torch before wb_kernels, or call wb_kernels.autograd.register() before compiling.")
+    if not ops.registered():  # (traced: defining it here would be traced too, which the compiler refuses)
+        raise RuntimeError(f"wb.attention's operator, torch.ops.wb.attention, {ops.MISSING}")
     out, lse = torch.ops.wb.attention(q, k, v, key_padding_mask, stage, causal or "", scale, bool(check_finite))
     return (out, lse) if return_lse else out
 

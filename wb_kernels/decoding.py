@@ -34,6 +34,7 @@ import warnings
 
 import numpy as np
 
+from . import ops
 from . import stages as _stages
 from .api import _check_scale, _dtype_name, _numpy64, require_array
 from .backend import BACKEND
@@ -325,15 +326,13 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, stage: str =
     if torch is not None and isinstance(q, torch.Tensor) and (
             torch.compiler.is_compiling() or type(q) is not torch.Tensor or q.is_meta):
         # a compiler traces, or fake/meta tensors: the registered op (its fake implementation gives the shapes)
-        if not _op_registered(register=not torch.compiler.is_compiling()):
-            raise RuntimeError("wb.decode: torch.ops.wb.decode is registered when wb_kernels is imported after torch, "
-                               "or at the first eager call; a compiler cannot register it while it traces. Import "
-                               "torch before wb_kernels, or call wb.decode once before compiling")
+        if not ops.ensure(torch):
+            raise RuntimeError(f"wb.decode's operator, torch.ops.wb.decode, {ops.MISSING}")
         out, lse = torch.ops.wb.decode(q, k_cache, v_cache, cache_seqlens, block_table, stage, scale,
                                        num_splits, max_seqlen, kv_layout)
         return (out, lse) if return_lse else out
     if torch is not None and isinstance(q, torch.Tensor):
-        _op_registered()  # (a dictionary lookup once it is): so that a later compile finds the op
+        ops.ensure(torch)  # (lookups once they are): so that a later compile finds the op
     out, lse = decode_eager(q, k_cache, v_cache, cache_seqlens, block_table=block_table, stage=stage, scale=scale,
                             num_splits=num_splits, max_seqlen=max_seqlen, kv_layout=kv_layout)
     return (out, lse) if return_lse else out
@@ -387,20 +386,3 @@ def decode_problems(device=None, *, reset: bool = True) -> list:
     from .stages.decode.launcher import read_status
 
     return read_status(device, reset=reset)
-
-
-def _op_registered(register: bool = True) -> bool:
-    """Whether ``torch.ops.wb.decode`` exists; registers it first where `register` (never while a compiler traces:
-    ``torch.library.Library`` cannot be traced)."""
-    decode_op = sys.modules.get(f"{__package__}.decode_op")
-    if decode_op is not None and decode_op.registered():
-        return True
-    if register:
-        from .decode_op import register as register_op
-
-        register_op()
-    return register
-
-
-if "torch" in sys.modules:  # torch is here already: the op exists before any compiler meets wb.decode
-    _op_registered()
