@@ -367,19 +367,7 @@ def time_static(model: dec.Decoder, mode: str, attend, *, batch: int, context: i
     setup_s = time.perf_counter() - started
     if mode == "compile" and captured and _cudagraph_skips() > skips_before:
         captured = False  # Inductor ran the step without its CUDA graphs (its log says why)
-    if _on_cuda(model):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        end.synchronize()
-        total_ms = start.elapsed_time(end)
-    else:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        total_ms = (time.perf_counter() - t0) * 1e3
+    total_ms = dec.time_steps(step, steps, _on_cuda(model))
     return {"ms_per_step": total_ms / steps, "tokens_per_s": batch * steps / (total_ms / 1e3),
             "capacity": cache.capacity, "mean_context": context + warmup + (steps + 1) / 2, "captured": captured,
             "setup_s": setup_s, "first_call_s": first_call_s}

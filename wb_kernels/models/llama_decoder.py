@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["DecoderConfig", "TINY", "LLAMA_1B", "LLAMA_1B_D128", "Decoder", "KVCache", "gather_pages",
-           "sdpa_attend", "wb_attend", "FlashInferAttend", "float64_attend", "time_decode", "decode_step_roofline",
+           "sdpa_attend", "wb_attend", "FlashInferAttend", "float64_attend", "time_steps", "time_decode", "decode_step_roofline",
            "draw_decode_roofline"]
 
 
@@ -563,6 +563,23 @@ class _TimedAttend:
         return self.host_seconds * 1e3
 
 
+def time_steps(step, count: int, on_cuda: bool) -> float:
+    """Milliseconds that `count` back-to-back calls of `step` take: CUDA events around the loop on a GPU (the
+    device's time from the first launch to the last kernel's end), the wall clock on the CPU."""
+    if on_cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    started = time.perf_counter()
+    for _ in range(count):
+        step()
+    return (time.perf_counter() - started) * 1e3
+
+
 def time_decode(model: Decoder, *, batch: int, prompt_len: int, new_tokens: int, attend, paged: bool = False,
                 warmup: int = 3, page_size: int = 16, seed: int = 0) -> dict:
     """Time `new_tokens` greedy decode steps of `batch` random prompts of `prompt_len` tokens each.
@@ -590,20 +607,14 @@ def time_decode(model: Decoder, *, batch: int, prompt_len: int, new_tokens: int,
     cache.truncate(prompt_len)
     timed_attend = _TimedAttend(attend, on_cuda)
     token = first_token
+
+    def step():
+        nonlocal token
+        token = model.decode_step(token, cache, timed_attend).argmax(-1)
+
     if on_cuda:
         torch.cuda.synchronize(model.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(new_tokens):
-            token = model.decode_step(token, cache, timed_attend).argmax(-1)
-        end.record()
-        end.synchronize()
-        total_ms = start.elapsed_time(end)
-    else:
-        t0 = time.perf_counter()
-        for _ in range(new_tokens):
-            token = model.decode_step(token, cache, timed_attend).argmax(-1)
-        total_ms = (time.perf_counter() - t0) * 1e3
+    total_ms = time_steps(step, new_tokens, on_cuda)
     attention_ms = timed_attend.total_ms()
     return {
         "tokens_per_s": batch * new_tokens / (total_ms / 1e3),
