@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["DecoderConfig", "TINY", "LLAMA_1B", "LLAMA_1B_D128", "Decoder", "KVCache", "gather_pages",
-           "sdpa_attend", "wb_attend", "FlashInferAttend", "float64_attend", "time_steps", "time_decode", "decode_step_roofline",
-           "draw_decode_roofline"]
+           "sdpa_attend", "wb_attend", "FlashInferAttend", "float64_attend", "time_steps", "time_decode",
+           "decode_step_roofline", "draw_decode_roofline"]
 
 
 @dataclass(frozen=True)
