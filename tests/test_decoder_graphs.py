@@ -180,8 +180,8 @@ def test_the_gpu_plan_runs_every_row_once_with_the_compiled_rows_last(capsys):
     assert cells == {(b, c) for b in (1, 8, 64) for c in (1024, 8192, 32768)}
     assert tokens.main(["--plan"]) == 0  # on any machine: nothing runs
     printed = capsys.readouterr().out.splitlines()
-    assert printed[-1].startswith(f"{len(staged)} rows, 10 greedy checks; about ")
-    assert printed[-2] == "greedy check llama_1b: sdpa, contiguous, compile against sdpa, contiguous (eager)"
+    assert printed[-1].startswith(f"{len(staged)} rows, 11 greedy checks; about ")
+    assert printed[-2] == "greedy check llama_1b: wb, contiguous, compile against sdpa, contiguous (eager)"
 
 
 @pytest.mark.parametrize("change, message", [
@@ -205,7 +205,7 @@ def test_the_command_line_drops_the_sweep_or_the_compiled_cells(capsys):
     out = capsys.readouterr().out
     assert "|compile|" not in out and "compile against" not in out and "|graph|" in out
     assert tokens.main(["--plan", "--compile-cells", "1x1024,64x8192", "--num-splits", "4"]) == 0
-    assert capsys.readouterr().out.count("|compile|") == 2
+    assert capsys.readouterr().out.count("|compile|") == 2 * 3  # SDPA, wb contiguous and paged
     with pytest.raises(SystemExit):
         tokens.main(["--plan", "--compile-cells", "1by1024"])
 

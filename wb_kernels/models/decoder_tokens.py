@@ -108,9 +108,11 @@ SMOKE_SETTINGS = Settings(configs=("tiny",), dtype="float32", device="cpu", batc
                           sweep_configs=("tiny",), sweep_batches=(2,), sweep_contexts=(16,), compile_cells=((2, 16),),
                           compile_backend="eager")
 # The contenders of the sweep, (mode, layout, attend): hand-captured graphs with SDPA and wb.decode on both layouts,
-# and torch.compile(mode="reduce-overhead") with SDPA on the contiguous cache (where compile_cells say)
+# and torch.compile(mode="reduce-overhead") with SDPA and wb.decode (where compile_cells say): Inductor fuses the
+# step's elementwise operators (norms, RoPE, SiLU) into a few kernels, which a hand-captured graph replays one by one
 SWEEP_CONTENDERS = (("graph", "contiguous", "sdpa"), ("graph", "paged", "sdpa"), ("graph", "contiguous", "wb"),
-                    ("graph", "paged", "wb"), ("compile", "contiguous", "sdpa"))
+                    ("graph", "paged", "wb"), ("compile", "contiguous", "sdpa"), ("compile", "contiguous", "wb"),
+                    ("compile", "paged", "wb"))
 
 NOTES = {
     "modes": "eager: the decoder as it is, every step launched from Python (time_decode: a real prefill of the "
@@ -503,7 +505,7 @@ def add_ratios(results: dict) -> dict:
 # paged one; then the sweep's modes (mode, layout, attend), each against the same eager SDPA
 GREEDY_OTHERS = (("wb", "contiguous"), ("wb", "paged"), ("flashinfer", "paged"))
 GREEDY_MODES = (("graph", "contiguous", "sdpa"), ("graph", "contiguous", "wb"), ("graph", "paged", "wb"),
-                ("compile", "contiguous", "sdpa"))
+                ("compile", "contiguous", "sdpa"), ("compile", "contiguous", "wb"))
 
 
 def _greedy_prompt(config_name, settings, model) -> torch.Tensor:
