@@ -13,6 +13,9 @@
 #   BENCH_PRESET=decode scripts/gpu_check.sh bench     the decode preset instead of "all": wb.decode against SDPA,
 #                                        FlexAttention and a copy, into results/decode/bench_<gpu>.json (about
 #                                        5 min on an H100; BENCH_PRESET=decode-bar: its bar shapes, about 2.5 min)
+#   BENCH_PRESET=hopper-bar scripts/gpu_check.sh build bench    the hopper rung's bar (issue 31) against mma, SDPA
+#                                        FLASH/cuDNN and FlashInfer fa3 into results/hopper/bench_<gpu>.json, the table
+#                                        of TFLOP/s and ratios to cuDNN in logs/bench.log (about 3 min on an H100)
 #   scripts/gpu_check.sh build backward the gradients (lesson 08): the backward benchmark's bar problems and the
 #                                        per-call cost (BACKWARD_PRESET=backward for all of it, 12-20 min) into
 #                                        results/backward/bench_<gpu>.json, then the character-level transformer
@@ -135,7 +138,8 @@ if has accuracy; then
   run_step accuracy 150 python3 scripts/error_vs_pytorch.py
 fi
 if has bench; then
-  # BENCH_PRESET=decode (or decode-bar) writes results/decode/bench_<gpu>.json instead of results/bench/
+  # BENCH_PRESET=decode (or decode-bar) writes results/decode/bench_<gpu>.json instead of results/bench/, hopper-bar
+  # results/hopper/bench_<gpu>.json
   run_step bench "${BENCH_LIMIT:-600}" python3 -m wb_kernels.bench --preset "${BENCH_PRESET:-all}" --time-failed-checks \
     --time-budget $(( ${BENCH_LIMIT:-600} - 60 ))  # a run cut short is resumed by the same command
 fi

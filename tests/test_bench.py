@@ -73,7 +73,8 @@ def test_mma_preset_covers_the_rungs_workloads():
     assert set(sweep.configs) == expected and len(sweep.configs) == len(expected)
     assert "mma" in bench.PRESETS["public"][0].contenders and "flex" in bench.PRESETS["public"][0].contenders
     assert "mma" in sweeps.GPU_PRESETS and "mma" in sweeps.ALL_PRESETS
-    assert set(sweeps.ALL_PRESETS) == set(sweeps.PRESET_HELP) - {"smoke", "all"} - set(sweeps.DECODE_PRESETS)
+    assert set(sweeps.ALL_PRESETS) == (set(sweeps.PRESET_HELP) - {"smoke", "all"} - set(sweeps.DECODE_PRESETS)
+                                       - set(sweeps.RUNG_PRESETS))
 
 
 def test_a_stage_not_registered_yet_is_dropped_quietly():
@@ -392,7 +393,7 @@ def test_every_baseline_has_a_color_and_a_line_style():
 
     for name in bench.BASELINES:
         assert name in figures._BASELINE_COLORS and name in figures._BASELINE_STYLE, name
-    assert "mma" in STAGE_COLORS
+    assert {"mma", "hopper"} <= set(STAGE_COLORS)
 
 
 def test_update_readme_rewrites_only_the_block(tmp_path):
@@ -891,3 +892,91 @@ def test_the_timing_puzzle_names_the_lie_and_rejects_a_stub():
         raise KeyError("oops")
 
     assert "raised KeyError" in puzzle_verdict(exercises.PUZZLE, raises)
+
+
+# ---------------------------------------------------------------- grouped-query problems and the hopper rung's bar
+
+
+def test_grouped_query_configs_have_their_own_keys_and_byte_counts():
+    mha, gqa = bench.Config(4, 32, 4096, 128, "float16", True), bench.Config(4, 32, 4096, 128, "float16", True, Hk=8)
+    assert mha.kv_heads == 32 and gqa.kv_heads == 8 and mha.shape_key == (4, 32, 4096, 128) != gqa.shape_key
+    assert bench.record_key("mma", mha) == "mma|float16|B4|H32|L4096|D128|causal"  # as every committed file has it
+    assert bench.record_key("mma", gqa) == "mma|float16|B4|H32|Hk8|L4096|D128|causal"
+    assert bench.record_key("mma", bench.Config(4, 32, 4096, 128, "float16", True, Hk=32)) == bench.record_key("mma", mha)
+    # q and the output with 32 heads, k and v with 8
+    assert bench.minimum_bytes(1, 32, 4, 4, 2, itemsize=2, Hk=8) == 2 * 2 * (2 * 32 * 4 + 2 * 8 * 4)
+    assert bench.minimum_bytes(1, 32, 4, 4, 2, itemsize=2, Hk=32) == bench.minimum_bytes(1, 32, 4, 4, 2, itemsize=2)
+
+
+def test_a_grouped_query_sweep_runs_and_is_checked(tmp_path):
+    """k and v with fewer heads reach every contender: the stage, SDPA (enable_gqa) and eager PyTorch (heads repeated);
+    each is checked against the float64 reference of query head 0 (which reads key/value head 0)."""
+    configs = (bench.Config(1, 4, 13, 16, "float32", True, Hk=2), bench.Config(1, 4, 9, 16, "float32", False, Hk=1))
+    sweep = bench.Sweep("gqa", ("reference", "sdpa", "torch-eager"), configs)
+    results = measure.run([sweep], tmp_path / "gqa.json", progress=False, log=lambda *a: None,
+                          policy=measure.TimingPolicy(seconds=0.005, min_repeats=2))
+    records = results["records"]
+    assert len(records) == 6 and all(r["status"] == "ok" and r["check"]["passed"] for r in records)
+    assert {(r["H"], r["Hk"]) for r in records} == {(4, 2), (4, 1)}
+    assert {r["key"].split("|")[4] for r in records} == {"Hk2", "Hk1"}
+
+
+def test_hopper_bar_preset_is_the_issues_workload():
+    """Issue 31: fp16/bf16, D 64 and 128, L 512..16384 at 16k tokens and 16 heads, causal and not, and GQA with 32
+    query heads on 8 key/value heads; hopper against mma, SDPA's FLASH and cuDNN and FlashInfer's FA3, in a file of
+    its own (results/hopper/)."""
+    (sweep,) = bench.PRESETS["hopper-bar"]
+    assert sweep.contenders[0] == "hopper"
+    assert set(sweep.contenders) == {"hopper", "mma", "sdpa-flash", "sdpa-cudnn", "flashinfer-fa3"}
+    mha = {(c.B, c.H, c.L, c.D, c.dtype, c.causal) for c in sweep.configs if c.kv_heads == c.H}
+    assert mha == {(bench.TOKENS // L, 16, L, D, dtype, causal) for L in bench.LADDER_LENGTHS for D in (64, 128)
+                   for dtype in ("float16", "bfloat16") for causal in (False, True)}
+    gqa = [c for c in sweep.configs if c.kv_heads != c.H]
+    assert gqa and all((c.H, c.kv_heads) == (32, 8) for c in gqa)
+    assert {(c.dtype, c.causal) for c in gqa} == {(d, c) for d in ("float16", "bfloat16") for c in (False, True)}
+    assert sweeps.RUNG_PRESETS["hopper-bar"] == "hopper" and "hopper-bar" in sweeps.GPU_PRESETS
+    assert "hopper-bar" not in sweeps.ALL_PRESETS  # not in the ladder's file
+
+
+def test_a_rung_preset_runs_alone_and_on_a_gpu(capsys, tmp_path):
+    out = tmp_path / "x.json"
+    assert bench.main(["--preset", "hopper-bar", "--preset", "smoke", "--out", str(out)]) == 2
+    assert "file of its own" in capsys.readouterr().err
+    if ON_SIMULATOR:
+        assert bench.main(["--preset", "hopper-bar", "--out", str(out)]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_rung_bar_table_gives_tflops_and_ratios_to_cudnn():
+    config, gqa = bench.Config(4, 16, 4096, 128, "float16", False), bench.Config(4, 32, 4096, 128, "bfloat16", True, 8)
+    sweep = bench.Sweep("bar", ("hopper", "mma", "sdpa-cudnn", "flashinfer-fa3"), (config, gqa))
+
+    def record(name, kind, ms, c=config, **extra):
+        return {"key": bench.record_key(name, c), "contender": name, "kind": kind, "status": "ok", "median_ms": ms,
+                "tflops": 600 / ms, **extra}
+
+    records = [record("hopper", "stage", 1.0), record("mma", "stage", 2.0), record("sdpa-cudnn", "baseline", 1.1),
+               record("flashinfer-fa3", "baseline", 0.9), record("hopper", "stage", 3.0, gqa),
+               record("sdpa-cudnn", "baseline", 1.5, gqa, check_failed=True)]
+    results = bench.add_speedups({"environment": {"gpu": "Test GPU", "backend": "gpu", "date": "2026-11-26"},
+                                  "timing": dict(measure.DEVICE_TIME), "records": records})
+    lines = results_file.rung_bar_table(results, sweep).splitlines()
+    assert lines[2] == "| dtype | D | causal | B | H | Hk | L | hopper | mma | sdpa-cudnn | flashinfer-fa3 | " \
+                       "hopper ×sdpa-cudnn | hopper ×best |"
+    assert lines[4] == "| float16 | 128 | no | 4 | 16 | 16 | 4096 | 600 | 300 | 545 | 667 | 1.10 | 0.90 (flashinfer-fa3) |"
+    # a baseline outside the check tolerance is marked and is no peer to beat; its ratio is still shown
+    assert lines[5] == "| bfloat16 | 128 | yes | 4 | 32 | 8 | 4096 | 200 | – | 400 † | – | 0.50 | – |"
+
+
+def test_the_overview_reads_the_hopper_rungs_own_file():
+    """Until a full run times the hopper rung, its preset's own file (results/hopper/, where the hopper-bar preset
+    writes on an H100) gives its line of the overview, grouped-query problems named with their Hk."""
+    assert dashboard.RUNG_RESULTS["hopper"] == bench.REPO_ROOT / "results" / sweeps.RUNG_PRESETS["hopper-bar"] / \
+        "bench_h100.json"
+    mma = bench.load_results(bench.REPO_ROOT / "results" / "mma" / "bench_h100.json")
+    records = [dict(r, contender="hopper", key=r["key"].replace("mma|", "hopper|", 1), Hk=4)
+               for r in mma["records"] if r["contender"] == "mma"]
+    (line,) = [line for line in dashboard.overview_lines({"hopper": dict(mma, records=records)})
+               if line.startswith("hopper")]
+    assert " Hk4 " in line and "TFLOP/s" in line

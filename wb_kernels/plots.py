@@ -41,6 +41,7 @@ STAGE_COLORS = {
     "flash": "#2ca02c",
     "wmma": "#1f77b4",
     "mma": "#393b79",
+    "hopper": "#843c39",
     "sdpa": "#9467bd",
 }
 

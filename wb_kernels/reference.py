@@ -24,8 +24,8 @@ import numpy as np
 
 from .validation import CAUSAL_ALIGNMENTS, validate_inputs
 
-__all__ = ["reference", "reference_backward", "sum_kv_groups", "attention_mask", "causal_offset", "repeat_kv_heads", "CAUSAL_ALIGNMENTS", "safe_softmax",
-           "naive_softmax"]
+__all__ = ["reference", "reference_backward", "sum_kv_groups", "attention_mask", "causal_offset", "positive_scale",
+           "repeat_kv_heads", "CAUSAL_ALIGNMENTS", "safe_softmax", "naive_softmax"]
 
 def _as_float64(x) -> np.ndarray:
     if hasattr(x, "detach"):  # a torch tensor, on any device
@@ -47,6 +47,24 @@ def causal_offset(causal, Lq: int, Lk: int):
                              f"(True = 'top_left'), got {causal!r}")
         return Lk - Lq if causal == "bottom_right" else 0
     return 0 if causal else None
+
+
+def positive_scale(q, scale):
+    """``(q', scale')`` with ``scale' > 0`` and ``scale' * (q' . k) = scale * (q . k)`` for every key, for kernels that
+    need a positive scale (the tensor-core rungs ``mma`` and ``hopper``); `scale` None is 1/sqrt(D).
+
+    Such a kernel tracks each row's maximum of the raw scores q . k and scales afterwards, which gives the maximum of
+    the scaled scores only for a positive scale. A negative one: scale * (q . k) = |scale| * (-q . k), and negating
+    a 16-bit number is exact. Zero: a masked score is -inf before it is scaled, and -inf * 0 is NaN, so
+    0 * (q . k) = 1 * (q * 0 . k) instead; q * 0 rather than zeros, so that a NaN or an Inf in q stays a NaN there
+    (0 * Inf = NaN) and the row becomes NaN, as 0 * (q . k) is NaN in the reference. NumPy arrays and torch tensors.
+    """
+    scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    if scale < 0:
+        return -q, -scale
+    if scale == 0:
+        return q * 0, 1.0
+    return q, scale
 
 
 def repeat_kv_heads(x, H: int):

@@ -8,12 +8,13 @@
     python -m wb_kernels.bench --update-readme results/bench/FILE.json  # README's performance table
     python -m wb_kernels.bench --preset decode --json results/decode/bench_h100.json --time-budget 480  # decode
     python -m wb_kernels.bench --preset backward --time-budget 540     # gradients: results/backward/bench_<gpu>.json
+    python -m wb_kernels.bench --preset hopper-bar --time-budget 300   # the hopper rung's bar: results/hopper/
 
 Flags become :class:`~wb_kernels.bench.sweeps.Sweep` objects and a
 :class:`~wb_kernels.bench.measure.TimingPolicy` for :func:`~wb_kernels.bench.measure.run`, timing every preset
 with :data:`wb_kernels.timing.DEVICE_TIME` (recorded in the results file); the decode presets go to
 :func:`~wb_kernels.bench.decode.run_decode` and the backward presets to :func:`~wb_kernels.bench.backward.run_backward`
-instead, each into a file of its own. A request that cannot run here is a
+instead, each into a file of its own, as a rung's preset (``hopper-bar``) goes into results/<rung>/. A request that cannot run here is a
 one-line error and exit code 2.
 """
 
@@ -32,9 +33,9 @@ from .backward import default_backward_output, run_backward, update_backward_rea
 from .decode import default_decode_output, run_decode
 from .measure import TimingPolicy, _device, contenders, run
 from .ncu_traffic import recorded_arguments
-from .results import REPO_ROOT, default_output, load_results, update_readme
+from .results import REPO_ROOT, default_output, load_results, rung_bar_table, update_readme
 from .sweeps import (ALL_PRESETS, BACKWARD_PRESET_HELP, BASELINE_HELP, BASELINES, DECODE_PRESETS, GPU_PRESETS,
-                     PRESET_HELP, PRESETS, TOKENS, Config, Refused, Sweep)
+                     PRESET_HELP, PRESETS, RUNG_PRESETS, TOKENS, Config, Refused, Sweep)
 
 __all__ = ["main"]
 
@@ -131,6 +132,13 @@ def _custom_sweep(args, on_cuda: bool) -> Optional[Sweep]:
     return Sweep("custom", tuple(stages) + tuple(baselines), tuple(configs))
 
 
+def _rung_output(preset: str) -> Path:
+    """results/<rung>/bench_<gpu>.json for a rung's preset (sweeps.RUNG_PRESETS; needs a GPU, as the preset does)."""
+    from .decode import gpu_short_name
+
+    return REPO_ROOT / "results" / RUNG_PRESETS[preset] / f"bench_{gpu_short_name()}.json"
+
+
 def _listing() -> str:
     lines = ["presets:"] + [f"  {n:15s} {t}" for n, t in EVERY_PRESET_HELP.items()] + ["stages (this package):"]
     for name, stage in available_stages().items():
@@ -170,7 +178,8 @@ def main(argv=None) -> int:
             presets = ["smoke"]
         decode = [p for p in dict.fromkeys(presets) if p in DECODE_PRESETS]
         backward = [p for p in dict.fromkeys(presets) if p in BACKWARD_GROUPS]
-        for own, what in ((decode, "decode problems"), (backward, "gradients")):
+        rung = [p for p in dict.fromkeys(presets) if p in RUNG_PRESETS]
+        for own, what in ((decode, "decode problems"), (backward, "gradients"), (rung, "a rung's problems")):
             if own and (len(own) != len(presets) or custom is not None):
                 raise Refused(f"preset {', '.join(own)} measures {what} into a file of its own: run it "
                               "without other presets or free flags (--stages, --lengths, ...)")
@@ -190,7 +199,7 @@ def main(argv=None) -> int:
         policy = TimingPolicy(seconds=seconds, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
                               method=method, time_failed_checks=args.time_failed_checks)
         out = (default_decode_output(on_cuda) if decode else default_backward_output(on_cuda) if backward
-               else default_output("cuda" if on_cuda else "cpu"))
+               else _rung_output(rung[0]) if rung else default_output("cuda" if on_cuda else "cpu"))
         if args.out is not None:  # a folder (existing, or written with a trailing slash) gets the default name
             folder = args.out.is_dir() or str(args.out).endswith(("/", "\\"))
             out = args.out / out.name if folder else args.out
@@ -213,8 +222,10 @@ def main(argv=None) -> int:
                 sweeps.append(custom)
             run(sweeps, out, policy=policy, resume=not args.fresh, seed=args.seed, progress=not args.no_progress,
                 time_budget=args.time_budget, honesty="honesty" in presets, explicit=explicit, command=command)
-        # (the backward file has its table, not figures of its own yet)
-        wants_figures = not backward and ((on_cuda and not args.no_figures) or args.figures is True)
+            for sweep in (sweeps if rung else []):  # a rung's bar: every row, with its ratios, in the log
+                print(rung_bar_table(load_results(out), sweep))
+        # (the backward file has its table, not figures of its own yet; a rung's run leaves the ladder's figures be)
+        wants_figures = not backward and ((on_cuda and not args.no_figures and not rung) or args.figures is True)
         if wants_figures and any(r["status"] == "ok" for r in load_results(out)["records"]):
             from .figures import save_all
 

@@ -14,10 +14,13 @@ from .figures import dashboard_figure, roofline_point, series, views
 from .results import REPO_ROOT, committed_decode_results, committed_results, load_results, same_timing, timing_method
 
 __all__ = ["committed_results_path", "load", "choices", "lengths", "summary_rows", "draw", "dashboard_widget",
-           "MMA_RESULTS", "overview_sources", "overview_lines"]
+           "MMA_RESULTS", "RUNG_RESULTS", "overview_sources", "overview_lines"]
 
 # The mma preset's own run (lesson 06's file): where the mma rung's prefill numbers are until a full run holds them.
 MMA_RESULTS = REPO_ROOT / "results" / "mma" / "bench_h100.json"
+# The rungs' own runs, read for the overview when the newest full run did not time the rung: the mma preset's, and the
+# hopper-bar preset's (sweeps.RUNG_PRESETS), each on the H100.
+RUNG_RESULTS = {"mma": MMA_RESULTS, "hopper": REPO_ROOT / "results" / "hopper" / "bench_h100.json"}
 
 
 def committed_results_path() -> Path | None:
@@ -115,14 +118,16 @@ def dashboard_widget(results):
 
 def overview_sources() -> dict:
     """{path relative to the repository: results} for the ladder overview: the newest committed GPU benchmark file,
-    the mma preset's file when that one holds no mma timing, and the newest decode benchmark file."""
+    a rung's own file (RUNG_RESULTS) when that one holds no timing of the rung, and the newest decode benchmark
+    file."""
     files = {}
     path = committed_results("gpu")
     if path is not None:
         files[path] = load_results(path)
-    if not any(r.get("contender") == "mma" and r.get("status") == "ok" for f in files.values() for r in f["records"]) \
-            and MMA_RESULTS.exists():
-        files[MMA_RESULTS] = load_results(MMA_RESULTS)
+    for rung, own in RUNG_RESULTS.items():
+        if not any(r.get("contender") == rung and r.get("status") == "ok" for f in files.values()
+                   for r in f["records"]) and own.exists():
+            files[own] = load_results(own)
     decode = committed_decode_results()
     if decode is not None:
         files[decode] = load_results(decode)
@@ -138,7 +143,8 @@ def _prefill_row(name, results, source):
     r = max(timed, key=lambda r: r["tflops"])
     view = {"dtype": r["dtype"], "D": r["D"], "causal": r["causal"]}
     point = roofline_point(results, name, view)
-    where = f"{r['dtype']} B{r['B']} H{r['H']} L{r['Lq']} D{r['D']}{' causal' if r['causal'] else ''}"
+    kv_heads = f" Hk{r['Hk']}" if r.get("Hk", r["H"]) != r["H"] else ""
+    where = f"{r['dtype']} B{r['B']} H{r['H']}{kv_heads} L{r['Lq']} D{r['D']}{' causal' if r['causal'] else ''}"
     roof = f"{r['tflops'] / min(point['peak'], point['bandwidth'] * 1e9 * r['intensity'] / 1e12):.0%} of roof" \
         if point else "no ceilings"
     return {"stage": name, "source": source, "problem": where, "value": f"{r['tflops']:.0f} TFLOP/s", "roof": roof}
@@ -160,7 +166,7 @@ def _decode_rows(results, source):
 
 
 def overview_lines(files: dict, label: bool = False) -> list:
-    """One line per rung of the ladder (naive ... mma: its best TFLOP/s and the fraction of its roof; decode: its
+    """One line per rung of the ladder (naive ... hopper: its best TFLOP/s and the fraction of its roof; decode: its
     GB/s at the bar's shapes and the fraction of the copy ceiling), each from the first of `files` ({name: results},
     :func:`overview_sources`) that timed it, with the file it came from.
 
@@ -173,7 +179,7 @@ def overview_lines(files: dict, label: bool = False) -> list:
     else:
         head = ["NOT one comparison: each line is timed as its file was (the last column)"]
     rows = []
-    stages = [name for name in ("naive", "tiled", "flash", "wmma", "mma")]
+    stages = [name for name in ("naive", "tiled", "flash", "wmma", "mma", "hopper")]
     for name in stages:
         row = next((row for source, results in files.items() if results.get("kind") != "decode"
                     for row in [_prefill_row(name, results, source)] if row), None)

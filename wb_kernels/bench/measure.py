@@ -81,27 +81,37 @@ def sdpa_call(q, k, v, backend_name: Optional[str], **options) -> Callable:
     return call
 
 
+def _gqa_options(q, k) -> dict:
+    """``enable_gqa=True`` for SDPA and FlexAttention when k and v have fewer heads than q (grouped-query attention);
+    nothing otherwise, so that multi-head problems call them exactly as before."""
+    return {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+
+
 def _sdpa_prepare(backend_name: Optional[str]):
     def prepare(q, k, v, causal):
-        return sdpa_call(q, k, v, backend_name, is_causal=causal), None
+        return sdpa_call(q, k, v, backend_name, is_causal=causal, **_gqa_options(q, k)), None
 
     return prepare
 
 
 def _eager_prepare(q, k, v, causal):
     """softmax(q k^T * scale) v as three PyTorch ops, the way attention is written by hand.
-    The softmax runs in float32 (as real models do), so half precision stays accurate."""
+    The softmax runs in float32 (as real models do), so half precision stays accurate. Grouped-query K and V are
+    repeated to q's heads in the call, as hand-written model code does."""
     import torch
+
+    from ..reference import repeat_kv_heads
 
     scale = q.shape[-1] ** -0.5
     L, Lk = q.shape[-2], k.shape[-2]
     mask = torch.ones(L, Lk, dtype=torch.bool, device=q.device).tril() if causal else None
 
     def call():
-        scores = (q @ k.transpose(-1, -2)) * scale
+        keys, values = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
+        scores = (q @ keys.transpose(-1, -2)) * scale
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
 
     return call, None
 
@@ -119,7 +129,7 @@ def _vllm_prepare(q, k, v, causal):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     B, H, L, D = q.shape
-    qt, kt, vt = (x.transpose(1, 2).reshape(B * L, H, D).contiguous() for x in (q, k, v))
+    qt, kt, vt = (x.transpose(1, 2).reshape(B * L, x.shape[1], D).contiguous() for x in (q, k, v))
     cu = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=q.device)
 
     def call():
@@ -151,8 +161,10 @@ def _flex_prepare(q, k, v, causal):
     block_mask = (create_block_mask(_causal_mask_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
                   if causal else None)
 
+    gqa = _gqa_options(q, k)
+
     def call():
-        return compiled(q, k, v, block_mask=block_mask)
+        return compiled(q, k, v, block_mask=block_mask, **gqa)
 
     call()  # the compilation happens on this first call
     return call, None
@@ -280,9 +292,10 @@ class _InputCache:
 
         if config.shape_key != self.shape:
             self.clear()
-            B, H, L, D = config.shape_key
-            self.master = random_qkv(B, H, L, D, dtype="float64", framework="torch", device=_device(),
-                                     seed=self.seed)
+            q, k, v = random_qkv(config.B, config.H, config.L, config.D, dtype="float64", framework="torch",
+                                 device=_device(), seed=self.seed)
+            # grouped-query attention: k and v keep their first Hk heads
+            self.master = (q, k[:, :config.kv_heads], v[:, :config.kv_heads])
             self.shape = config.shape_key
         if config.dtype not in self.by_dtype:
             self.by_dtype = {config.dtype: tuple(x.to(getattr(torch, config.dtype)).contiguous()
@@ -402,10 +415,10 @@ def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPol
 
     q, k, v = inputs
     record = {"key": record_key(contender.name, config), "contender": contender.name, "kind": contender.kind,
-              "dtype": config.dtype, "B": config.B, "H": config.H, "Lq": config.L, "Lk": config.L,
-              "D": config.D, "causal": config.causal}
+              "dtype": config.dtype, "B": config.B, "H": config.H, "Hk": config.kv_heads, "Lq": config.L,
+              "Lk": config.L, "D": config.D, "causal": config.causal}
     flops = attention_flops(config.B, config.H, config.L, config.L, config.D, config.causal)
-    nbytes = minimum_bytes(config.B, config.H, config.L, config.L, config.D, _ITEMSIZE[config.dtype])
+    nbytes = minimum_bytes(config.B, config.H, config.L, config.L, config.D, _ITEMSIZE[config.dtype], config.kv_heads)
     record.update(flops=flops, bytes_min=nbytes, intensity=_sig(flops / nbytes))
     if contender.workspace_bytes is not None:
         record["workspace_bytes"] = int(contender.workspace_bytes(config.B, config.H, config.L, config.L, config.D))

@@ -28,7 +28,8 @@ from .sweeps import BASELINES, PUBLIC_CONFIGS, Config, Refused, record_key
 __all__ = ["SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "README_BASELINES",
            "environment", "git_commit", "load_results", "save_results", "add_speedups", "default_output",
            "committed_results",
-           "readme_table", "decode_readme_table", "decode_bar_lines", "update_readme", "committed_decode_results",
+           "readme_table", "decode_readme_table", "decode_bar_lines", "rung_bar_table", "update_readme",
+           "committed_decode_results",
            "README_DECODE_START", "README_DECODE_END", "README_DECODE_VIEW", "timing_method", "same_timing",
            "MixedTiming"]
 
@@ -452,6 +453,38 @@ def decode_bar_lines(results: dict) -> list:
             vs = f"{sdpa['ratio']:.2f}x the fastest SDPA ({sdpa['backend']})" if sdpa else "no SDPA in the run"
             lines.append(f"{shape:45s} {fraction:6.1%} of copy: {verdict}; {vs}")
     return lines
+
+
+def rung_bar_table(results: dict, sweep, *, reference: str = "sdpa-cudnn",
+                   peers: tuple = ("sdpa-cudnn", "flashinfer-fa3")) -> str:
+    """A rung preset's run (``hopper-bar``: sweeps.RUNG_PRESETS) as Markdown, one row per problem of `sweep`: every
+    contender's TFLOP/s, and the rung's (the sweep's first contender) speed over `reference`'s and over the faster
+    of `peers`, all from the same run (>1: the rung is faster). A row appears when anything was timed there."""
+    ours = sweep.contenders[0]
+    by_key = {r["key"]: r for r in results["records"]}
+    lines = [_measured_on(results["environment"], None) + f". Timed as: {_timing_words(results)}. TFLOP/s "
+             f"(4 B H L² D, halved for causal); a dash: not run, skipped or failed its check; †: outside the check "
+             f"tolerance, timed anyway. ×{reference}: {reference}'s median over {ours}'s; ×best: the fastest of "
+             f"{', '.join(peers)} over {ours}'s, and which it was (>1: {ours} is faster).", "",
+             "| dtype | D | causal | B | H | Hk | L | " + " | ".join(sweep.contenders)
+             + f" | {ours} ×{reference} | {ours} ×best |",
+             "|---|---:|:---:|---:|---:|---:|---:|" + "---:|" * (len(sweep.contenders) + 2)]
+    for config in sweep.configs:
+        timed = {name: by_key.get(record_key(name, config)) for name in sweep.contenders}
+        timed = {name: r for name, r in timed.items() if r and r.get("status") == "ok"}
+        if not timed:
+            continue
+        cells = [f"{timed[name]['tflops']:.0f}{' †' if timed[name].get('check_failed') else ''}" if name in timed
+                 else "–" for name in sweep.contenders]
+        ratios = (timed[ours].get("speedup_vs") or {}) if ours in timed else {}
+        against = {peer: ratios[peer] for peer in peers
+                   if peer in ratios and not by_key[record_key(peer, config)].get("check_failed")}
+        best = min(against, key=against.get) if against else None
+        cells += [f"{ratios[reference]:.2f}" if reference in ratios else "–",
+                  f"{against[best]:.2f} ({best})" if best else "–"]
+        lines.append(f"| {config.dtype} | {config.D} | {'yes' if config.causal else 'no'} | {config.B} | {config.H} | "
+                     f"{config.kv_heads} | {config.L} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 README_MMA_START = "<!-- perf-table-mma:start -->"

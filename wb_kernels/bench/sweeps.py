@@ -11,10 +11,11 @@ torch, so that ``--help``, ``--list`` and the README table read it without touch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 __all__ = ["Config", "Sweep", "PRESETS", "PRESET_HELP", "GPU_PRESETS", "ALL_PRESETS", "PUBLIC_CONFIGS",
            "LADDER_LENGTHS", "TOKENS", "BASELINES", "BASELINE_HELP", "attention_flops", "minimum_bytes", "record_key",
-           "Refused", "DecodeWorkload", "DECODE_PRESETS", "DECODE_BAR", "DECODE_BAR_FRACTION", "DECODE_GOAL_FRACTION", "DECODE_LENGTHS", "DECODE_LAYOUTS",
+           "Refused", "RUNG_PRESETS", "DecodeWorkload", "DECODE_PRESETS", "DECODE_BAR", "DECODE_BAR_FRACTION", "DECODE_GOAL_FRACTION", "DECODE_LENGTHS", "DECODE_LAYOUTS",
            "DECODE_PAGE_SIZE", "decode_kv_bytes", "decode_record_key", "BACKWARD_PRESET_HELP"]
 
 # The configurations other public attention-kernel projects report (B, H, L, D), so that numbers
@@ -27,7 +28,8 @@ TOKENS = 16384  # B * L of the GPU sweeps
 
 @dataclass(frozen=True)
 class Config:
-    """One problem: shapes, dtype and masking. Lq == Lk throughout the benchmark."""
+    """One problem: shapes, dtype and masking. Lq == Lk throughout the benchmark. ``Hk``: key/value heads, each shared
+    by H // Hk query heads (grouped-query attention); None, the default, is H of them (multi-head attention)."""
 
     B: int
     H: int
@@ -35,10 +37,16 @@ class Config:
     D: int
     dtype: str
     causal: bool
+    Hk: Optional[int] = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.H if self.Hk is None else self.Hk
 
     @property
     def shape_key(self):
-        return (self.B, self.H, self.L, self.D)
+        """What the inputs depend on: (B, H, L, D), and Hk after them for grouped-query attention."""
+        return (self.B, self.H, self.L, self.D) + (() if self.kv_heads == self.H else (self.kv_heads,))
 
 
 @dataclass(frozen=True)
@@ -56,16 +64,17 @@ def attention_flops(B: int, H: int, Lq: int, Lk: int, D: int, causal: bool) -> f
     return flops / 2 if causal else flops
 
 
-def minimum_bytes(B: int, H: int, Lq: int, Lk: int, D: int, itemsize: int) -> float:
-    """The traffic no exact kernel can avoid: read q, k, v once and write the output once."""
-    return float(itemsize) * B * H * D * (2 * Lq + 2 * Lk)
+def minimum_bytes(B: int, H: int, Lq: int, Lk: int, D: int, itemsize: int, Hk: Optional[int] = None) -> float:
+    """The traffic no exact kernel can avoid: read q, k, v once and write the output once (k and v have Hk heads;
+    None: H)."""
+    return float(itemsize) * B * D * (2 * H * Lq + 2 * (H if Hk is None else Hk) * Lk)
 
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
-def _tokens_configs(lengths, D, dtypes, causals, H=16, tokens=TOKENS):
-    return tuple(Config(max(1, tokens // L), H, L, D, dtype, causal)
+def _tokens_configs(lengths, D, dtypes, causals, H=16, tokens=TOKENS, Hk=None):
+    return tuple(Config(max(1, tokens // L), H, L, D, dtype, causal, Hk)
                  for dtype in dtypes for causal in causals for L in lengths)
 
 
@@ -82,6 +91,11 @@ def _preset_sweeps() -> dict:
     small_public = tuple(Config(1, 16, 512, 64, "float16", causal) for causal in (False, True))
     mma_configs = tuple(c for D in (64, 128)
                         for c in _tokens_configs(LADDER_LENGTHS, D, ("float16", "bfloat16"), (False, True)))
+    # The hopper rung's bar (issue 31): the mma preset's problems (fp16/bf16, D 64/128, L 512..16384 at 16k tokens,
+    # causal and not) and grouped-query attention with 32 query heads on 8 key/value heads, timed against the rung
+    # below it and the fastest kernels a PyTorch user has on Hopper: SDPA's FLASH (FlashAttention-2) and cuDNN
+    # backends, and FlashInfer's FA3 (FlashAttention-3's Hopper kernels) where installed.
+    gqa_configs = _tokens_configs((4096,), 128, ("float16", "bfloat16"), (False, True), H=32, Hk=8)
     every_baseline = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "torch-eager", "flex",
                       "flash_attn", "vllm", "flashinfer-fa2", "flashinfer-fa3")
     return {
@@ -95,6 +109,8 @@ def _preset_sweeps() -> dict:
         "mma": [Sweep("mma", ("wmma", "mma", "sdpa-flash", "sdpa-cudnn", "sdpa", "flex", "flashinfer-fa2",
                               "flashinfer-fa3"),
                       mma_configs + small_public)],
+        "hopper-bar": [Sweep("hopper-bar", ("hopper", "mma", "sdpa-flash", "sdpa-cudnn", "flashinfer-fa3"),
+                             mma_configs + gqa_configs)],
     }
 
 
@@ -108,6 +124,10 @@ PRESET_HELP = {
     "public": "every stage and baseline at the configurations other projects report (fp16)",
     "mma": "mma vs wmma, SDPA default/FLASH/cuDNN, FlexAttention, FlashInfer fa2/fa3 (where installed): fp16/bf16, "
            "D=64/128, L=512..16384, B*L=16k, H=16, causal and not; and B=1 H=16 L=512 D=64 fp16",
+    "hopper-bar": "the hopper rung's bar (issue 31): hopper vs mma, SDPA FLASH/cuDNN and FlashInfer fa3 (where "
+                  "installed): fp16/bf16, D=64/128, L=512..16384, B*L=16k, H=16, causal and not; GQA H=32 Hk=8 "
+                  "B=4 L=4096 D=128. Own file: results/hopper/bench_<gpu>.json, with TFLOP/s and the ratios to cuDNN "
+                  "printed (about 3 min on an H100)",
     "honesty": "the honest-benchmarking demonstrations of lesson 10 (GPU only)",
     "all": "public + ladder + flash-fp32 + tensor-cores + mma + honesty (the committed GPU run)",
     "decode": "one new token per sequence against a KV cache: wb.decode and its kernel alone vs SDPA's backends "
@@ -132,8 +152,11 @@ BACKWARD_PRESET_HELP = {
     "backward-smoke": "the backward preset at a tiny size (B=1 H=2 Hk=1 L=33 D=16 fp32, causal): what runs on the "
                       "simulator (a few minutes: the flash rows' calls take seconds each)",
 }
-GPU_PRESETS = ("ladder", "flash-fp32", "tensor-cores", "public", "mma", "honesty", "all", "decode", "decode-bar",
-               "backward", "backward-bar")
+GPU_PRESETS = ("ladder", "flash-fp32", "tensor-cores", "public", "mma", "hopper-bar", "honesty", "all", "decode",
+               "decode-bar", "backward", "backward-bar")
+# A rung's own presets: {preset: rung}. Each writes results/<rung>/bench_<gpu>.json (its lesson reads it by name) and
+# draws no figures, so that neither the ladder's newest results/bench/ file nor its figures come from a rung's run.
+RUNG_PRESETS = {"hopper-bar": "hopper"}
 # What --preset all runs. A configuration that several presets share is measured once (measure.plan). The decode
 # presets are not in it: they measure other problems, into a file of their own.
 ALL_PRESETS = ("public", "ladder", "flash-fp32", "tensor-cores", "mma", "honesty")
@@ -141,7 +164,8 @@ ALL_PRESETS = ("public", "ladder", "flash-fp32", "tensor-cores", "mma", "honesty
 
 # A record's identity in the results file: a resumed run skips the keys already there.
 def record_key(contender: str, config: Config) -> str:
-    return (f"{contender}|{config.dtype}|B{config.B}|H{config.H}|L{config.L}|D{config.D}|"
+    kv_heads = "" if config.kv_heads == config.H else f"Hk{config.kv_heads}|"
+    return (f"{contender}|{config.dtype}|B{config.B}|H{config.H}|{kv_heads}L{config.L}|D{config.D}|"
             f"{'causal' if config.causal else 'full'}")
 
 

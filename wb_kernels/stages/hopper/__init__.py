@@ -1,13 +1,16 @@
 """Rung ``hopper``: FlashAttention on Hopper by hand, TMA, mbarriers, wgmma, warp specialization (issue #31).
 
-Work in progress; no ``STAGE`` is registered yet (NOTES.md says what runs and what remains). Files:
+Work in progress (NOTES.md says what runs and what remains); registered as the stage ``"hopper"`` of
+``wb.attention``, which runs v1 on a Hopper GPU. Files:
 
 - ``hopper_lab.cu``: v0, the primitives lab (mbarrier, the TMA tile load with the 128-byte swizzle, the wgmma
   shared-memory descriptor, wgmma in its SS and RS forms, each in a small kernel with a torch launcher), and v1,
-  attention with those pieces and one warpgroup (not yet run on a GPU);
+  attention with those pieces and one warpgroup;
 - ``build.py``: the lab described to the shared :mod:`wb_kernels.cuda_build`, for ``sm_90a``: the extension (with the
   barrier watchdog by default) and, without a GPU, the compile report and the SASS (``HGMMA``, ``UTMALDG``); a wgmma
   that ptxas serialized fails both;
+- ``launcher.py``: the stage (``STAGE``): ``forward``, which runs a version of the kernel (``VERSIONS``) from
+  ``wb.attention``;
 - ``lab.py``: the Python launchers of the lab's kernels; ``gpu_checks.py``: their checks against torch and NumPy,
   one process each (``python -m wb_kernels.stages.hopper.gpu_checks tma gemm watchdog``);
 - ``tma_swizzle.py``: the TMA's 128-byte swizzle in NumPy, the same XOR as the mma rung's ``swizzle.py``;
@@ -18,5 +21,9 @@ Work in progress; no ``STAGE`` is registered yet (NOTES.md says what runs and wh
   deadlock, a stale read or an overwrite instead of hanging;
 - ``NOTES.md``: the version table, what is checked where, what remains.
 
-Tests: ``tests/test_hopper.py``.
+Tests: ``tests/test_hopper.py`` (the kernels), ``tests/test_hopper_stage.py`` (the stage).
 """
+
+from .launcher import STAGE
+
+__all__ = ["STAGE"]

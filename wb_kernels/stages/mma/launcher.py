@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from . import build as mma_build
 from .. import Stage
-from ...reference import causal_offset
+from ...reference import causal_offset, positive_scale
 
 __all__ = ["STAGE", "forward", "DEFAULT_VARIANT", "variant_for"]
 
@@ -37,17 +37,8 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=
         module = mma_build.extension()
     D = q.shape[-1]
     variant = variant if variant is not None else variant_for(D)
-    scale = float(D) ** -0.5 if scale is None else float(scale)
+    q, scale = positive_scale(q, scale)  # the kernel tracks the maximum of the raw scores: it needs scale > 0
     offset = causal_offset(causal, q.shape[2], k.shape[2])  # query i sees keys j <= i + offset; None: not causal
-    if scale < 0:
-        # The kernel tracks each row's maximum of the raw scores, which is the maximum of the scaled ones only for
-        # a positive scale; scale * (q . k) = |scale| * (-q . k), and negating a 16-bit number is exact.
-        q, scale = -q, -scale
-    elif scale == 0:
-        # A masked score is -inf before it is scaled, and -inf * 0 is NaN; 0 * (q . k) = 1 * (q * 0 . k) instead.
-        # q * 0 rather than zeros: a NaN or an Inf in q stays a NaN there (0 * Inf = NaN), and the kernel makes
-        # that row NaN, as 0 * (q . k) is NaN in the reference.
-        q, scale = q * 0, 1.0
     if key_padding_mask is None:
         keep = _no_mask(q.device)
     else:

@@ -1,0 +1,76 @@
+"""Stage 09: FlashAttention on Hopper by hand, TMA + mbarriers + wgmma in CUDA C++ (lesson 09_hopper).
+
+The kernels are in ``hopper_lab.cu``, built by ``build.py`` for ``sm_90a`` the first time the stage runs (cached
+afterwards); ``lab.py`` launches them. This module is what ``wb.attention(..., stage="hopper")`` runs: the version
+:data:`DEFAULT_VERSION` of :data:`VERSIONS`, on CUDA torch tensors in float16 or bfloat16 with head dim 64 or 128
+(K and V may have fewer heads: grouped-query attention, read in place; causal top-left or bottom-right). It needs a
+Hopper GPU (sm_90: H100, H200); on any other GPU the build refuses, naming ``stage="mma"``, which runs on sm_80 and
+newer.
+"""
+
+from __future__ import annotations
+
+from . import lab
+from .. import Stage
+from ...reference import positive_scale
+
+__all__ = ["STAGE", "forward", "VERSIONS", "DEFAULT_VERSION", "GRID_Y_BLOCKS"]
+
+# The versions of the kernel that lab.py launches, by name, each ``(q, k, v, *, causal, key_padding_mask, scale,
+# module) -> (out, lse)`` taking a positive scale. A version joins the table by existing in lab.py as flash_<name>
+# (NOTES.md, "Versions", says what each adds); the stage runs DEFAULT_VERSION, the newest one that passed the whole
+# test matrix on an H100.
+VERSIONS = {name: getattr(lab, f"flash_{name}") for name in ("v1", "v2", "v3", "v4", "v5")
+            if hasattr(lab, f"flash_{name}")}
+DEFAULT_VERSION = "v1"
+
+# v1 numbers its (batch, head) pairs along gridDim.y, which CUDA limits to 65,535 blocks (gridDim.x goes to
+# 2**31 - 1; issue 29 moved every other rung's pairs there). Until the kernel does the same, a larger batch runs as
+# several launches of whole sequences, at most this many (batch, head) pairs each.
+GRID_Y_BLOCKS = 65_535
+
+
+def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=None, version=None):
+    """Run a version of the Hopper kernel on CUDA tensors; returns ``(out, lse)`` as CUDA tensors.
+
+    `version`: a key of :data:`VERSIONS` (default :data:`DEFAULT_VERSION`). `module`: an extension from
+    :func:`wb_kernels.stages.hopper.build.build` (a lesson passes the one it built from its own edited source); by
+    default the package's, built once per process. Any finite scale: the kernels take a positive one, which
+    :func:`~wb_kernels.reference.positive_scale` makes of 0 and negative scales, as for the mma rung.
+    """
+    run = launcher_of(version)
+    q, scale = positive_scale(q, scale)
+    B, H = q.shape[0], q.shape[1]
+    per_launch = max(1, GRID_Y_BLOCKS // H)
+    if B <= per_launch:
+        return run(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, module=module)
+    import torch
+
+    parts = [run(q[b:b + per_launch], k[b:b + per_launch], v[b:b + per_launch], causal=causal,
+                 key_padding_mask=None if key_padding_mask is None else key_padding_mask[b:b + per_launch],
+                 scale=scale, module=module)
+             for b in range(0, B, per_launch)]
+    return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
+
+
+def launcher_of(version=None):
+    """The launcher of `version` (default :data:`DEFAULT_VERSION`); a ValueError naming the versions there are."""
+    name = DEFAULT_VERSION if version is None else version
+    if name not in VERSIONS:
+        raise ValueError(f"the hopper rung has no version {name!r}; it has {', '.join(VERSIONS)}")
+    return VERSIONS[name]
+
+
+STAGE = Stage(
+    name="hopper",
+    lesson="09_hopper",
+    summary="FlashAttention on Hopper by hand (TMA, mbarriers, wgmma), fp16/bf16, D 64 or 128; needs sm_90 "
+            "(H100, H200)",
+    forward=forward,
+    dtypes=("float16", "bfloat16"),
+    head_dims=(64, 128),
+    needs_gpu=True,
+    workspace_bytes=lambda B, H, Lq, Lk, D: B * H * Lq * (2 * D + 4),  # the 16-bit output and the float32 LSE
+    order=9,
+    linear_memory=True,
+)
