@@ -1,4 +1,4 @@
-"""What the benchmark measures (lesson 10): problems, sweeps over them, and the named presets.
+"""What the benchmark measures (lesson 11): problems, sweeps over them, and the named presets.
 
 A :class:`Config` is one problem (shapes, dtype, masking), a :class:`Sweep` is contenders x configs,
 and :data:`PRESETS` names the sweeps ``--preset`` runs. Also here: the counts every record carries
@@ -108,7 +108,7 @@ PRESET_HELP = {
     "public": "every stage and baseline at the configurations other projects report (fp16)",
     "mma": "mma vs wmma, SDPA default/FLASH/cuDNN, FlexAttention, FlashInfer fa2/fa3 (where installed): fp16/bf16, "
            "D=64/128, L=512..16384, B*L=16k, H=16, causal and not; and B=1 H=16 L=512 D=64 fp16",
-    "honesty": "the honest-benchmarking demonstrations of lesson 10 (GPU only)",
+    "honesty": "the honest-benchmarking demonstrations of lesson 11 (GPU only)",
     "all": "public + ladder + flash-fp32 + tensor-cores + mma + honesty (the committed GPU run)",
     "decode": "one new token per sequence against a KV cache: wb.decode and its kernel alone vs SDPA's backends "
               "(enable_gqa), FlexAttention and a copy of the same bytes; H=32, Hk=32/8/1, B=1/8/64, Lk=1k..128k, "
