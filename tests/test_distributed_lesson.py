@@ -1,4 +1,4 @@
-"""Lesson 09's figure, model and slider logic (wb_kernels/stages/distributed/slider.py), without a browser and
+"""Lesson 10's figure, model and slider logic (wb_kernels/stages/distributed/slider.py), without a browser and
 without torch.distributed: the ring in one process, the block map, the overlap condition, the communication
 volumes, the launcher's time limit and summary, and the bars read from a scaling file's records."""
 
@@ -141,7 +141,7 @@ def _measure_cells():
     import json
     from pathlib import Path
 
-    lesson = Path(__file__).resolve().parents[1] / "notebooks" / "09_distributed.ipynb"
+    lesson = Path(__file__).resolve().parents[1] / "notebooks" / "10_distributed.ipynb"
     cells = ["".join(c["source"]) for c in json.loads(lesson.read_text())["cells"] if c["cell_type"] == "code"]
     start = next(i for i, c in enumerate(cells) if "find_scaling_results" in c)
     return cells[start:start + 3]

@@ -32,8 +32,9 @@ LESSONS = [
     ("06_mma", "wb_kernels.stages.mma"),
     ("07_decode", "wb_kernels.stages.decode"),
     ("08_backward", "wb_kernels.stages.backward"),
-    ("09_distributed", "wb_kernels.stages.distributed"),  # not a stage: the code around the other stages
-    ("10_bench", "wb_kernels.bench"),  # the dashboard lesson: not a rung, its exercises live with the benchmark
+    ("09_hopper", "wb_kernels.stages.hopper"),
+    ("10_distributed", "wb_kernels.stages.distributed"),  # not a stage: the code around the other stages
+    ("11_bench", "wb_kernels.bench"),  # the dashboard lesson: not a rung, its exercises live with the benchmark
 ]
 
 

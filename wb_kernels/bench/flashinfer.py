@@ -1,4 +1,4 @@
-"""FlashInfer, the attention library the vLLM and SGLang serving engines run, as a contender (lessons 06-09).
+"""FlashInfer, the attention library the vLLM and SGLang serving engines run, as a contender (lessons 06-11).
 
 FlashInfer (Ye et al., 2025, "FlashInfer: Efficient and Customizable Attention Engine for LLM Inference Serving",
 arXiv:2501.01005) is what a serving engine's attention is; measuring against it is the series' "vs vLLM"

@@ -1,4 +1,4 @@
-"""Exact attention across processes (issue #32; lesson 09_distributed): the merge of lessons 04 and 07 over ranks.
+"""Exact attention across processes (issue #32; lesson 10_distributed): the merge of lessons 04 and 07 over ranks.
 
 This folder has no ``STAGE``: like the backward rung, it uses the other stages (each rank's local attention is
 ``wb.attention(..., stage=..., return_lse=True)``) and adds the communication around them, on ``torch.distributed``
@@ -18,9 +18,9 @@ Files:
 - ``scaling.py``: the scaling benchmark against one GPU and PyTorch's ``context_parallel`` (torchrun), and what the
   lesson reads from its results: ``find_scaling_results``, ``load_scaling``, ``scaling_table``,
   ``efficiency_figure``.
-- ``slider.py``: lesson 09's figures and models: the ring in one process, which blocks each rank computes at each
+- ``slider.py``: lesson 10's figures and models: the ring in one process, which blocks each rank computes at each
   step, the overlap condition, ring against Ulysses bytes, the plan past one machine, torchrun from a cell.
-- ``exercises.py`` / ``solutions.py``: lesson 09's exercises and its puzzle (the ring's merge step), and their answers.
+- ``exercises.py`` / ``solutions.py``: lesson 10's exercises and its puzzle (the ring's merge step), and their answers.
 - ``NOTES.md``: the design, what is checked where, and what remains.
 
 Tests: ``tests/test_distributed.py``; the lesson's logic in ``tests/test_distributed_lesson.py``. Only ``sharding``

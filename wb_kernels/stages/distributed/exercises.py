@@ -1,4 +1,4 @@
-"""Lesson 09's exercises and its coding puzzle: what each answer must equal, and the grader of the puzzle.
+"""Lesson 10's exercises and its coding puzzle: what each answer must equal, and the grader of the puzzle.
 
 Every answer is computed from the package (``sharding.py``'s ceiling and layouts, ``slider.py``'s overlap
 condition and communication volumes), so none is typed twice. The puzzle, the merge step each rank runs after every
@@ -66,7 +66,7 @@ EXERCISES = (
 
 
 def check(answer_1, answer_2, answer_3, answer_4) -> None:
-    """Grade lesson 09's exercises (``...`` means not answered yet)."""
+    """Grade lesson 10's exercises (``...`` means not answered yet)."""
     check_answers(EXERCISES, answer_1, answer_2, answer_3, answer_4)
 
 

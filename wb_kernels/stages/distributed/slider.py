@@ -1,4 +1,4 @@
-"""Figure, model and slider logic for lesson 09 (exact attention across GPUs).
+"""Figure, model and slider logic for lesson 10 (exact attention across GPUs).
 
 Plain functions (inputs -> numbers, records or a matplotlib Figure) that pytest calls without a browser
 (``tests/test_distributed_lesson.py``) and the lesson wires to sliders:

@@ -363,6 +363,7 @@ struct FlashV1Params {
 };
 // endregion
 
+// region: v1_helpers
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -391,6 +392,7 @@ template <int HEAD_DIM>
 constexpr int v1_smem_bytes() {  // Q, then STAGES x (K, V); each tile HEAD_DIM / 64 swizzled blocks of 64 x 128 bytes
     return 1024 /* alignment slack */ + (1 + 2 * V1_STAGES) * 64 * HEAD_DIM * 2;
 }
+// endregion
 
 // region: flash_v1_kernel
 // v1: one warpgroup per 64 query rows of one (batch, head). Thread 0 loads Q and K/V tiles by TMA into a ring of
@@ -424,6 +426,9 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
     if (params.causal) kv_end = max(0, min(params.Lk, min(m0 + V1_BLOCK_M, params.Lq) + params.causal_offset));
     const int n_tiles = (kv_end + V1_BLOCK_N - 1) / V1_BLOCK_N;
 
+    // endregion
+
+    // region: flash_v1_prologue
     if (threadIdx.x == 0) {
         mbarrier_init(&q_full, 1);
         for (int s = 0; s < V1_STAGES; ++s) mbarrier_init(&kv_full[s], 1);
@@ -449,6 +454,9 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
     const uint8_t* keep = params.key_keep ? params.key_keep + static_cast<int64_t>(b) * params.Lk : nullptr;
 
+    // endregion
+
+    // region: flash_v1_tile_loop
     mbarrier_wait(&q_full, 0);
     for (int tile = 0; tile < n_tiles; ++tile) {
         const int slot = tile % V1_STAGES;
@@ -477,6 +485,9 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
         wgmma_wait_group<0>();
         fence_accumulators(s);
 
+        // endregion
+
+        // region: flash_v1_online_softmax
         // online softmax, base 2; s[4 j + 2 r + e] = S[row r][8 j + 2 (lane % 4) + e]
         const int n0 = tile * V1_BLOCK_N;
         const bool needs_mask = n0 + V1_BLOCK_N > params.Lk || keep != nullptr ||
@@ -522,6 +533,9 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
 #pragma unroll
             for (int i = 0; i < 4; ++i) o[4 * j + i] *= alpha[i / 2];
         }
+        // endregion
+
+        // region: flash_v1_pv
         // P as the RS form's A: k-step t covers keys 16 t .. 16 t + 15, a[i] = s[8 t + 2 i], s[8 t + 2 i + 1]
         uint32_t p[V1_BLOCK_N / 16][4];
 #pragma unroll
@@ -545,6 +559,9 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
         __syncthreads();  // every warp is done with this slot: thread 0 may refill it
     }
 
+    // endregion
+
+    // region: flash_v1_epilogue
     // epilogue: O / l, rows past Lq dropped; a row with no key gives 0 and LSE -inf
     T* out = static_cast<T*>(params.out) + static_cast<int64_t>(bh) * params.Lq * HEAD_DIM;
 #pragma unroll
@@ -717,6 +734,9 @@ void launch_flash_v1(const torch::Tensor& q, const torch::Tensor& k, const torch
 }
 }  // namespace wb
 
+// endregion
+
+// region: flash_v1_torch_entry
 // Returns [out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) float32]. v1: work in progress, not a registered stage.
 std::vector<torch::Tensor> hopper_flash_v1_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                                    torch::Tensor key_keep, bool causal, int64_t causal_offset,

@@ -1,0 +1,148 @@
+"""Lesson 09's figure, committed-number and slider logic (wb_kernels/stages/hopper/slider.py), without a browser and
+without a GPU; the lesson's measure cells with the rung's results file absent and present (a small fixture); the
+lesson's puzzle stub, fixed, solving the puzzle; and every region of v1 shown, in the file's order."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from wb_kernels.stages.hopper import exercises, slider, wgmma_fragments
+from wb_kernels.stages.mma import swizzle as mma_swizzle
+
+ROOT = Path(__file__).resolve().parents[1]
+LESSON = ROOT / "notebooks" / "09_hopper.ipynb"
+SOURCE = "wb_kernels/stages/hopper/hopper_lab.cu"
+
+
+def _record(contender, tflops, *, dtype="float16", B=4, H=16, L=4096, D=128, causal=False, status="ok"):
+    return {"contender": contender, "tflops": tflops, "dtype": dtype, "B": B, "H": H, "Lq": L, "Lk": L, "D": D,
+            "causal": causal, "status": status, "device": "cuda", "median_ms": 1.0, "l2_flush_mode": "read",
+            "hold_us": 300.0}
+
+
+def _fixture():
+    return {"environment": {"backend": "gpu", "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "date": "2026-12-01T00:00:00Z",
+                            "git_commit": "abc1234"},
+            "records": [_record("hopper-v1", 420.0), _record("hopper-v2", 560.0), _record("mma", 330.0),
+                        _record("sdpa-cudnn", 650.0), _record("flashinfer-fa3", 660.0),
+                        _record("hopper-v1", 300.0, causal=True), _record("sdpa-cudnn", 500.0, causal=True),
+                        _record("hopper-v3", 1.0, status="failed"), _record("mma", 1.0, L=512)]}
+
+
+def test_tflops_at_reads_one_problem_and_leaves_failed_runs_out():
+    found = slider.tflops_at(_fixture(), **slider.HEADLINE)
+    assert found == {"hopper-v1": 420.0, "hopper-v2": 560.0, "mma": 330.0, "sdpa-cudnn": 650.0, "flashinfer-fa3": 660.0}
+
+
+def test_hopper_rows_compare_the_best_hopper_contender_with_each_baseline_of_the_same_file():
+    rows = slider.hopper_rows(_fixture())
+    assert [(r["causal"], sorted(r["hopper"])) for r in rows] == [(False, ["hopper-v1", "hopper-v2"]), (True, ["hopper-v1"])]
+    full = rows[0]
+    assert full["ratio"]["sdpa-cudnn"] == pytest.approx(560 / 650) and full["ratio"]["mma"] == pytest.approx(560 / 330)
+    assert rows[1]["baselines"] == {"sdpa-cudnn": 500.0}  # no mma or FA3 row at that problem: left out, not zero
+
+
+def test_load_bench_says_none_when_the_file_is_absent(tmp_path):
+    assert slider.load_bench(tmp_path / "missing.json") is None
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(_fixture()))
+    assert slider.load_bench(path)["records"][0]["contender"] == "hopper-v1"
+
+
+def test_the_version_table_reads_notes_and_the_measurement():
+    versions = slider.notes_versions(slider.notes_text())
+    assert [v["version"] for v in versions][:3] == ["v0", "v1", "v2"] and all(v["prediction"] for v in versions[1:])
+    table = slider.version_table(slider.notes_text(), _fixture())
+    measured = {row["version"]: row["measured"] for row in table}
+    assert measured["v1"] == 420.0 and measured["v2"] == 560.0 and measured["v0"] is None
+    assert all(row["measured"] is None for row in slider.version_table(slider.notes_text(), None))
+    text = "# x\n## Versions\n\n| version | what | prediction | measurement |\n|---|---|---|---|\n| v7 | a | b | c |\n## Next\n| v8 | d | e | f |"
+    assert slider.notes_versions(text) == [{"version": "v7", "what": "a", "prediction": "b"}]
+
+
+def test_profile_contrast_tells_the_wgmma_kernel_apart():
+    contrast = slider.profile_contrast(slider.load_json("results/mma/ncu_h100.json"))
+    assert contrast["sdpa-cudnn"]["wgmma_in_name"] and not contrast["mma"]["wgmma_in_name"]
+    assert contrast["sdpa-cudnn"]["threads_per_block"] == 384
+
+
+def test_the_swizzle_picture_is_the_mma_rungs_xor():
+    positions = slider.swizzle_positions(16)
+    rows, chunks = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
+    assert np.array_equal(positions, chunks ^ (rows % 8))
+    assert np.array_equal(positions * 8 + rows * 64, mma_swizzle.swizzled_offset(rows, chunks, 64))
+    assert slider.draw_swizzle() is not None
+
+
+@pytest.mark.parametrize("thread", [0, 5, 37, 127])
+def test_a_threads_p_operand_is_its_s_accumulators(thread):
+    held = slider.thread_elements(thread)
+    assert len(held["S"]) == len(held["P"]) == 32 and set(held["S"]) == set(held["P"])
+    assert all(held["S"][coord] == index for coord, (_, _, index) in held["P"].items())
+    assert {row // 16 for row, _ in held["S"]} == {thread // 32}
+    assert slider.draw_thread(thread) is not None
+    assert slider.THREAD_CHOICES == list(range(wgmma_fragments.WARPGROUP))
+
+
+# ---- the lesson's cells --------------------------------------------------------------------------------------------
+
+def _code_cells():
+    return ["".join(c["source"]) for c in json.loads(LESSON.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def _run_measure_cell(capsys):
+    from wb_kernels import bench
+
+    cell = next(c for c in _code_cells() if c.startswith("measured = hopper_slider.load_bench()"))
+    namespace = {"hopper_slider": slider, "bench": bench}
+    exec(cell, namespace)
+    return capsys.readouterr().out
+
+
+def test_the_measure_cell_says_clearly_when_the_file_is_absent(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(slider, "BENCH_FILE", slider.REPOSITORY / "results" / "hopper" / "not_there.json")
+    out = _run_measure_cell(capsys)
+    assert "is not committed yet" in out and slider.MEASURE_COMMAND in out
+
+
+def test_the_measure_cell_prints_every_problem_of_a_committed_file(monkeypatch, tmp_path, capsys):
+    path = slider.REPOSITORY / "results" / "hopper" / "bench_h100.json"
+    fixture = tmp_path / "bench_h100.json"
+    fixture.write_text(json.dumps(_fixture()))
+    monkeypatch.setattr(slider, "BENCH_FILE", fixture)
+    out = _run_measure_cell(capsys)
+    assert "NVIDIA H100 80GB HBM3" in out and "hopper-v2 560" in out and "0.86x sdpa-cudnn" in out
+    assert len([line for line in out.splitlines() if "best hopper" in line]) == 2
+    assert path.name == fixture.name  # the lesson reads the file of this name
+
+
+def test_the_lessons_puzzle_stub_is_unsolved_and_its_two_fixes_solve_it(capsys):
+    from wb_kernels.stages.hopper.barrier_ring import ArriveExpectTx, Copy, Wait
+
+    cell = next(c for c in _code_cells() if c.startswith("def my_producer"))
+    definition = cell.split("\n\n\nfrom ")[0]
+    namespace = {"Wait": Wait, "ArriveExpectTx": ArriveExpectTx, "Copy": Copy}
+    exec(definition, namespace)
+    exercises.check_ring_puzzle(namespace["my_producer"])
+    assert "not solved yet" in capsys.readouterr().out
+    parity = "yield Wait(ring.empty[stage], phase)"
+    flip = "            stage = 0  # TODO: a new lap is a new phase"
+    assert definition.count(parity) == 1 and definition.count(flip) == 1
+    fixed = definition.replace(parity, "yield Wait(ring.empty[stage], phase ^ 1)").replace(
+        flip, "            stage, phase = 0, phase ^ 1")
+    exec(fixed, namespace)
+    exercises.check_ring_puzzle(namespace["my_producer"])
+    assert "solved ✓" in capsys.readouterr().out
+
+
+def test_every_v1_region_is_shown_once_in_the_files_order():
+    from wb_kernels.sync import module_regions, notebook_regions
+
+    shown = [name for name, module, _ in notebook_regions(LESSON) if module == SOURCE]
+    v1 = [name for name in module_regions(ROOT / SOURCE) if name.startswith(("flash_v1", "v1_", "tma_3d"))]
+    assert [name for name in shown if name in v1] == v1
+    assert len(shown) == len(set(shown))
