@@ -139,6 +139,25 @@ def test_mqa_launches_the_mma_kernel_with_one_block_per_split(recording):
     assert recording.calls[-1][0] == "split"  # GQA 4: the split kernel, as before
 
 
+def test_the_tuning_run_reads_the_threshold_off_its_rows():
+    """tune.py --mma-threshold: the smallest group from which on the mma kernel wins at every shape (and every larger
+    group); a failed check or a loss at one shape keeps that group on the split kernel."""
+    from wb_kernels.stages.decode.tune import smallest_winning_group
+
+    def rows(times):  # {(B, group): (split ms, mma ms)}
+        return [dict(B=B, Lk=8192, D=128, group=group, kernel=kernel, median_ms=ms, ok=True)
+                for (B, group), pair in times.items() for kernel, ms in zip(("split", "mma"), pair)]
+
+    assert smallest_winning_group(rows({(8, 4): (1.0, 1.1), (8, 8): (2.0, 1.0), (8, 32): (8.0, 1.0)})) == 8
+    assert smallest_winning_group(rows({(8, 4): (1.0, 0.9), (8, 8): (2.0, 1.0), (1, 8): (1.0, 1.2),
+                                        (8, 32): (8.0, 1.0), (1, 32): (8.0, 1.0)})) == 32
+    assert smallest_winning_group(rows({(8, 4): (1.0, 0.9), (8, 8): (2.0, 2.5), (8, 32): (8.0, 1.0)})) == 32
+    assert smallest_winning_group(rows({(8, 32): (1.0, 2.0)})) is None
+    failed = rows({(8, 8): (2.0, 1.0), (8, 32): (8.0, 1.0)})
+    failed[1]["ok"] = False  # the mma kernel's output at group 8 failed its check
+    assert smallest_winning_group(failed) == 32
+
+
 def test_cuda_kernels_are_listed_in_the_compile_report_by_kind():
     """build.KernelResources tells the mma kernel's variants apart (rows = 16 x row tiles, paged or not)."""
     resources = build.KernelResources("sm_90", "mma", "float16", 128, 32, 168, 0, 0, True)

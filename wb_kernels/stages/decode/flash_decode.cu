@@ -442,7 +442,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
 }
 // endregion
 
-// region: mma_decode_operands
+// --- mma_decode_operands (parts of the tensor-core kernel, marked "// ---", not regions: lesson 07 does not show
+// them yet, and it shows every region of this file)
 // MQA and large groups on tensor cores. The split kernel above holds at most 4 query heads of a group per block, so a
 // group of 32 (MQA on 32 query heads) takes 8 blocks per split, each reading the same keys. The kernel below holds
 // the whole group in one block: the group's query heads are the M dimension (16 rows per tile, padded with zero rows)
@@ -502,9 +503,8 @@ __device__ __forceinline__ void decode_cp_async_wait() { asm volatile("cp.async.
 // position c ^ (r % 8), so that the 8 rows one ldmatrix phase reads land on 8 different groups of banks.
 template <int D>
 __device__ __forceinline__ int decode_swizzled(int row, int chunk) { return row * D + ((chunk ^ (row & 7)) << 3); }
-// endregion
 
-// region: mma_decode_shape
+// --- mma_decode_shape
 // Block: kMmaWarps warps; tiles of kMmaKeys keys (build.KEYS_PER_STEP, so a split is whole tiles but for the last)
 // stream through kMmaStages shared-memory stages. Warp w takes row tile w % M_TILES and, of each key tile, the keys
 // of slice w / M_TILES: with one row tile the 4 warps split a tile's 64 keys 4 ways, with 4 row tiles each warp
@@ -519,9 +519,8 @@ constexpr int kMmaStages = WB_DECODE_MMA_STAGES;
 constexpr int kMmaMaxGroup = 64;  // 4 row tiles; larger groups take the split kernel
 template <typename T, int D>
 constexpr int mma_dynamic_smem_bytes() { return kMmaStages * 2 * kMmaKeys * D * (int)sizeof(T); }
-// endregion
 
-// region: mma_decode_setup
+// --- mma_decode_setup
 template <typename T, int D, int M_TILES, bool PAGED>
 __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const DecodeParams p) {
     constexpr int THREADS = kMmaWarps * 32;
@@ -576,9 +575,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
         if (bad) s_q_bad[r] = 1;
         *reinterpret_cast<uint4*>(s_q + decode_swizzled<D>(r, c)) = raw;
     }
-    // endregion
 
-    // region: mma_decode_tile_loads
+    // --- mma_decode_tile_loads
     // Keys through the strides (and the block table when PAGED), as the split kernel reads them; thread i copies
     // chunk i % CHUNKS of keys i / CHUNKS + j * ROWS_PER_PASS, consecutive threads on consecutive 16 bytes of a key.
     // A table entry outside the pool is clamped to it and flagged (status bit 4).
@@ -634,9 +632,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
 #pragma unroll
     for (int d = 0; d < D_TILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
     const int warp_key0 = slice * WARP_KEYS;  // this warp's first key (row) in every tile
-    // endregion
 
-    // region: mma_decode_scores
+    // --- mma_decode_scores
     for (int tile = 0; tile < tiles; ++tile) {
         decode_cp_async_wait<kMmaStages - 2>();
         __syncthreads();  // this tile has landed for every thread; every warp is done with the stage loaded next
@@ -660,9 +657,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
                 DecodeMma<T>::run(s[2 * np + 1], q_frag[ks], kb[2], kb[3]);
             }
         }
-        // endregion
 
-        // region: mma_decode_softmax
+        // --- mma_decode_softmax
         // Scores in log2 units (times scale * log2 e, any sign); keys past the split's end -inf by selection (a NaN
         // there must not leak). Lane l holds rows l / 4 (registers 0, 1) and l / 4 + 8 (2, 3), keys 2 (l % 4) and
         // +1 of each 8-key tile; a row's maximum takes two shuffles within its four lanes. A row that has seen no key
@@ -698,9 +694,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
 #pragma unroll
             for (int d = 0; d < D_TILES; ++d) o[d][2 * h] *= alpha, o[d][2 * h + 1] *= alpha;
         }
-        // endregion
 
-        // region: mma_decode_pv
+        // --- mma_decode_pv
         // The C fragments of S tiles 2 kk and 2 kk + 1 are the A fragment of P's 16 x 16 tile kk; V's B operands by
         // ldmatrix.trans: matrix i covers keys 16 kk + (i % 2) * 8 .., chunk 2 dp + i / 2
 #pragma unroll
@@ -721,9 +716,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
     decode_cp_async_wait<0>();
     // every warp is done with the stages (reused below); one flag for the block's clamped table entries
     if (__syncthreads_or(bad_page) && threadIdx.x == 0) atomicOr(p.status, 4);
-    // endregion
 
-    // region: mma_decode_slices_merge
+    // --- mma_decode_slices_merge
     // Each row's state: m shared by its four lanes, l a part per lane (added with two shuffles), O's columns spread
     // over the lanes: 2 (l % 4) and +1 of each 8-column tile. The slices of a row tile (warps that saw different
     // keys) are merged through shared memory, then the block writes its split's normalised output and LSE as the
@@ -777,7 +771,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
     merge_splits<T, D, ROWS>(p.part_out, p.part_lse, static_cast<T*>(p.out), p.lse, p.B * p.H, b * p.H + head0, group,
                              p.num_splits, reinterpret_cast<float*>(s_dynamic));
 }
-// endregion
 
 
 }  // namespace wb
@@ -1011,7 +1004,7 @@ std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k
 }
 // endregion
 
-// region: mma_launch
+// --- mma_launch
 #include <atomic>
 
 // The tensor-core kernel for a group's query heads in one block (decode_mma_kernel), chosen by the launcher
@@ -1169,5 +1162,4 @@ std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tens
     }
     return {out, lse};
 }
-// endregion
 #endif  // WB_KERNEL_ONLY
