@@ -344,3 +344,129 @@ def test_gpu_mma_kernel_in_a_cuda_graph_replays_other_lengths():
         kc_, vc_ = (x[table_.long()].transpose(1, 2).reshape(B, Hk, capacity, D) for x in (kp_, vp_))
         _check(q_, kc_, vc_, np.asarray(lengths), out)
         assert bool(decoding.decode_problems()) == late
+
+
+# ---------------------------------------------------------------- CPU: the kernel's lanes in NumPy
+# One block of decode_mma_kernel, warp by warp, with the kernel's own index arithmetic (swizzled stores, ldmatrix
+# row addresses, fragment registers, quad shuffles, the slices' merge), on the mma rung's model of the PTX ISA's
+# fragment layouts (wb_kernels/stages/mma/fragments.py). A wrong address or register in the kernel's formulas, as
+# copied here, gives a wrong answer against float64; the GPU tests check the kernel itself.
+
+WARPS, TILE_KEYS = 4, 64  # kMmaWarps, kMmaKeys
+
+
+def _swizzled(row, chunk, D):  # decode_swizzled
+    return row * D + ((chunk ^ (row & 7)) << 3)
+
+
+def _lanes_address(row, chunk, D):  # the kernel's address(): row % 8 == lane % 8, so the swizzle term is lane % 8
+    lane = np.arange(32)
+    assert np.all(row % 8 == lane % 8)
+    return row * D + ((chunk ^ (lane % 8)) << 3)
+
+
+def _store_tile(rows, D, count):
+    """rows (n <= count, D) into a swizzled flat tile of `count` rows, zero past n (cp.async's zero fill)."""
+    tile = np.zeros(count * D)
+    for r in range(count):
+        for c in range(D // 8):
+            if r < len(rows):
+                tile[_swizzled(r, c, D) + np.arange(8)] = rows[r, 8 * c:8 * c + 8]
+    return tile
+
+
+def _quad(values, combine):  # two xor shuffles within groups of four lanes: (32,) -> (32,)
+    grouped = values.reshape(8, 4)
+    return np.repeat(combine(grouped, axis=1), 4)
+
+
+def mma_block_model(q, k, v, scale_log2):
+    """One block's split: q (group, D) and the split's keys k, v (n, D), already rounded to 16 bits; returns the
+    split's (out (group, D), lse in log2 units (group,)) as the kernel's epilogue computes them."""
+    from wb_kernels.stages.mma.fragments import ldmatrix, mma_m16n8k16
+
+    group, D = q.shape
+    tiles_m = 1 if group <= 16 else 2 if group <= 32 else 4
+    rows, slices = 16 * tiles_m, WARPS // tiles_m
+    warp_keys = TILE_KEYS // slices
+    s_q = _store_tile(q, D, rows)
+    lane = np.arange(32)
+    state = {}
+    for warp in range(WARPS):
+        row_tile, slice_ = warp % tiles_m, warp // tiles_m
+        q_frag = [ldmatrix(s_q, _lanes_address(row_tile * 16 + (lane // 8 % 2) * 8 + lane % 8, 2 * ks + lane // 16,
+                                               D)) for ks in range(D // 16)]
+        o = np.zeros((D // 8, 32, 4))
+        m_run, l_run = np.full((2, 32), -np.inf), np.zeros((2, 32))
+        for t0 in range(0, len(k), TILE_KEYS):
+            k_tile, v_tile = (_store_tile(x[t0:t0 + TILE_KEYS], D, TILE_KEYS) for x in (k, v))
+            warp_key0 = slice_ * warp_keys
+            s = np.zeros((warp_keys // 8, 32, 4))
+            for ks in range(D // 16):
+                for np_ in range(warp_keys // 16):
+                    kb = ldmatrix(k_tile, _lanes_address(warp_key0 + 16 * np_ + (lane // 16) * 8 + lane % 8,
+                                                         2 * ks + lane // 8 % 2, D))
+                    s[2 * np_] = mma_m16n8k16(q_frag[ks], kb[:, :4], s[2 * np_])
+                    s[2 * np_ + 1] = mma_m16n8k16(q_frag[ks], kb[:, 4:], s[2 * np_ + 1])
+            s *= scale_log2
+            for n in range(warp_keys // 8):
+                for i in range(4):
+                    key = t0 + warp_key0 + 8 * n + 2 * (lane % 4) + (i & 1)
+                    s[n, key >= len(k), i] = -np.inf
+            for h in range(2):
+                row_max = np.maximum(m_run[h], s[:, :, 2 * h:2 * h + 2].max(axis=(0, 2)))
+                row_max = _quad(row_max, np.max)
+                subtract = np.where(row_max == -np.inf, 0.0, row_max)
+                alpha = np.exp2(m_run[h] - subtract)
+                s[:, :, 2 * h:2 * h + 2] = np.exp2(s[:, :, 2 * h:2 * h + 2] - subtract[None, :, None])
+                l_run[h] = l_run[h] * alpha + s[:, :, 2 * h:2 * h + 2].sum(axis=(0, 2))
+                m_run[h] = row_max
+                o[:, :, 2 * h:2 * h + 2] *= alpha[None, :, None]
+            for kk in range(warp_keys // 16):
+                pa = np.concatenate([s[2 * kk], s[2 * kk + 1]], axis=-1).astype(np.float16).astype(np.float64)
+                for dp in range(D // 16):
+                    vb = ldmatrix(v_tile, _lanes_address(warp_key0 + 16 * kk + (lane // 8 % 2) * 8 + lane % 8,
+                                                         2 * dp + lane // 16, D), trans=True)
+                    o[2 * dp] = mma_m16n8k16(pa, vb[:, :4], o[2 * dp])
+                    o[2 * dp + 1] = mma_m16n8k16(pa, vb[:, 4:], o[2 * dp + 1])
+        state[warp] = (m_run, np.stack([_quad(l_run[h], np.sum) for h in range(2)]), o)
+    # the epilogue: each slice's rows into shared memory, then combined per row and column
+    s_m, s_l, s_o = np.zeros((slices, rows)), np.zeros((slices, rows)), np.zeros((slices, rows, D))
+    for warp, (m_run, l_run, o) in state.items():
+        row_tile, slice_ = warp % tiles_m, warp // tiles_m
+        for h in range(2):
+            row = row_tile * 16 + lane // 4 + 8 * h
+            s_m[slice_, row] = np.where(m_run[h] == -np.inf, -1e30, m_run[h])
+            s_l[slice_, row] = l_run[h]
+            for d in range(D // 8):
+                s_o[slice_, row, 8 * d + 2 * (lane % 4)] = o[d, :, 2 * h]
+                s_o[slice_, row, 8 * d + 2 * (lane % 4) + 1] = o[d, :, 2 * h + 1]
+    top = s_m.max(axis=0)
+    weight = np.exp2(s_m - top)
+    total = (s_l * weight).sum(axis=0)
+    value = (s_o * weight[:, :, None]).sum(axis=0)
+    seen = total > 0
+    out = np.where(seen[:, None], value / np.where(seen, total, 1)[:, None], 0.0)
+    lse = np.where(seen, top + np.log2(np.where(seen, total, 1)), -1e30)
+    return out[:group], lse[:group]
+
+
+@pytest.mark.parametrize("group, D, keys", [(1, 64, 0), (5, 64, 1), (16, 64, 64), (24, 64, 130), (32, 128, 77),
+                                            (40, 64, 200), (64, 64, 129)])
+def test_the_kernels_lanes_compute_attention(group, D, keys):
+    """The NumPy lanes of one block (row tiles 1, 2 and 4; one and several tiles of keys, ragged; no key) against
+    float64 attention of the same rounded inputs."""
+    rng = np.random.default_rng(group + D + keys)
+    q, k, v = (rng.standard_normal(shape).astype(np.float16).astype(np.float64)
+               for shape in ((group, D), (keys, D), (keys, D)))
+    scale_log2 = D ** -0.5 * np.log2(np.e)
+    out, lse = mma_block_model(q, k, v, scale_log2)
+    if keys == 0:
+        assert np.all(out == 0) and np.all(lse == -1e30)
+        return
+    scores = q @ k.T * scale_log2
+    top = scores.max(axis=1, keepdims=True)
+    p = np.exp2(scores - top)
+    expected = (p / p.sum(axis=1, keepdims=True)) @ v
+    np.testing.assert_allclose(lse, top[:, 0] + np.log2(p.sum(axis=1)), atol=1e-9, rtol=1e-9)
+    np.testing.assert_allclose(out, expected, atol=2e-3, rtol=2e-3)  # P rounded to float16 before P V
