@@ -54,7 +54,8 @@ def test_decode_preset_covers_the_issues_workloads():
     assert all(w.Lk % sweeps.DECODE_PAGE_SIZE == 0 for p in DECODE_PRESETS.values() for w in p)
     # FlexAttention (a compilation per shape) at the figure's shapes: the bar shapes' Lk sweeps
     assert {(w.B, w.Hk, w.D, w.dtype) for w in workloads if w.flex} == {(8, 8, 128, "float16"), (1, 8, 128, "float16")}
-    assert set(DECODE_PRESETS["decode-bar"]) == {w for w in workloads if w.flex}
+    mqa = {w for w in workloads if (w.B, w.H, w.Hk, w.Lk, w.D, w.dtype) in sweeps.DECODE_MQA_BAR}
+    assert len(mqa) == 2 and set(DECODE_PRESETS["decode-bar"]) == {w for w in workloads if w.flex} | mqa
     for name in ("decode", "decode-bar"):
         assert name in sweeps.GPU_PRESETS and name not in sweeps.ALL_PRESETS and name in sweeps.PRESET_HELP
     assert "decode-smoke" not in sweeps.GPU_PRESETS

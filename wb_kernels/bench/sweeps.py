@@ -15,7 +15,8 @@ from typing import Optional
 
 __all__ = ["Config", "Sweep", "PRESETS", "PRESET_HELP", "GPU_PRESETS", "ALL_PRESETS", "PUBLIC_CONFIGS",
            "LADDER_LENGTHS", "TOKENS", "BASELINES", "BASELINE_HELP", "attention_flops", "minimum_bytes", "record_key",
-           "Refused", "RUNG_PRESETS", "DecodeWorkload", "DECODE_PRESETS", "DECODE_BAR", "DECODE_BAR_FRACTION", "DECODE_GOAL_FRACTION", "DECODE_LENGTHS", "DECODE_LAYOUTS",
+           "Refused", "RUNG_PRESETS", "DecodeWorkload", "DECODE_PRESETS", "DECODE_BAR", "DECODE_MQA_BAR",
+           "DECODE_BAR_FRACTION", "DECODE_GOAL_FRACTION", "DECODE_LENGTHS", "DECODE_LAYOUTS",
            "DECODE_PAGE_SIZE", "decode_kv_bytes", "decode_record_key", "BACKWARD_PRESET_HELP"]
 
 # The configurations other public attention-kernel projects report (B, H, L, D), so that numbers
@@ -134,8 +135,8 @@ PRESET_HELP = {
               "(enable_gqa), FlexAttention and a copy of the same bytes; H=32, Hk=32/8/1, B=1/8/64, Lk=1k..128k, "
               "fp16 D=128, contiguous and paged (page 16); bf16 and D=64 at Hk=8; per-call overhead. Own file: "
               "results/decode/bench_<gpu>.json (about 5 min on an H100: --time-budget 480)",
-    "decode-bar": "the decode preset's bar shapes and their Lk sweeps (fp16 D=128 H=32 Hk=8, B=1 and 8) and the "
-                  "per-call overhead (about 2.5 min on an H100, most of it FlexAttention's compilations; same file "
+    "decode-bar": "the decode preset's bar shapes and their Lk sweeps (fp16 D=128 H=32 Hk=8, B=1 and 8), the MQA "
+                  "rows (Hk=1: B=8 Lk=8192, B=1 Lk=2048) and the per-call overhead (about 2.5 min on an H100, most of it FlexAttention's compilations; same file "
                   "as decode)",
     "decode-smoke": "the decode preset at tiny sizes (B<=2, H=4, Lk=32, D=16; fp32, fp16, bf16): what runs on the "
                     "simulator",
@@ -237,6 +238,9 @@ DECODE_LENGTHS = (1024, 4096, 8192, 32768, 131072)
 # The issue's bar, (B, H, Hk, Lk, D, dtype): a batch of 8 at 8k keys and one long sequence of 32k, GQA with 4 query
 # heads per KV head, as Llama-3-8B's attention layers have (32 query heads, 8 KV heads, D = 128).
 DECODE_BAR = ((8, 32, 8, 8192, 128, "float16"), (1, 32, 8, 32768, 128, "float16"))
+# Issue #30's MQA rows (Hk = 1, 32 query heads on one KV head, the rung's tensor-core kernel): timed with the bar
+# shapes, against SDPA's fastest in the same run (bar: >= 80 % of copy and >= 1.0x SDPA)
+DECODE_MQA_BAR = ((8, 32, 1, 8192, 128, "float16"), (1, 32, 1, 2048, 128, "float16"))
 DECODE_BAR_FRACTION = 0.70  # the decode rung's bar: wb.decode at this fraction of the copy ceiling at DECODE_BAR
 DECODE_GOAL_FRACTION = 0.85  # its goal (with: faster than every SDPA backend in the same run)
 
@@ -250,10 +254,12 @@ def _decode_presets() -> dict:
     grid = [workload(B, Hk, Lk, 128, "float16") for Hk in (32, 8, 1) for B in (1, 8, 64) for Lk in DECODE_LENGTHS]
     other = [workload(B, 8, Lk, D, dtype) for D, dtype in ((128, "bfloat16"), (64, "float16"))
              for B in (1, 8, 64) for Lk in DECODE_LENGTHS]
+    mqa = [workload(B, Hk, Lk, D, dtype) for B, _, Hk, Lk, D, dtype in DECODE_MQA_BAR]
+    grid += [w for w in mqa if w not in grid]  # B1 Lk2048 is off the grid's lengths
     smoke = [DecodeWorkload(2, 4, 2, 32, 16, "float32", flex=True), DecodeWorkload(1, 4, 1, 32, 16, "float16"),
              DecodeWorkload(1, 4, 4, 32, 16, "bfloat16")]
     return {"decode": tuple(grid + other),
-            "decode-bar": tuple(w for w in grid if w.flex),
+            "decode-bar": tuple(w for w in grid if w.flex) + tuple(mqa),
             "decode-smoke": tuple(smoke)}
 
 

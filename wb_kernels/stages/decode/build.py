@@ -25,12 +25,17 @@ __all__ = ["SOURCE", "SOURCE_NAME", "extension", "build", "nvcc_compile_report",
 SOURCE = EditableSource(Path(__file__).resolve().parent / "flash_decode.cu")
 SOURCE_NAME = SOURCE.name  # "wb_kernels/stages/decode/flash_decode.cu"
 LINE_NAME = SOURCE.file_name
-_FUNCTIONS = ["flash_decode_forward", "flash_decode_blocks_per_sm"]
+_FUNCTIONS = ["flash_decode_forward", "flash_decode_blocks_per_sm", "flash_decode_mma_forward",
+              "flash_decode_mma_blocks_per_sm"]
 _CPP_DECLARATION = (
     "std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, "
     "std::optional<torch::Tensor> block_table, torch::Tensor seq_lens, torch::Tensor status, int64_t keys_per_split, "
     "int64_t num_splits, double scale);"
     "int64_t flash_decode_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group, bool paged);"
+    "std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tensor k_pages, "
+    "torch::Tensor v_pages, std::optional<torch::Tensor> block_table, torch::Tensor seq_lens, torch::Tensor status, "
+    "int64_t keys_per_split, int64_t num_splits, double scale);"
+    "int64_t flash_decode_mma_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group, bool paged);"
 )
 # keys a block of the split kernel reads per trip round its loop at D = 64 (8 warps x 4 keys x 2 steps in flight;
 # at D = 128 a trip is half of it); splits are rounded up to a multiple of it so that no block ends with idle lanes
@@ -56,17 +61,19 @@ def extension():
 @dataclass(frozen=True)
 class KernelResources:
     arch: str
-    kernel: str  # "split" or "merge"
+    kernel: str  # "split", "mma" (the tensor-core kernel for large groups) or "merge"
     dtype: str
     head_dim: int
-    rows: int  # query rows per block (split kernel); 0 for the merge kernel
+    rows: int  # query rows per block (split kernel; the mma kernel's row tiles x 16); 0 for the merge kernel
     registers: int
     spill_stores: int
     spill_loads: int
+    paged: bool | None = None  # the mma kernel's variants (paged or contiguous cache); None: not told apart
 
 
 _SPLIT = re.compile(r"decode_split_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELi(\d+)E")
 _MERGE = re.compile(r"decode_merge_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
+_MMA = re.compile(r"decode_mma_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELi(\d+)ELb([01])E")
 
 
 def nvcc_compile_report(arch: str = "sm_90") -> list:
@@ -74,14 +81,14 @@ def nvcc_compile_report(arch: str = "sm_90") -> list:
     _, log = compile_cubin(arch, current_source(), LINE_NAME, SOURCE_NAME)
     found = []
     for entry in ptxas_entries(log):
-        split, merge = _SPLIT.search(entry.function), _MERGE.search(entry.function)
-        match = split or merge
+        split, merge, mma = (pattern.search(entry.function) for pattern in (_SPLIT, _MERGE, _MMA))
+        match = split or merge or mma
         if match is None:
             continue
         dtype = "float16" if match.group(1) == "6__half" else "bfloat16"
-        found.append(KernelResources(entry.arch, "split" if split else "merge", dtype, int(match.group(2)),
-                                     int(split.group(3)) if split else 0, entry.registers, entry.spill_stores,
-                                     entry.spill_loads))
+        kind, rows = ("split", int(split.group(3))) if split else ("mma", 16 * int(mma.group(3))) if mma else ("merge", 0)
+        found.append(KernelResources(entry.arch, kind, dtype, int(match.group(2)), rows, entry.registers,
+                                     entry.spill_stores, entry.spill_loads, mma.group(4) == "1" if mma else None))
     if not found:
         raise CudaBuildError(f"nvcc for {arch} reported no kernel; its output was:\n{log[-2000:]}")
-    return sorted(found, key=lambda r: (r.kernel, r.dtype, r.head_dim, r.rows))
+    return sorted(found, key=lambda r: (r.kernel, r.dtype, r.head_dim, r.rows, bool(r.paged)))

@@ -442,6 +442,336 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
 }
 // endregion
 
+// --- mma_decode_operands (parts of the tensor-core kernel, marked "// ---", not regions: lesson 07 does not show
+// them yet, and it shows every region of this file)
+// MQA and large groups on tensor cores. The split kernel above holds at most 4 query heads of a group per block, so a
+// group of 32 (MQA on 32 query heads) takes 8 blocks per split, each reading the same keys. The kernel below holds
+// the whole group in one block: the group's query heads are the M dimension (16 rows per tile, padded with zero rows)
+// of mma.sync.aligned.m16n8k16 (PTX ISA, "Warp-level matrix multiply-accumulate instructions"; lesson 06), so each
+// split's keys come from memory once, whatever the group size (up to 64: 4 tiles of 16 rows).
+// Which element of A, B and C each lane holds is fixed by the PTX ISA (wb_kernels/stages/mma/fragments.py models it).
+// fp32 accumulators; P rounded to the inputs' 16-bit type before P V, as FlashAttention-2 does.
+template <typename T> struct DecodeMma;
+template <> struct DecodeMma<__half> {
+    static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {  // lo in the lower half (lower column)
+        const __half2 pair = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&pair);
+    }
+};
+template <> struct DecodeMma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&pair);
+    }
+};
+
+// ldmatrix: four 8 x 8 matrices of 16-bit values from shared memory, lanes 8i .. 8i+7 addressing matrix i's rows;
+// lane l receives row l / 4, columns 2 (l % 4) and +1 of each: an mma operand's layout. ".trans" transposes each
+// matrix, which turns V's rows (keys) into the B operand's columns. volatile: the same address holds the next tile.
+__device__ __forceinline__ void decode_ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+__device__ __forceinline__ void decode_ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+// cp.async: 16 bytes global -> shared without registers, so the next tiles load while the warps compute on this one.
+// A key past the split's end is zero-filled (src-size 0, nothing read): no garbage, or NaN, enters a product.
+__device__ __forceinline__ void decode_cp_async_16(void* shared_dst, const void* global_src, bool in_bounds) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global_src), "r"(in_bounds ? 16 : 0));
+}
+__device__ __forceinline__ void decode_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void decode_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
+
+// A tile in shared memory: rows of D 16-bit values, each cut into 16-byte chunks, chunk c of row r stored at chunk
+// position c ^ (r % 8), so that the 8 rows one ldmatrix phase reads land on 8 different groups of banks.
+template <int D>
+__device__ __forceinline__ int decode_swizzled(int row, int chunk) { return row * D + ((chunk ^ (row & 7)) << 3); }
+
+// --- mma_decode_shape
+// Block: kMmaWarps warps; tiles of kMmaKeys keys (build.KEYS_PER_STEP, so a split is whole tiles but for the last)
+// stream through kMmaStages shared-memory stages. Warp w takes row tile w % M_TILES and, of each key tile, the keys
+// of slice w / M_TILES: with one row tile the 4 warps split a tile's 64 keys 4 ways, with 4 row tiles each warp
+// computes all 64 keys for its 16 rows. Shared memory: the stages (dynamic, opted in above 48 KB), reused after the
+// loop for the slices' outputs and the fused merge's weights.
+#ifndef WB_DECODE_MMA_STAGES
+#define WB_DECODE_MMA_STAGES 3
+#endif
+constexpr int kMmaWarps = 4;
+constexpr int kMmaKeys = 64;
+constexpr int kMmaStages = WB_DECODE_MMA_STAGES;
+constexpr int kMmaMaxGroup = 64;  // 4 row tiles; larger groups take the split kernel
+template <typename T, int D>
+constexpr int mma_dynamic_smem_bytes() { return kMmaStages * 2 * kMmaKeys * D * (int)sizeof(T); }
+
+// --- mma_decode_setup
+template <typename T, int D, int M_TILES, bool PAGED>
+__global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const DecodeParams p) {
+    constexpr int THREADS = kMmaWarps * 32;
+    constexpr int ROWS = 16 * M_TILES;  // the group, padded to whole row tiles
+    constexpr int SLICES = kMmaWarps / M_TILES;  // warps per row tile, each on its own keys of every tile
+    constexpr int WARP_KEYS = kMmaKeys / SLICES;
+    constexpr int N_TILES = WARP_KEYS / 8;  // S tiles of 16 rows x 8 keys per warp and key tile
+    constexpr int PV_STEPS = WARP_KEYS / 16;  // k steps of O += P V
+    constexpr int K_STEPS = D / 16;  // k steps of S = Q K^T
+    constexpr int D_TILES = D / 8;  // O tiles of 16 rows x 8 columns
+    constexpr int CHUNKS = D / 8;  // 16-byte chunks per key
+    constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // keys one pass of cp.async covers: 16 at D = 64, 8 at D = 128
+    constexpr int TILE = kMmaKeys * D;  // elements of one K or V tile
+    static_assert(kMmaWarps % M_TILES == 0 && WARP_KEYS % 16 == 0, "whole k steps of P V per warp");
+    static_assert(ROWS_PER_PASS % 8 == 0 && kMmaKeys % ROWS_PER_PASS == 0, "whole passes of whole swizzle periods");
+    static_assert(SLICES * ROWS * D <= kMmaStages * 2 * TILE * (int)sizeof(T) / 4, "the slices' outputs fit");
+
+    extern __shared__ __align__(16) unsigned char s_dynamic[];
+    T* s_kv = reinterpret_cast<T*>(s_dynamic);  // [stage][K, V][kMmaKeys][D], swizzled
+    __shared__ __align__(16) T s_q[ROWS * D];  // the group's query rows, swizzled, zero past the group
+    __shared__ int s_q_bad[ROWS];  // the row's query holds a NaN or an Inf
+
+    const int b = blockIdx.x / p.Hk, kv_head = blockIdx.x % p.Hk, split = blockIdx.y;
+    const int group = p.H / p.Hk, head0 = kv_head * group;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row_tile = warp % M_TILES, slice = warp / M_TILES;
+
+    // lengths as the split kernel takes them: clamped to the cache and flagged; the last split reads every key past
+    // the others'
+    const int capacity = p.pages_per_seq * p.page_size;
+    const int asked = p.seq_lens[b];
+    const int length = min(max(asked, 0), capacity);
+    const int start = split * p.keys_per_split;
+    const int stop = split == p.num_splits - 1 ? length : min(start + p.keys_per_split, length);
+    if (threadIdx.x == 0 && split == p.num_splits - 1 && kv_head == 0) {
+        const int flags = (asked != length ? 1 : 0) | (length - start > p.keys_per_split ? 2 : 0);
+        if (flags) atomicOr(p.status, flags);
+    }
+
+    for (int r = threadIdx.x; r < ROWS; r += THREADS) s_q_bad[r] = 0;
+    __syncthreads();
+    for (int e = threadIdx.x; e < ROWS * CHUNKS; e += THREADS) {  // q is (B, H, D), contiguous (the host's copy)
+        const int r = e / CHUNKS, c = e % CHUNKS;
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        if (r < group)
+            raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + ((size_t)b * p.H + head0 + r) * D + c * 8);
+        float x[8];
+        to_float8<T>(raw, x);
+        bool bad = false;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) bad |= !is_finite(x[i]);
+        if (bad) s_q_bad[r] = 1;
+        *reinterpret_cast<uint4*>(s_q + decode_swizzled<D>(r, c)) = raw;
+    }
+
+    // --- mma_decode_tile_loads
+    // Keys through the strides (and the block table when PAGED), as the split kernel reads them; thread i copies
+    // chunk i % CHUNKS of keys i / CHUNKS + j * ROWS_PER_PASS, consecutive threads on consecutive 16 bytes of a key.
+    // A table entry outside the pool is clamped to it and flagged (status bit 4).
+    const size_t head = (size_t)(unsigned)kv_head * p.strides[1] + (PAGED ? 0 : (size_t)(unsigned)b * p.strides[0]);
+    const int chunk = threadIdx.x % CHUNKS, first_row = threadIdx.x / CHUNKS;
+    const T* k_head = static_cast<const T*>(p.k_pages) + head + chunk * 8;
+    const T* v_head = static_cast<const T*>(p.v_pages) + head + chunk * 8;
+    const int* table = p.block_table + (PAGED ? (size_t)b * p.pages_per_seq : 0);
+    bool bad_page = false;
+    auto load_tile = [&](int stage, int key0) {
+        T* k_dst = s_kv + stage * 2 * TILE;
+#pragma unroll
+        for (int j = 0; j < kMmaKeys / ROWS_PER_PASS; ++j) {
+            const int row = first_row + j * ROWS_PER_PASS, key = key0 + row;
+            const bool in_bounds = key < stop;
+            size_t offset = 0;
+            if (in_bounds) {
+                offset = (size_t)(unsigned)key * p.strides[2];
+                if constexpr (PAGED) {
+                    const int entry = table[key / p.page_size];
+                    const int page = min(max(entry, 0), p.num_pages - 1);
+                    bad_page |= page != entry;
+                    offset = (size_t)(unsigned)page * p.strides[0] + (unsigned)(key % p.page_size) * p.strides[2];
+                }
+            }
+            const int dst = decode_swizzled<D>(row, chunk);
+            decode_cp_async_16(k_dst + dst, k_head + offset, in_bounds);
+            decode_cp_async_16(k_dst + TILE + dst, v_head + offset, in_bounds);
+        }
+    };
+    const int tiles = stop > start ? (stop - start + kMmaKeys - 1) / kMmaKeys : 0;
+    // cp.async groups in issue order, one per tile (empty past the last): waiting until at most kMmaStages - 2 are
+    // pending means this tile has landed
+#pragma unroll
+    for (int t = 0; t < kMmaStages - 1; ++t) {
+        if (t < tiles) load_tile(t, start + t * kMmaKeys);
+        decode_cp_async_commit();
+    }
+    __syncthreads();  // s_q and s_q_bad are written
+
+    // Q's A fragments, once: matrix i = lane / 8 of an ldmatrix.x4 covers rows (i % 2) * 8 .. +7, chunk 2 ks + i / 2.
+    // Every address's row % 8 is lane % 8 (tiles start at multiples of 8), which is the swizzle term.
+    const uint32_t q_base = static_cast<uint32_t>(__cvta_generic_to_shared(s_q));
+    const uint32_t kv_base = static_cast<uint32_t>(__cvta_generic_to_shared(s_kv));
+    const int lane_row = lane % 8;
+    auto address = [&](uint32_t base, int row, int c) { return base + (row * D + ((c ^ lane_row) << 3)) * 2; };
+    uint32_t q_frag[K_STEPS][4];
+#pragma unroll
+    for (int ks = 0; ks < K_STEPS; ++ks)
+        decode_ldmatrix_x4(q_frag[ks], address(q_base, row_tile * 16 + (lane / 8 % 2) * 8 + lane_row, 2 * ks + lane / 16));
+    float o[D_TILES][4];
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows lane / 4 and lane / 4 + 8
+#pragma unroll
+    for (int d = 0; d < D_TILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    const int warp_key0 = slice * WARP_KEYS;  // this warp's first key (row) in every tile
+
+    // --- mma_decode_scores
+    for (int tile = 0; tile < tiles; ++tile) {
+        decode_cp_async_wait<kMmaStages - 2>();
+        __syncthreads();  // this tile has landed for every thread; every warp is done with the stage loaded next
+        const int next = tile + kMmaStages - 1;
+        if (next < tiles) load_tile(next % kMmaStages, start + next * kMmaKeys);
+        decode_cp_async_commit();
+        const uint32_t k_tile = kv_base + (tile % kMmaStages) * 2 * TILE * 2, v_tile = k_tile + TILE * 2;
+
+        // S = Q K^T for the warp's 16 rows and WARP_KEYS keys; K's B operands: matrix i covers keys
+        // 16 np + (i / 2) * 8 .., chunk 2 ks + i % 2
+        float s[N_TILES][4];
+#pragma unroll
+        for (int n = 0; n < N_TILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < K_STEPS; ++ks) {
+#pragma unroll
+            for (int np = 0; np < N_TILES / 2; ++np) {
+                uint32_t kb[4];
+                decode_ldmatrix_x4(kb, address(k_tile, warp_key0 + 16 * np + (lane / 16) * 8 + lane_row, 2 * ks + lane / 8 % 2));
+                DecodeMma<T>::run(s[2 * np], q_frag[ks], kb[0], kb[1]);
+                DecodeMma<T>::run(s[2 * np + 1], q_frag[ks], kb[2], kb[3]);
+            }
+        }
+
+        // --- mma_decode_softmax
+        // Scores in log2 units (times scale * log2 e, any sign); keys past the split's end -inf by selection (a NaN
+        // there must not leak). Lane l holds rows l / 4 (registers 0, 1) and l / 4 + 8 (2, 3), keys 2 (l % 4) and
+        // +1 of each 8-key tile; a row's maximum takes two shuffles within its four lanes. A row that has seen no key
+        // keeps m = -inf and subtracts 0 instead (no inf - inf).
+        const int key0 = start + tile * kMmaKeys + warp_key0;
+        const bool ragged = start + (tile + 1) * kMmaKeys > stop;
+#pragma unroll
+        for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                s[n][i] *= p.scale_log2;
+                if (ragged && key0 + 8 * n + 2 * (lane % 4) + (i & 1) >= stop) s[n][i] = -INFINITY;
+            }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float row_max = m_run[h];
+#pragma unroll
+            for (int n = 0; n < N_TILES; ++n) row_max = fmaxf(row_max, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+            const float subtract = row_max == -INFINITY ? 0.f : row_max;
+            const float alpha = exp2f(m_run[h] - subtract);  // 0 while the row had seen no key
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    s[n][2 * h + j] = exp2f(s[n][2 * h + j] - subtract);
+                    sum += s[n][2 * h + j];  // fp32 p in the sum; P V uses the rounded p
+                }
+            l_run[h] = l_run[h] * alpha + sum;  // this lane's part of the row's sum (its keys), added up at the end
+            m_run[h] = row_max;
+#pragma unroll
+            for (int d = 0; d < D_TILES; ++d) o[d][2 * h] *= alpha, o[d][2 * h + 1] *= alpha;
+        }
+
+        // --- mma_decode_pv
+        // The C fragments of S tiles 2 kk and 2 kk + 1 are the A fragment of P's 16 x 16 tile kk; V's B operands by
+        // ldmatrix.trans: matrix i covers keys 16 kk + (i % 2) * 8 .., chunk 2 dp + i / 2
+#pragma unroll
+        for (int kk = 0; kk < PV_STEPS; ++kk) {
+            const uint32_t pa[4] = {DecodeMma<T>::pack(s[2 * kk][0], s[2 * kk][1]),
+                                    DecodeMma<T>::pack(s[2 * kk][2], s[2 * kk][3]),
+                                    DecodeMma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                    DecodeMma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < D_TILES / 2; ++dp) {
+                uint32_t vb[4];
+                decode_ldmatrix_x4_trans(vb, address(v_tile, warp_key0 + 16 * kk + (lane / 8 % 2) * 8 + lane_row, 2 * dp + lane / 16));
+                DecodeMma<T>::run(o[2 * dp], pa, vb[0], vb[1]);
+                DecodeMma<T>::run(o[2 * dp + 1], pa, vb[2], vb[3]);
+            }
+        }
+    }
+    decode_cp_async_wait<0>();
+    // every warp is done with the stages (reused below); one flag for the block's clamped table entries
+    if (__syncthreads_or(bad_page) && threadIdx.x == 0) atomicOr(p.status, 4);
+
+    // --- mma_decode_slices_merge
+    // Each row's state: m shared by its four lanes, l a part per lane (added with two shuffles), O's columns spread
+    // over the lanes: 2 (l % 4) and +1 of each 8-column tile. The slices of a row tile (warps that saw different
+    // keys) are merged through shared memory, then the block writes its split's normalised output and LSE as the
+    // split kernel does, so the same merge follows.
+    __shared__ float s_m[SLICES][ROWS], s_l[SLICES][ROWS];
+    float* s_o = reinterpret_cast<float*>(s_dynamic);  // [SLICES][ROWS][D]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+        l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+        const int row = row_tile * 16 + lane / 4 + 8 * h;
+        if (lane % 4 == 0) {
+            s_m[slice][row] = m_run[h] == -INFINITY ? kNegBig : m_run[h];  // finite: no inf - inf below
+            s_l[slice][row] = l_run[h];
+        }
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d) {
+            s_o[(slice * ROWS + row) * D + 8 * d + 2 * (lane % 4)] = o[d][2 * h];
+            s_o[(slice * ROWS + row) * D + 8 * d + 2 * (lane % 4) + 1] = o[d][2 * h + 1];
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < group * D; e += THREADS) {
+        const int r = e / D, d = e % D;
+        float top = kNegBig;
+#pragma unroll
+        for (int w = 0; w < SLICES; ++w) top = fmaxf(top, s_m[w][r]);
+        float total = 0.f, value = 0.f;
+#pragma unroll
+        for (int w = 0; w < SLICES; ++w) {
+            const float weight = exp2f(s_m[w][r] - top);
+            total += s_l[w][r] * weight;
+            value += s_o[(w * ROWS + r) * D + d] * weight;
+        }
+        const size_t row = ((size_t)split * p.B + b) * p.H + head0 + r;
+        const bool poisoned = is_nan(total) || (s_q_bad[r] && stop > start);  // as in the split kernel
+        const bool seen = total > 0.f;
+        p.part_out[row * D + d] = poisoned ? __int_as_float(0x7fc00000) : seen ? value / total : 0.f;
+        if (d == 0)
+            p.part_lse[row] = poisoned ? __int_as_float(0x7fc00000)
+                                       : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
+    }
+
+    // the fused merge, as the split kernel's (one counter per (sequence, KV head): gridDim.z is 1)
+    if (p.counters == nullptr) return;
+    __syncthreads();  // also: every thread is done with s_o, which the merge reuses for the splits' weights
+    __shared__ bool s_last;
+    if (threadIdx.x == 0) s_last = count_finished(p.counters + blockIdx.x) == p.num_splits - 1;
+    __syncthreads();
+    if (!s_last) return;
+    merge_splits<T, D, ROWS>(p.part_out, p.part_lse, static_cast<T*>(p.out), p.lse, p.B * p.H, b * p.H + head0, group,
+                             p.num_splits, reinterpret_cast<float*>(s_dynamic));
+}
+
 
 }  // namespace wb
 
@@ -469,6 +799,13 @@ WB_FOR_EACH_DECODE_VARIANT(WB_INSTANTIATE_SPLIT)
     template __global__ void wb::decode_merge_kernel<T, D>(const float*, const float*, T*, float*, int, int);
 WB_INSTANTIATE_MERGE(__half, 64) WB_INSTANTIATE_MERGE(__half, 128)
 WB_INSTANTIATE_MERGE(__nv_bfloat16, 64) WB_INSTANTIATE_MERGE(__nv_bfloat16, 128)
+// the tensor-core kernel for large groups: 1, 2 and 4 row tiles
+#define WB_INSTANTIATE_MMA(T, D, M) \
+    template __global__ void wb::decode_mma_kernel<T, D, M, true>(const wb::DecodeParams); \
+    template __global__ void wb::decode_mma_kernel<T, D, M, false>(const wb::DecodeParams);
+#define WB_INSTANTIATE_MMA_TILES(T, D) WB_INSTANTIATE_MMA(T, D, 1) WB_INSTANTIATE_MMA(T, D, 2) WB_INSTANTIATE_MMA(T, D, 4)
+WB_INSTANTIATE_MMA_TILES(__half, 64) WB_INSTANTIATE_MMA_TILES(__half, 128)
+WB_INSTANTIATE_MMA_TILES(__nv_bfloat16, 64) WB_INSTANTIATE_MMA_TILES(__nv_bfloat16, 128)
 #else
 // region: launch_split_kernel
 // c10's headers rather than ATen/cuda/CUDAContext.h (which pulls in cuBLAS): the whole file then compiles against a
@@ -666,4 +1003,163 @@ std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k
     return {out, lse};
 }
 // endregion
+
+// --- mma_launch
+#include <atomic>
+
+// The tensor-core kernel for a group's query heads in one block (decode_mma_kernel), chosen by the launcher
+// (launcher.cuda_kernel_for: groups from MMA_MIN_GROUP to 64 query heads per KV head). Same inputs, workspace, status
+// word and merge as flash_decode_forward; one fused-merge counter per (sequence, KV head).
+namespace wb {
+
+// row tiles of 16 query heads for a group: 1, 2 or 4 (the warps split evenly)
+inline int mma_row_tiles(int64_t group) { return group <= 16 ? 1 : group <= 32 ? 2 : 4; }
+
+// Above 48 KB of dynamic shared memory a kernel must opt in, once per device (the attribute is the context's).
+template <typename T, int D, int M_TILES, bool PAGED>
+void allow_mma_shared_memory() {
+    static std::atomic<uint64_t> done{0};  // a bit per device index below 64
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+    if (bit != 0 && (done.load() & bit)) return;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_mma_kernel<T, D, M_TILES, PAGED>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, mma_dynamic_smem_bytes<T, D>()));
+    done.fetch_or(bit);
+}
+
+template <typename T, int D, int M_TILES, bool PAGED>
+void launch_mma_variant(const DecodeParams& params, cudaStream_t stream) {
+    allow_mma_shared_memory<T, D, M_TILES, PAGED>();
+    const dim3 grid(params.B * params.Hk, params.num_splits, 1);
+    decode_mma_kernel<T, D, M_TILES, PAGED><<<grid, kMmaWarps * 32, mma_dynamic_smem_bytes<T, D>(), stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int D>
+void launch_mma(const DecodeParams& params, cudaStream_t stream) {
+    const int tiles = mma_row_tiles(params.H / params.Hk);
+    const bool paged = params.block_table != nullptr;
+    if (tiles == 1) paged ? launch_mma_variant<T, D, 1, true>(params, stream) : launch_mma_variant<T, D, 1, false>(params, stream);
+    else if (tiles == 2) paged ? launch_mma_variant<T, D, 2, true>(params, stream) : launch_mma_variant<T, D, 2, false>(params, stream);
+    else paged ? launch_mma_variant<T, D, 4, true>(params, stream) : launch_mma_variant<T, D, 4, false>(params, stream);
+    if (params.counters != nullptr) return;  // merged by the kernel's last blocks
+    decode_merge_kernel<T, D><<<params.B * params.H, D, params.num_splits * sizeof(float), stream>>>(
+        params.part_out, params.part_lse, static_cast<T*>(params.out), params.lse, params.B * params.H,
+        params.num_splits);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int D, int M_TILES>
+int mma_occupancy_of(bool paged) {
+    int blocks = 0;
+    if (paged) {
+        allow_mma_shared_memory<T, D, M_TILES, true>();
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, decode_mma_kernel<T, D, M_TILES, true>, kMmaWarps * 32, mma_dynamic_smem_bytes<T, D>()));
+    } else {
+        allow_mma_shared_memory<T, D, M_TILES, false>();
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, decode_mma_kernel<T, D, M_TILES, false>, kMmaWarps * 32, mma_dynamic_smem_bytes<T, D>()));
+    }
+    return blocks;
+}
+
+template <typename T, int D>
+int mma_occupancy(int64_t group, bool paged) {
+    const int tiles = mma_row_tiles(group);
+    return tiles == 1 ? mma_occupancy_of<T, D, 1>(paged) : tiles == 2 ? mma_occupancy_of<T, D, 2>(paged)
+                                                                      : mma_occupancy_of<T, D, 4>(paged);
+}
+
+}  // namespace wb
+
+// Blocks of decode_mma_kernel one SM holds for (dtype, D, group, paged), as the CUDA runtime computes it. The
+// launcher validated the arguments (no numbers in these messages: see check_cache_layout).
+int64_t flash_decode_mma_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group, bool paged) {
+    TORCH_CHECK_VALUE(head_dim == 64 || head_dim == 128, "flash_decode_mma: head dim must be 64 or 128");
+    TORCH_CHECK_VALUE(group >= 1 && group <= wb::kMmaMaxGroup, "flash_decode_mma: the group must be 1 to 64 heads");
+    if (bf16) return head_dim == 64 ? wb::mma_occupancy<__nv_bfloat16, 64>(group, paged)
+                                    : wb::mma_occupancy<__nv_bfloat16, 128>(group, paged);
+    return head_dim == 64 ? wb::mma_occupancy<__half, 64>(group, paged) : wb::mma_occupancy<__half, 128>(group, paged);
+}
+
+// Returns [out (B, H, D) in q's dtype, lse (B, H) float32], as flash_decode_forward; the inputs were validated by
+// wb.decode and the launcher (launcher.check_cache_layout), these checks guard the raw pointers.
+std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
+                                                    std::optional<torch::Tensor> block_table, torch::Tensor seq_lens,
+                                                    torch::Tensor status, int64_t keys_per_split, int64_t num_splits,
+                                                    double scale) {
+    TORCH_CHECK(q.is_cuda() && k_pages.is_cuda() && v_pages.is_cuda() && status.is_cuda(),
+                "flash_decode_mma: q, the cache and the status word must be on the GPU");
+    const bool is_half = q.scalar_type() == torch::kHalf;
+    TORCH_CHECK(is_half || q.scalar_type() == torch::kBFloat16, "flash_decode_mma: dtype must be float16 or bfloat16");
+    TORCH_CHECK(k_pages.scalar_type() == q.scalar_type() && v_pages.scalar_type() == q.scalar_type(),
+                "flash_decode_mma: q and the cache must have one dtype");
+    TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
+                "flash_decode_mma: q (B, H, D), pages (num_pages, Hk, page_size, D)");
+    q = q.contiguous();
+    if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 != 0) q = q.clone();
+    wb::check_cache_layout(k_pages, v_pages);
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hk = k_pages.size(1);
+    seq_lens = seq_lens.to(q.device(), torch::kInt32).contiguous();
+    const bool paged = block_table.has_value();
+    torch::Tensor table;
+    if (paged) table = block_table->to(q.device(), torch::kInt32).contiguous();
+    TORCH_CHECK_VALUE(D == 64 || D == 128, "flash_decode_mma: head dim must be 64 or 128");
+    TORCH_CHECK_VALUE(k_pages.size(3) == D && H % Hk == 0 && H / Hk <= wb::kMmaMaxGroup,
+                      "flash_decode_mma: the cache's D must be q's, Hk divide H, and the group be at most 64 heads");
+    TORCH_CHECK_VALUE(seq_lens.numel() == B && (!paged || (table.dim() == 2 && table.size(0) == B && table.size(1) >= 1)),
+                      "flash_decode_mma: block_table (B, pages >= 1) and seq_lens (B,)");
+    TORCH_CHECK_VALUE(paged || k_pages.size(0) == B, "flash_decode_mma: a contiguous cache has B = q's batch sequences");
+    TORCH_CHECK_VALUE(status.scalar_type() == torch::kInt32 && status.numel() >= 1, "flash_decode_mma: status: one int32");
+    TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 12288 && keys_per_split >= 1,
+                      "flash_decode_mma: need 1 to 12288 splits and keys_per_split >= 1");
+    TORCH_CHECK_VALUE((paged ? table.size(1) * k_pages.size(2) : k_pages.size(2)) <= INT32_MAX,
+                      "flash_decode_mma: at most 2^31 - 1 keys per sequence");
+    const c10::cuda::CUDAGuard guard(q.device());
+    auto out = torch::empty_like(q);
+    auto lse = torch::empty({B, H}, q.options().dtype(torch::kFloat32));
+    const int64_t group = H / Hk, counters = B * Hk;  // one counter per (sequence, KV head)
+    const int64_t part_floats = num_splits * B * H * (D + 1);
+    auto workspace = torch::empty({part_floats + counters}, q.options().dtype(torch::kFloat32));
+
+    wb::DecodeParams params;
+    params.q = q.data_ptr();
+    params.k_pages = k_pages.data_ptr();
+    params.v_pages = v_pages.data_ptr();
+    for (int i = 0; i < 3; ++i) params.strides[i] = static_cast<unsigned>(k_pages.stride(i));
+    params.block_table = paged ? table.data_ptr<int>() : nullptr;
+    params.seq_lens = seq_lens.data_ptr<int>();
+    params.part_out = workspace.data_ptr<float>();
+    params.part_lse = params.part_out + num_splits * B * H * D;
+    params.status = status.data_ptr<int>();
+    params.B = static_cast<int>(B);
+    params.H = static_cast<int>(H);
+    params.Hk = static_cast<int>(Hk);
+    params.page_size = static_cast<int>(k_pages.size(2));
+    params.pages_per_seq = paged ? static_cast<int>(table.size(1)) : 1;
+    params.num_pages = static_cast<int>(k_pages.size(0));
+    params.keys_per_split = static_cast<int>(keys_per_split);
+    params.num_splits = static_cast<int>(num_splits);
+    params.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    params.out = out.data_ptr();
+    params.lse = lse.data_ptr<float>();
+
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    // fused merge where the stages' shared memory holds the group's weights for every split (else a second kernel)
+    const int64_t weights = is_half ? (D == 64 ? wb::mma_dynamic_smem_bytes<__half, 64>() : wb::mma_dynamic_smem_bytes<__half, 128>()) / 4
+                                    : (D == 64 ? wb::mma_dynamic_smem_bytes<__nv_bfloat16, 64>() : wb::mma_dynamic_smem_bytes<__nv_bfloat16, 128>()) / 4;
+    params.counters = nullptr;
+    if (WB_DECODE_FUSED_MERGE && group * num_splits <= weights)
+        params.counters = wb::merge_counters(workspace, part_floats * sizeof(float), counters, stream);
+    if (is_half) {
+        if (D == 64) wb::launch_mma<__half, 64>(params, stream);
+        else wb::launch_mma<__half, 128>(params, stream);
+    } else {
+        if (D == 64) wb::launch_mma<__nv_bfloat16, 64>(params, stream);
+        else wb::launch_mma<__nv_bfloat16, 128>(params, stream);
+    }
+    return {out, lse};
+}
 #endif  // WB_KERNEL_ONLY

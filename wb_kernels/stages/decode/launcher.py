@@ -15,6 +15,8 @@ partial kernel and the merge, and returns float32 ``(out, lse)`` where the kerne
 from __future__ import annotations
 
 import functools
+import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,7 +28,7 @@ from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, NEG_HALF
 from ..naive.kernel import check_grid
 from .splitkv import choose_num_splits, split_bounds
 
-__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "check_cache_layout", "cuda_blocks_per_sm", "cuda_row_chunks", "uses_cuda_kernel", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES", "status_buffer", "read_status", "STATUS_MESSAGES"]
+__all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "check_cache_layout", "cuda_blocks_per_sm", "cuda_row_chunks", "cuda_kernel_for", "MMA_MIN_GROUP", "MMA_MAX_GROUP", "decode_bytes", "DecodeBytes", "uses_cuda_kernel", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES", "status_buffer", "read_status", "STATUS_MESSAGES"]
 
 CAUSAL_MODES = {False: CAUSAL_NONE, True: CAUSAL_TOP_LEFT, "top_left": CAUSAL_TOP_LEFT,
                 "bottom_right": CAUSAL_BOTTOM_RIGHT}
@@ -155,6 +157,9 @@ STATUS_MESSAGES = {
        "lengths (or the cache's size) you pass",
     2: "a length in cache_seqlens was above max_seqlen (more keys than the splits cover): the last split read the "
        "rest, correct but slower; pass a larger max_seqlen (wb_kernels.decoding.seqlen_bucket) or None",
+    4: "a page number in block_table was outside [0, the number of pages in the cache): the kernel read the nearest "
+       "page instead, so that sequence's output is wrong; fix the block table (raised by the tensor-core kernel for "
+       "large groups; the split kernel clamps without the flag)",
 }
 
 
@@ -195,34 +200,89 @@ def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
     return keys_per_split, (max(1, -(-max_len // keys_per_split)) if max_len else 1)
 
 
+# Which CUDA kernel runs a group of H / Hk query heads per KV head. The split kernel holds up to 4 of them per block
+# (registers), so a larger group takes ceil(group / 4) blocks per (sequence, KV head, split), each reading the split's
+# keys: from a group of 5 on, K and V are asked for twice or more (decode_bytes). The tensor-core kernel
+# (decode_mma_kernel) holds up to 64 in one block, reading them once. MMA_MIN_GROUP: the smallest group it takes; 5 is
+# the bytes' answer (the first group the split kernel reads twice), to be confirmed on a GPU (the
+# WB_DECODE_MMA_MIN_GROUP environment variable or this attribute change it; the launch plans remember the kernel).
+MMA_MIN_GROUP = int(os.environ.get("WB_DECODE_MMA_MIN_GROUP", "5"))
+MMA_MAX_GROUP = 64  # 4 row tiles of 16: flash_decode.cu's kMmaMaxGroup
+
+
+def cuda_kernel_for(H: int, Hk: int, *, min_group: int | None = None) -> str:
+    """``"mma"`` (the tensor-core kernel: the whole group in one block) or ``"split"`` (up to 4 query heads per
+    block): which CUDA kernel ``wb.decode`` launches for H query heads on Hk KV heads."""
+    group = H // Hk
+    low = MMA_MIN_GROUP if min_group is None else min_group
+    return "mma" if low <= group <= MMA_MAX_GROUP else "split"
+
+
 @functools.lru_cache(maxsize=None)
-def cuda_blocks_per_sm(device_index: int, bf16: bool, D: int, group: int, paged: bool = False) -> int:
-    """Blocks of the CUDA split kernel for (dtype, D, group size, paged or contiguous cache) that one SM of GPU
-    `device_index` holds at once: the CUDA runtime's occupancy calculation from the kernel's registers, shared memory
-    and threads (from the compile report: 2 for groups of 4 and more at 128 registers a thread; 3 for groups of 2 and
-    4 without grouping on a contiguous cache, 2 and 4 paged). Asked once."""
+def cuda_blocks_per_sm(device_index: int, bf16: bool, D: int, group: int, paged: bool = False,
+                       kernel: str = "split") -> int:
+    """Blocks of the CUDA kernel `kernel` (:func:`cuda_kernel_for`) for (dtype, D, group size, paged or contiguous
+    cache) that one SM of GPU `device_index` holds at once: the CUDA runtime's occupancy calculation from the kernel's
+    registers, shared memory and threads. The split kernel (compile report): 2 for groups of 4 and more at 128
+    registers a thread; 3 for groups of 2 and 4 without grouping on a contiguous cache, 2 and 4 paged. The mma kernel:
+    its shared-memory stages bound it (96 KB at D = 128: 2; 48 KB at D = 64: 3 or 4). Asked once."""
     import torch
 
     with torch.cuda.device(device_index):
-        return int(build.extension().flash_decode_blocks_per_sm(bf16, D, group, paged))
+        extension = build.extension()
+        count = extension.flash_decode_mma_blocks_per_sm if kernel == "mma" else extension.flash_decode_blocks_per_sm
+        return int(count(bf16, D, group, paged))
 
 
 def cuda_row_chunks(group: int) -> int:
-    """Blocks per (sequence, KV head, split) of the CUDA kernel for a group of `group` query heads: flash_decode.cu's
-    launch_rows puts 1, 2 or (for larger groups) 4 query heads in a block."""
+    """Blocks per (sequence, KV head, split) of the CUDA split kernel for a group of `group` query heads:
+    flash_decode.cu's launch_rows puts 1, 2 or (for larger groups) 4 query heads in a block. (The mma kernel: 1.)"""
     rows = 1 if group == 1 else 2 if group == 2 else 4
     return -(-group // rows)
 
 
+@dataclass(frozen=True)
+class DecodeBytes:
+    """What one decode call's blocks ask memory for (:func:`decode_bytes`), in bytes."""
+
+    kernel: str  # "split" or "mma"
+    blocks: int  # blocks of the launch: B * Hk * splits * blocks per (sequence, KV head, split)
+    reads_per_key: int  # blocks that read each key: the split kernel's row chunks, 1 for the mma kernel
+    kv_per_block: float  # K and V of one full split, as one block reads it
+    kv_requested: float  # K and V summed over every block (a key read by several blocks counts each time)
+    kv_unique: float  # K and V once: 2 * B * Hk * L * D * itemsize, what a kernel cannot avoid
+    other: float  # q read, the splits' float32 partial results written and read back, the output written
+
+
+def decode_bytes(B: int, H: int, Hk: int, L: int, D: int, itemsize: int, num_splits: int,
+                 kernel: str) -> DecodeBytes:
+    """The bytes a decode call of `kernel` ("split" or "mma") asks of memory at B sequences of L keys, H query heads
+    on Hk KV heads, head dim D, `itemsize`-byte K and V, `num_splits` splits: per block and per call. The split kernel
+    reads each split's keys once per chunk of 4 query heads (MQA with 32 heads: 8 times); the mma kernel once. What
+    comes from L2 rather than HBM is the profiler's to tell (ncu's dram__bytes_read against lts__t_bytes)."""
+    if kernel not in ("split", "mma"):
+        raise ValueError(f"decode_bytes: kernel must be 'split' or 'mma', got {kernel!r}")
+    group = H // Hk
+    reads = cuda_row_chunks(group) if kernel == "split" else 1
+    per_key = 2 * D * itemsize
+    keys_per_split = -(-L // num_splits)
+    unique = float(B * Hk * L * per_key)
+    partials = 2.0 * num_splits * B * H * (D + 1) * 4 if num_splits > 1 else 0.0  # written, read by the merge
+    return DecodeBytes(kernel=kernel, blocks=B * Hk * num_splits * reads, reads_per_key=reads,
+                       kv_per_block=float(keys_per_split * per_key), kv_requested=unique * reads, kv_unique=unique,
+                       other=float(2 * B * H * D * itemsize) + partials)
+
+
 @functools.lru_cache(maxsize=4096)
 def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, num_splits, D: int,
-                      bf16: bool, paged: bool = False) -> tuple:
-    """What the CUDA kernel runs for a problem: ``(keys_per_split, num_splits, default scale)``. Worked out once per
-    problem shape and remembered: a decoder asks the same question for every layer of every step."""
+                      bf16: bool, paged: bool = False, kernel: str = "split") -> tuple:
+    """What the CUDA kernel `kernel` runs for a problem: ``(keys_per_split, num_splits, default scale)``. Worked out
+    once per problem shape and remembered: a decoder asks the same question for every layer of every step."""
     if num_splits is None:
         group = H // Hk
-        num_splits = choose_num_splits(B, Hk, max_len, num_sms(), row_chunks=cuda_row_chunks(group),
-                                       blocks_per_sm=cuda_blocks_per_sm(device_index, bf16, D, group, paged),
+        num_splits = choose_num_splits(B, Hk, max_len, num_sms(),
+                                       row_chunks=cuda_row_chunks(group) if kernel == "split" else 1,
+                                       blocks_per_sm=cuda_blocks_per_sm(device_index, bf16, D, group, paged, kernel),
                                        keys_step=build.KEYS_PER_STEP)
     return (*cuda_split_plan(max_len, num_splits), float(D) ** -0.5)
 
@@ -269,9 +329,10 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
                          "before capturing (a warm-up step, as torch.cuda.graphs' examples do)")
     capacity = (block_table.shape[1] if block_table is not None else 1) * k_cache.shape[2]
     max_len = capacity if max_seqlen is None else min(capacity, int(max_seqlen))
+    kernel = cuda_kernel_for(H, k_cache.shape[1])
     keys_per_split, num_splits, default_scale = _cuda_launch_plan(device_index, B, H, k_cache.shape[1], max_len,
                                                                   num_splits, D, q.dtype == torch.bfloat16,
-                                                                  block_table is not None)
+                                                                  block_table is not None, kernel)
     if not _on_gpu(cache_seqlens) or (block_table is not None and not _on_gpu(block_table)):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise ValueError("wb.decode in a CUDA graph's capture: cache_seqlens and block_table must be on the GPU "
@@ -282,9 +343,10 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
         if block_table is not None and not is_torch(block_table):
             block_table = _torch_from_host(block_table)
     check_cache_layout(k_cache, v_cache)
-    return build.extension().flash_decode_forward(q, k_cache, v_cache, block_table, cache_seqlens,
-                                                  status_buffer(device_index), keys_per_split, num_splits,
-                                                  default_scale if scale is None else float(scale))
+    extension = build.extension()
+    launch = extension.flash_decode_mma_forward if kernel == "mma" else extension.flash_decode_forward
+    return launch(q, k_cache, v_cache, block_table, cache_seqlens, status_buffer(device_index), keys_per_split,
+                  num_splits, default_scale if scale is None else float(scale))
 
 
 def _on_gpu(x) -> bool:

@@ -23,6 +23,14 @@ backend and with FLASH forced.
 
     python -m wb_kernels.stages.decode.tune --json results/decode/tune_h100.json
     python -m wb_kernels.stages.decode.tune --quick      # two variants, the two bar shapes
+    python -m wb_kernels.stages.decode.tune --mma-threshold --json results/decode/mma_threshold_h100.json
+
+``--mma-threshold`` times instead the two kernels of the default build on the same problems, H = 32 query heads on
+Hk = 32 / group KV heads (groups 1 to 32), each at the launcher's split count for that kernel: the split kernel
+(``flash_decode_forward``) and the tensor-core one for large groups (``flash_decode_mma_forward``), and says from
+which group on the second is faster at every shape (:func:`smallest_winning_group`): the value for
+``launcher.MMA_MIN_GROUP``. (Its file is not named ``tune_*.json``: lesson 07 reads the newest of those as the
+split kernel's tuning run.)
 """
 
 from __future__ import annotations
@@ -40,7 +48,8 @@ import wb_kernels  # noqa: F401  (first: chooses the backend)
 from wb_kernels import timing
 from wb_kernels.bench.decode import DECODE_TIMING
 from wb_kernels.stages.decode import build
-from wb_kernels.stages.decode.launcher import _cuda_launch_plan, cuda_blocks_per_sm, cuda_row_chunks, cuda_split_plan
+from wb_kernels.stages.decode.launcher import (_cuda_launch_plan, cuda_blocks_per_sm, cuda_row_chunks, cuda_split_plan,
+                                               decode_bytes)
 from wb_kernels.stages.decode.splitkv import choose_num_splits
 
 
@@ -184,6 +193,66 @@ def measure(variants, workloads, reps: int) -> list:
     return rows, failed
 
 
+THRESHOLD_GROUPS = (1, 2, 4, 5, 8, 16, 32)  # H = 32 on Hk = 32 / group (5: H = 40 on 8)
+THRESHOLD_SHAPES = ((8, 8192, 128), (1, 32768, 128), (8, 8192, 64))  # (B, Lk, D)
+
+
+def measure_mma_threshold(reps: int) -> list:
+    """Both kernels of the default build on each (shape, group), float16, contiguous cache, at the launcher's splits
+    for each kernel, checked against float32 SDPA; one row per (shape, group, kernel)."""
+    import torch
+    import torch.nn.functional as F
+
+    ext = build.extension()
+    device = torch.cuda.current_device()
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    rows = []
+    for B, L, D in THRESHOLD_SHAPES:
+        for group in THRESHOLD_GROUPS:
+            H, Hk = (40, 8) if group == 5 else (32, 32 // group)
+            gen = torch.Generator(device="cuda").manual_seed(B + group + L + D)
+            q = torch.randn(B, H, D, device="cuda", dtype=torch.float16, generator=gen)
+            k, v = (torch.randn(B, Hk, L, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
+            lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+            expected = F.scaled_dot_product_attention(q[:, :, None].float(), k.float(), v.float(),
+                                                      enable_gqa=True)[:, :, 0]
+            kv_bytes = 2 * k.numel() * k.element_size()
+            for kernel, entry in (("split", ext.flash_decode_forward), ("mma", ext.flash_decode_mma_forward)):
+                keys, splits, scale = _cuda_launch_plan(device, B, H, Hk, L, None, D, False, False, kernel)
+
+                def call():
+                    return entry(q, k, v, None, lens, status, keys, splits, scale)
+
+                err = float((call()[0].float() - expected).abs().max())
+                ms = time_call(call, reps)
+                asked = decode_bytes(B, H, Hk, L, D, 2, splits, kernel)
+                rows.append(dict(B=B, H=H, Hk=Hk, group=group, Lk=L, D=D, kernel=kernel, splits=splits,
+                                 median_ms=round(ms, 5), gbps=round(kv_bytes / (ms / 1e3) / 1e9, 1),
+                                 kv_requested=asked.kv_requested, max_err_vs_fp32=err, ok=err < 2e-2))
+            split_ms, mma_ms = rows[-2]["median_ms"], rows[-1]["median_ms"]
+            print(f"B{B} Lk{L} D{D} group {group}: split kernel {split_ms:.4f} ms, mma kernel {mma_ms:.4f} ms "
+                  f"({split_ms / mma_ms:.2f}x)", file=sys.stderr)
+    return rows
+
+
+def smallest_winning_group(rows: list):
+    """The smallest group from which on the mma kernel is faster than the split kernel at every shape and every
+    larger group measured (None: at no group); only rows whose outputs passed the check count."""
+    by_point = {}
+    for row in rows:
+        by_point.setdefault((row["B"], row["Lk"], row["D"], row["group"]), {})[row["kernel"]] = row
+    groups = sorted({group for _, _, _, group in by_point})
+    wins = {group: all(p["mma"]["median_ms"] < p["split"]["median_ms"] and p["mma"]["ok"] and p["split"]["ok"]
+                       for key, p in by_point.items() if key[3] == group and {"mma", "split"} <= set(p))
+            for group in groups}
+    answer = None
+    for group in reversed(groups):
+        if not wins[group]:
+            break
+        answer = group
+    return answer
+
+
 def sdpa_growing_cache(steps: int = 40) -> list:
     """SDPA with a cache that grows by one key per call, as in a decode loop: host-clock ms per call."""
     import torch
@@ -221,6 +290,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="where to write the results (default: print only)")
     parser.add_argument("--quick", action="store_true", help="the default and one other variant, the bar shapes")
     parser.add_argument("--reps", type=int, default=50, help="timed calls per point (median)")
+    parser.add_argument("--mma-threshold", action="store_true",
+                        help="time the split and the mma kernel on groups 1-32 instead (launcher.MMA_MIN_GROUP)")
     args = parser.parse_args(argv)
     if not wb_kernels.BACKEND.is_gpu:
         print("tune.py times the CUDA C++ kernel: it needs a CUDA GPU", file=sys.stderr)
@@ -228,6 +299,19 @@ def main(argv=None) -> int:
     import torch
 
     from wb_kernels.bench.results import environment
+
+    if args.mma_threshold:
+        rows = measure_mma_threshold(args.reps)
+        threshold = smallest_winning_group(rows)
+        print(f"the mma kernel is faster at every shape from group {threshold} on", file=sys.stderr)
+        result = dict(kind="decode_tune_mma", environment=environment(),
+                      command=" ".join(["python -m wb_kernels.stages.decode.tune"] + (argv or sys.argv[1:])),
+                      notes=dict(timing=f"as the default mode: device time, median of {args.reps}, L2 flushed by "
+                                        "reading", shapes="H = 32 on Hk = 32 / group (group 5: H = 40 on Hk = 8), "
+                                        "float16, contiguous cache, each kernel at the launcher's splits for it"),
+                      smallest_winning_group=threshold, records=rows)
+        _write(result, args.json)
+        return 0
 
     variants = VARIANTS[:2] if args.quick else VARIANTS
     workloads = WORKLOADS[:2] if args.quick else WORKLOADS
@@ -244,11 +328,15 @@ def main(argv=None) -> int:
                                          "before 2026-11-24 were timed",
                              fraction_of_copy="(K and V bytes / time) over the copy's (read + write bytes / time)"),
                   failed_builds=failed, records=rows, sdpa_growing_cache=growing)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+    _write(result, args.json)
     return 0
+
+
+def _write(result: dict, path) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
