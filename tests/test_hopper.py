@@ -17,6 +17,7 @@ cover it; the ``attention`` check runs a matrix of its own (dtypes, head dims, m
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,8 @@ from wb_kernels.sync import module_regions
 from stage_cases import tool_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_CHECK_SECONDS = {"tma": 60, "gemm": 60, "attention": 150, "watchdog": 60}  # a hang is cut off here
+GPU_CHECK_SECONDS = {"tma": 60, "gemm": 60, "registers": 60, "named_barriers": 60, "attention": 150,
+                     "watchdog": 60}  # a hang is cut off here
 
 
 def _is_hopper() -> bool:
@@ -190,7 +192,8 @@ def report():
 
 def test_every_kernel_compiles_for_sm_90a_without_spills(report):
     found = {(r.function, r.dtype) for r in report}
-    expected = {("tma_tile", None)} | {(v.label, dtype) for v in hb.GEMM_VARIANTS for dtype in ("float16", "bfloat16")}
+    expected = {("tma_tile", None), ("register_split", None), ("named_barrier", None)}
+    expected |= {(v.label, dtype) for v in hb.GEMM_VARIANTS for dtype in ("float16", "bfloat16")}
     expected |= {(f"flash_v1 D={D}", dtype) for D in (64, 128) for dtype in ("float16", "bfloat16")}
     assert found == expected
     for kernel in report:
@@ -204,7 +207,7 @@ def test_the_cuda_13_0_toolkit_compiles_it_too():
     if nvcc is None:
         pytest.skip("no CUDA toolkit nvcc on this machine (the wheel's nvcc is checked above)")
     report = hb.nvcc_compile_report(nvcc=nvcc)
-    assert len(report) == 1 + 2 * len(hb.GEMM_VARIANTS) + 4
+    assert len(report) == 3 + 2 * len(hb.GEMM_VARIANTS) + 4
     assert all(r.spill_stores == r.spill_loads == r.stack_bytes == 0 for r in report)
     assert any("HGMMA" in line for line in hb.sass("wgmma_gemm_kernel", nvcc=nvcc, pattern="HGMMA"))
 
@@ -253,6 +256,37 @@ def test_v1_key_loop_is_wgmma_on_tma_tiles(report, dtype, D):
     assert not [line for line in lines if line.startswith(("LDL", "STL"))]
 
 
+def _highest_register(lines) -> int:
+    return max(int(r) for line in lines for r in re.findall(r"\bR(\d+)\b", line))
+
+
+def test_setmaxnreg_moves_registers_from_the_producer_to_the_consumers(report):
+    """The block launches with 168 registers a thread; warpgroup 0 gives back to 24, warpgroups 1-2 take 240 and keep
+    200 values live without a spill, using registers past R168. The same kernel without setmaxnreg spills."""
+    tool_or_skip(cuda_build.find_cuobjdump, "the hopper rung's machine-code check")
+    split = next(r for r in report if r.function == "register_split")
+    assert (split.registers, split.spill_stores, split.stack_bytes) == (168, 0, 0), split
+    lines = hb.sass("register_split_kernel", pattern="")
+    assert [line for line in lines if "SETMAXREG" in line] == ["USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;",
+                                                              "USETMAXREG.DEALLOC.CTAPOOL 0x18 ;"]
+    assert _highest_register(lines) >= 168  # registers the launch does not give: only the .inc provides them
+    source = hb.package_source()
+    without = source.replace("        setmaxnreg_inc<CONSUMER_REGISTERS>();\n", "").replace(
+        "        setmaxnreg_dec<PRODUCER_REGISTERS>();\n", "")
+    assert without.count("setmaxnreg_") == source.count("setmaxnreg_") - 2
+    spilled = next(r for r in hb.nvcc_compile_report(without) if r.function == "register_split")
+    assert spilled.spill_stores > 0, spilled
+
+
+def test_named_barriers_are_bar_sync_and_bar_arrive_over_two_warpgroups(report):
+    tool_or_skip(cuda_build.find_cuobjdump, "the hopper rung's machine-code check")
+    lines = hb.sass("named_barrier_kernel", pattern="BAR.")
+    syncs = [line for line in lines if "BAR.SYNC" in line and line.endswith(", 0x100 ;")]  # 256 threads
+    arrives = [line for line in lines if "BAR.ARV" in line and line.endswith(", 0x100 ;")]
+    assert syncs and arrives, lines
+    assert all(" R" in line for line in syncs + arrives)  # the barrier's index from a register: 1 + warpgroup
+
+
 def test_a_serialized_wgmma_fails_the_build():
     """A printf between the wgmma and its wait makes ptxas serialize every wgmma (a C75xx note, not a warning)."""
     tool_or_skip(cuda_build.find_nvcc, "the hopper rung's compile check")
@@ -266,7 +300,8 @@ def test_a_serialized_wgmma_fails_the_build():
 def test_the_lesson_regions_exist():
     regions = module_regions(hb.SOURCE.path)
     assert {"mbarrier", "tma", "wgmma_descriptor", "wgmma", "tma_tile_kernel", "gemm_kernel", "tensor_map",
-            "torch_entry_points", "tma_3d", "flash_v1_params", "flash_v1_kernel", "flash_v1_entry_point"} <= set(regions)
+            "torch_entry_points", "tma_3d", "flash_v1_params", "flash_v1_kernel", "flash_v1_entry_point", "setmaxnreg",
+            "named_barrier", "register_split_kernel", "named_barrier_kernel"} <= set(regions)
 
 
 def test_the_build_names_the_mma_rung_on_a_gpu_that_is_not_hopper(monkeypatch):

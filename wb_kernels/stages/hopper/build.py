@@ -27,10 +27,13 @@ SOURCE_NAME = SOURCE.name
 LINE_NAME = SOURCE.file_name
 ARCH = "sm_90a"  # wgmma and setmaxnreg: Hopper's architecture-specific target
 WATCHDOG_SECONDS = 2.0  # a barrier wait longer than this traps (the kernels here finish in microseconds)
-_FUNCTIONS = ["hopper_tma_tile", "hopper_wgmma_gemm", "hopper_flash_v1_forward"]
+_FUNCTIONS = ["hopper_tma_tile", "hopper_wgmma_gemm", "hopper_register_split", "hopper_named_barrier_turns",
+              "hopper_flash_v1_forward"]
 _CPP_DECLARATION = (
     "torch::Tensor hopper_tma_tile(torch::Tensor x, int64_t row0, int64_t column0, int64_t expect_bytes);\n"
     "torch::Tensor hopper_wgmma_gemm(torch::Tensor a, torch::Tensor b, bool a_in_registers, bool b_mn_major);\n"
+    "torch::Tensor hopper_register_split(torch::Tensor x);\n"
+    "torch::Tensor hopper_named_barrier_turns(int64_t rounds, torch::Tensor device_like);\n"
     "std::vector<torch::Tensor> hopper_flash_v1_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, "
     "torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale);"
 )
@@ -120,8 +123,9 @@ _V1 = re.compile(r"flash_v1_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
 
 
 def _decode(function: str):
-    if "tma_tile_kernel" in function:
-        return "tma_tile", None, None
+    for kernel in ("tma_tile", "register_split", "named_barrier"):
+        if f"{kernel}_kernel" in function:
+            return kernel, None, None
     match = _V1.search(function)
     if match is not None:
         return f"flash_v1 D={match.group(2)}", "float16" if match.group(1) == "6__half" else "bfloat16", None

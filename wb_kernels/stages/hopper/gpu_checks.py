@@ -1,6 +1,6 @@
 """The primitives lab's checks on a Hopper GPU, one per process (rung ``hopper``; run by tests/test_hopper.py).
 
-    python -m wb_kernels.stages.hopper.gpu_checks tma gemm        # each named check; prints one line per check
+    python -m wb_kernels.stages.hopper.gpu_checks tma gemm registers named_barriers   # one line per check
     compute-sanitizer --tool memcheck --error-exitcode 1 python -m wb_kernels.stages.hopper.gpu_checks tma gemm attention_quick
     compute-sanitizer --tool synccheck --error-exitcode 1 python -m wb_kernels.stages.hopper.gpu_checks tma gemm attention_quick
 
@@ -13,6 +13,10 @@ the exit status is the number of failed checks.
   NumPy model of the 128-byte swizzle (:mod:`.tma_swizzle`), ragged parts zero;
 - ``gemm``: (b, c) every GEMM variant (SS and RS, B K-major and MN-major, N = 64 and 128, K = 16, 40, 64) in fp16
   and bf16 against torch.matmul in float64 of the same inputs;
+- ``registers``: (d) ``setmaxnreg``: the consumers' 200 live values per thread give NumPy's float32 result, and the
+  launch finishes (a ``.inc`` that the pool cannot serve would block for ever);
+- ``named_barriers``: (e) two warpgroups take 64 turns each through ``bar.sync`` / ``bar.arrive``: the log must read
+  0, 1, 0, 1, ... although warpgroup 0 sleeps before each of its turns;
 - ``attention``: v1 (work in progress) against the float64 reference with wb.check's rule; ``attention_quick``: two
   of its cases (fp16, D 64 and 128, ragged, GQA, bottom-right causal, key padding) plus rows without keys, for the
   sanitizers;
@@ -30,7 +34,8 @@ from . import lab
 from .build import GEMM_VARIANTS
 from .tma_swizzle import swizzled_image, tma_box
 
-__all__ = ["check_tma", "check_gemm", "check_attention", "check_watchdog", "CHECKS", "main"]
+__all__ = ["check_tma", "check_gemm", "check_registers", "check_named_barriers", "check_attention", "check_watchdog",
+           "register_split_expected", "CHECKS", "main"]
 
 
 _current = {"case": "before the first launch"}  # what ran last: a trap or a hang names it in the report
@@ -91,6 +96,49 @@ def check_gemm() -> str:
     if failures:
         raise AssertionError("; ".join(failures))
     return f"{cases} products within fp32 accumulation error of float64 (worst {worst:.2g})"
+
+
+def register_split_expected(x: np.ndarray) -> np.ndarray:
+    """What ``register_split_kernel`` computes, in NumPy float32 and the kernel's order."""
+    x = np.asarray(x, np.float32)
+    out = np.empty(3 * 128, np.float32)
+    out[:128] = 2 * x[0, 0]
+    for consumer in range(2):
+        values = x[consumer]
+        largest = values.max(axis=0)
+        total = np.zeros(128, np.float32)
+        for i in range(values.shape[0] - 1, -1, -1):
+            total = np.float32(0.5) * total + (values[i] - largest)
+        out[128 * (consumer + 1):128 * (consumer + 2)] = total
+    return out
+
+
+def check_registers() -> str:
+    import torch
+
+    x = torch.randn(2, lab.SPLIT_LIVE, 128, device="cuda")
+    _running("register_split")
+    out = lab.register_split(x).cpu().numpy()
+    expected = register_split_expected(x.cpu().numpy())
+    # same operations in the same order; room only for a contraction ptxas may choose (0.5 t + d as one FMA is exact)
+    if not np.allclose(out, expected, rtol=1e-6, atol=1e-5):
+        wrong = int((~np.isclose(out, expected, rtol=1e-6, atol=1e-5)).sum())
+        raise AssertionError(f"{wrong} of 384 outputs differ from NumPy (first thread's: {out[0]} vs {expected[0]})")
+    return (f"384 threads as NumPy: warpgroup 0 after setmaxnreg.dec, warpgroups 1-2 after setmaxnreg.inc with "
+            f"{lab.SPLIT_LIVE} live values each")
+
+
+def check_named_barriers() -> str:
+    import torch
+
+    rounds = 64
+    _running(f"named_barrier_turns rounds={rounds}")
+    log = lab.named_barrier_turns(rounds, torch.empty(1, device="cuda")).cpu().tolist()
+    expected = [0, 1] * rounds
+    if log != expected:
+        first = next(i for i, (a, b) in enumerate(zip(log, expected)) if a != b)
+        raise AssertionError(f"turn {first} went to warpgroup {log[first]}: {log[:16]} ...")
+    return f"{2 * rounds} turns alternated 0, 1, 0, 1, ... (warpgroup 0 sleeping before each of its turns)"
 
 
 def check_attention(quick: bool = False) -> str:
@@ -154,7 +202,8 @@ def check_watchdog() -> str:
     raise AssertionError("a barrier expecting 16 bytes too many completed: the watchdog did not fire")
 
 
-CHECKS = {"tma": check_tma, "gemm": check_gemm, "attention": check_attention,
+CHECKS = {"tma": check_tma, "gemm": check_gemm, "registers": check_registers, "named_barriers": check_named_barriers,
+          "attention": check_attention,
           "attention_quick": lambda: check_attention(quick=True), "watchdog": check_watchdog}
 
 

@@ -18,6 +18,10 @@
 //                            writes it, compared with a NumPy model (swizzle.py of the mma rung)
 //   region gemm_kernel       (b, c) C (64 x N, fp32) = A (64 x K) B (K x N), K <= 64, one warpgroup, B K-major
 //                            or MN-major, A from shared memory (SS) or registers (RS)
+//   region setmaxnreg        setmaxnreg.inc / .dec: warpgroups trade registers through the block's pool
+//   region named_barrier     bar.sync / bar.arrive with a barrier index and a thread count
+//   region register_split_kernel  (d) setmaxnreg alone: one warpgroup gives registers back, two use 240 each
+//   region named_barrier_kernel   (e) two warpgroups taking turns through named barriers (v3's ping-pong)
 //   region flash_v1_kernel   v1, work in progress (not yet a stage, not yet run on a GPU): attention with the same
 //                            pieces, one warpgroup per 64 query rows, K/V tiles by TMA in a 2-slot ring, S by SS
 //                            wgmma, P in registers as the RS wgmma's A (lab.flash_v1; gpu_checks "attention")
@@ -335,6 +339,105 @@ __global__ void __launch_bounds__(WARPGROUP) wgmma_gemm_kernel(const __grid_cons
             const int row = 16 * warp + lane / 4 + 8 * h, column = 8 * j + 2 * (lane % 4);
             *reinterpret_cast<float2*>(c + row * N + column) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
         }
+    }
+}
+// endregion
+
+// region: setmaxnreg
+// A warp-specialized block launches every warp with the same register count; `setmaxnreg` lets each warpgroup trade
+// registers through the block's pool (PTX ISA, "setmaxnreg"): `.dec` gives registers back, `.inc` blocks until the
+// pool has enough and takes them. All four warps of a warpgroup execute the same one (`.sync.aligned`), the count is
+// a multiple of 8 in 24 .. 256, and a new register's content is undefined. ptxas compiles the code after each one
+// for its count, so a branch that raised its limit can keep more values live than the launch allows.
+// The split the rung uses: a block of 3 warpgroups at __launch_bounds__(384, 1) gets 65536 / 384 = 170 -> 168
+// registers per thread (a multiple of 8); the producer keeps 24, the two consumers take 240:
+// 24 + 2 x 240 = 504 = 3 x 168, so both consumers' .inc are served by what the producer's .dec returned.
+constexpr int SPLIT_THREADS = 3 * WARPGROUP;
+constexpr int REGISTERS_AT_LAUNCH = 168;
+constexpr int PRODUCER_REGISTERS = 24;
+constexpr int CONSUMER_REGISTERS = 240;
+static_assert(PRODUCER_REGISTERS + 2 * CONSUMER_REGISTERS <= 3 * REGISTERS_AT_LAUNCH,
+              "the consumers' registers must come from what the producer gives back");
+static_assert(REGISTERS_AT_LAUNCH * SPLIT_THREADS <= 65536, "one block of 384 threads fills the register file");
+
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+// endregion
+
+// region: named_barrier
+// Sixteen hardware barriers per block; __syncthreads is barrier 0 over every thread. `bar.sync id, count` waits until
+// `count` threads (a multiple of 32) have reached barrier `id`; `bar.arrive id, count` counts this thread without
+// waiting. A producer of some event arrives, its consumer syncs: with count = 256 and one warpgroup on each side,
+// the barrier's generation completes when both warpgroups are there, and only the syncing one waits. Arrivals and
+// syncs order the memory accesses of the threads that take part (PTX ISA, "bar, barrier").
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// endregion
+
+// region: register_split_kernel
+// (d) setmaxnreg alone: warpgroup 0 gives registers back and doubles its 128 inputs; warpgroups 1 and 2 take 240
+// each and keep SPLIT_LIVE values per thread live at once (a max over all of them, then a sum that starts from the
+// last: nothing can be dropped early), which would spill at the 168 the block launches with. The compile report
+// shows it: no spills, registers above R168 in the SASS; the GPU check compares the outputs with NumPy.
+constexpr int SPLIT_LIVE = 200;
+
+__global__ void __launch_bounds__(SPLIT_THREADS, 1) register_split_kernel(const float* __restrict__ x,
+                                                                          float* __restrict__ out) {
+    const int warpgroup = threadIdx.x / WARPGROUP, t = threadIdx.x % WARPGROUP;
+    if (warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGISTERS>();
+        out[threadIdx.x] = 2.0f * x[t];
+    } else {
+        setmaxnreg_inc<CONSUMER_REGISTERS>();
+        const float* mine = x + (warpgroup - 1) * SPLIT_LIVE * WARPGROUP;  // (2, SPLIT_LIVE, 128)
+        float v[SPLIT_LIVE];
+#pragma unroll
+        for (int i = 0; i < SPLIT_LIVE; ++i) v[i] = mine[i * WARPGROUP + t];
+        float largest = v[0];
+#pragma unroll
+        for (int i = 1; i < SPLIT_LIVE; ++i) largest = fmaxf(largest, v[i]);
+        float total = 0.0f;
+#pragma unroll
+        for (int i = SPLIT_LIVE - 1; i >= 0; --i) total = 0.5f * total + (v[i] - largest);
+        out[threadIdx.x] = total;
+    }
+}
+// endregion
+
+// region: named_barrier_kernel
+// (e) Named barriers as v3's two consumers use them: warpgroups 0 and 1 take turns, each waiting on its own barrier
+// (1 + w) and arriving at the other's, 256 threads each. Warpgroup 0 goes first without waiting; warpgroup 1 skips
+// its last arrival, so every generation has one arrival from each side and none is left open at the end. In its
+// turn a warpgroup appends its index to a log; warpgroup 0 sleeps first, so turns that are not enforced show as a
+// log that is not 0, 1, 0, 1, ...
+constexpr int TURN_THREADS = 2 * WARPGROUP;
+constexpr uint32_t FIRST_TURN_BARRIER = 1;  // barrier 0 is __syncthreads'
+
+__global__ void __launch_bounds__(TURN_THREADS) named_barrier_kernel(int rounds, int* __restrict__ log) {
+    __shared__ int written;
+    const int warpgroup = threadIdx.x / WARPGROUP;
+    if (threadIdx.x == 0) written = 0;
+    __syncthreads();
+    for (int round = 0; round < rounds; ++round) {
+        if (warpgroup == 1 || round > 0) named_barrier_sync(FIRST_TURN_BARRIER + warpgroup, TURN_THREADS);
+        if (warpgroup == 0) __nanosleep(2000);
+        if (threadIdx.x % WARPGROUP == 0) {
+            volatile int* count = &written;
+            log[*count] = warpgroup;
+            *count = *count + 1;
+        }
+        __syncwarp();
+        if (warpgroup == 0 || round + 1 < rounds) named_barrier_arrive(FIRST_TURN_BARRIER + 1 - warpgroup, TURN_THREADS);
     }
 }
 // endregion
@@ -683,6 +786,32 @@ torch::Tensor hopper_wgmma_gemm(torch::Tensor a, torch::Tensor b, bool a_in_regi
     TORCH_CHECK(false, "hopper_wgmma_gemm: no variant N=", N, " K=", K, " a_in_registers=", a_in_registers,
                 " b_mn_major=", b_mn_major);
     return c;
+}
+// (d) setmaxnreg: x (2, SPLIT_LIVE, 128) float32, the two consumers' values (warpgroup 0 doubles x's first 128);
+// returns the 384 outputs, one per thread.
+torch::Tensor hopper_register_split(torch::Tensor x) {
+    TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+                x.numel() == 2 * wb::SPLIT_LIVE * wb::WARPGROUP,
+                "hopper_register_split: x must be a contiguous CUDA float32 tensor of 2 x ", wb::SPLIT_LIVE,
+                " x 128 elements");
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto out = torch::empty({wb::SPLIT_THREADS}, x.options());
+    wb::register_split_kernel<<<1, wb::SPLIT_THREADS, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.data_ptr<float>(), out.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return out;
+}
+
+// (e) Named barriers: the order in which two warpgroups took `rounds` turns each (int32, 2 x rounds entries).
+torch::Tensor hopper_named_barrier_turns(int64_t rounds, torch::Tensor device_like) {
+    TORCH_CHECK(device_like.is_cuda(), "hopper_named_barrier_turns: device_like must be a CUDA tensor");
+    TORCH_CHECK(rounds > 0 && rounds <= 1024, "hopper_named_barrier_turns: rounds must be in 1..1024");
+    const c10::cuda::CUDAGuard guard(device_like.device());
+    auto log = torch::full({2 * rounds}, -1, device_like.options().dtype(torch::kInt32));
+    wb::named_barrier_kernel<<<1, wb::TURN_THREADS, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        static_cast<int>(rounds), log.data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return log;
 }
 // endregion
 

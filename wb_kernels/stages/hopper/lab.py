@@ -7,16 +7,19 @@ subprocess under a time limit (:mod:`.gpu_checks`).
 - :func:`tma_tile`: (a) one TMA box, 64 x 64 16-bit elements, returned as the raw shared-memory image;
 - :func:`flash_v1`: v1 attention (work in progress: TMA + wgmma, one warpgroup per 64 query rows), not yet a stage;
 - :func:`wgmma_gemm`: (b, c) C = A B in fp32 by one warpgroup, A (64, K <= 64) from shared memory (SS) or registers
-  (RS), B K-major (given as its transpose, (N, K)) or MN-major ((K, N)), N = 64 or 128.
+  (RS), B K-major (given as its transpose, (N, K)) or MN-major ((K, N)), N = 64 or 128;
+- :func:`register_split`: (d) ``setmaxnreg``: one warpgroup gives registers back, two take 240 each and use them;
+- :func:`named_barrier_turns`: (e) ``bar.sync`` / ``bar.arrive``: two warpgroups taking turns, the order they took.
 """
 
 from __future__ import annotations
 
 from . import build as hopper_build
 
-__all__ = ["tma_tile", "wgmma_gemm", "flash_v1"]
+__all__ = ["tma_tile", "wgmma_gemm", "register_split", "named_barrier_turns", "flash_v1", "SPLIT_LIVE"]
 
 TILE_BYTES = 64 * 128
+SPLIT_LIVE = 200  # values each consumer thread of register_split_kernel keeps live (hopper_lab.cu's SPLIT_LIVE)
 
 
 def tma_tile(x, row0: int = 0, column0: int = 0, *, expect_bytes: int | None = None, module=None):
@@ -32,6 +35,21 @@ def wgmma_gemm(a, b, *, a_in_registers: bool = False, b_mn_major: bool = False, 
     """C = A B (64 x N, float32). `a`: (64, K); `b`: (N, K) (K-major, B's transpose) or, with `b_mn_major`, (K, N)."""
     module = module or hopper_build.extension()
     return module.hopper_wgmma_gemm(a.contiguous(), b.contiguous(), bool(a_in_registers), bool(b_mn_major))
+
+
+def register_split(x, *, module=None):
+    """(d) ``register_split_kernel``: `x` (2, SPLIT_LIVE, 128) float32 CUDA; returns 384 floats: threads 0-127 (the
+    warpgroup that gave registers back) 2 x[0, 0, t]; consumer c's thread t the sum over i from the last,
+    s = s / 2 + (x[c, i, t] - max_i x[c, i, t])."""
+    module = module or hopper_build.extension()
+    return module.hopper_register_split(x.contiguous())
+
+
+def named_barrier_turns(rounds: int, device_like, *, module=None):
+    """(e) ``named_barrier_kernel``: the warpgroup index of each of the 2 x `rounds` turns, in the order taken
+    (int32 on `device_like`'s device); named barriers that work give 0, 1, 0, 1, ..."""
+    module = module or hopper_build.extension()
+    return module.hopper_named_barrier_turns(int(rounds), device_like)
 
 
 def flash_v1(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=None):
