@@ -17,6 +17,7 @@ cover it; the ``attention`` check runs a matrix of its own (dtypes, head dims, m
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,8 @@ from wb_kernels.sync import module_regions
 from stage_cases import tool_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_CHECK_SECONDS = {"tma": 60, "gemm": 60, "attention": 150, "watchdog": 60}  # a hang is cut off here
+GPU_CHECK_SECONDS = {"tma": 60, "gemm": 60, "registers": 60, "named_barriers": 60, "attention": 150, "v2": 200,
+                     "v3": 200, "watchdog": 60}  # a hang is cut off here
 
 
 def _is_hopper() -> bool:
@@ -160,20 +162,52 @@ def test_v1_model_rows_without_keys_give_zero_and_minus_inf():
 
 def test_v1_model_fails_when_the_causal_tile_count_ignores_the_offset(monkeypatch):
     """The check has teeth: a kv_end that forgets the bottom-right offset drops keys the last rows see."""
-    monkeypatch.setattr(v1_model, "key_tiles", lambda m0, Lq, Lk, offset: -(-(
-        Lk if offset is None else max(0, min(Lk, min(m0 + 64, Lq)))) // 64))
+    monkeypatch.setattr(v1_model, "key_tiles", lambda m0, Lq, Lk, offset, block_m, block_n: -(-(
+        Lk if offset is None else max(0, min(Lk, min(m0 + block_m, Lq)))) // block_n))
     q, k, v = _v1_inputs(1, 2, 77, 513, 1, 64)
     out, lse = v1_model.forward(q, k, v, causal="bottom_right")
     with pytest.raises(wb.CheckFailed):
         wb.check("v1 model, kv_end without the offset", out, q, k, v, lse=lse, causal="bottom_right", verbose=False)
 
 
+WS_CASES = V1_CASES + [(1, 2, 300, 1100, 1, 64), (1, 2, 1030, 200, 2, 128), (1, 2, 260, 324, 2, 64)]
+
+
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda c: "B{}H{}Lq{}Lk{}Hk{}D{}".format(*c))
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_v2_v3_model_meets_the_tolerance_rule(case, causal, padded):
+    """128-row blocks of two 64-row consumers, 128-key tiles: every consumer walks its block's tiles."""
+    q, k, v = _v1_inputs(*case)
+    mask = wb.random_padding_mask(case[0], case[3], seed=case[3]) if padded else None
+    out, lse = v1_model.forward(q, k, v, causal=causal, key_padding_mask=mask, **v1_model.WS)
+    wb.check(f"v2 model {case} causal={causal} padded={padded}", out, q, k, v, lse=lse, causal=causal,
+             key_padding_mask=mask, verbose=False)
+
+
+def test_v2_model_fails_when_the_tile_count_comes_from_64_rows(monkeypatch):
+    """Teeth: a tile count from v1's 64 rows instead of the block's 128 drops keys that consumer 1's rows see (with
+    the bottom-right diagonal 64 keys on, rows 64-127 reach into the second tile)."""
+    tiles = v1_model.key_tiles
+    monkeypatch.setattr(v1_model, "key_tiles", lambda m0, Lq, Lk, offset, block_m, block_n:
+                        tiles(m0, Lq, Lk, offset, 64, block_n))
+    q, k, v = _v1_inputs(1, 2, 260, 324, 2, 64)
+    out, lse = v1_model.forward(q, k, v, causal="bottom_right", **v1_model.WS)
+    with pytest.raises(wb.CheckFailed):
+        wb.check("v2 model, tile count of 64 rows", out, q, k, v, lse=lse, causal="bottom_right", verbose=False)
+
+
 def test_the_source_decides_tiles_and_masks_as_the_model_does():
     source = hb.package_source()
     for expression in (
-            "if (params.causal) kv_end = max(0, min(params.Lk, min(m0 + V1_BLOCK_M, params.Lq) + params.causal_offset));",
-            "const bool needs_mask = n0 + V1_BLOCK_N > params.Lk || keep != nullptr ||",
-            "(params.causal && n0 + V1_BLOCK_N - 1 > m0 + params.causal_offset);",
+            "if (params.causal) kv_end = max(0, min(params.Lk, min(m0 + BLOCK_M, params.Lq) + params.causal_offset));",
+            "const bool needs_mask = n0 + BLOCK_N > params.Lk || keep != nullptr ||",
+            "(params.causal && n0 + BLOCK_N - 1 > first_row + params.causal_offset);",
+            "const int n_tiles = key_tile_count<V1_BLOCK_M, V1_BLOCK_N>(params, m0);",
+            "const int n_tiles = key_tile_count<WS_BLOCK_M, WS_BLOCK_N>(params, m0);  // the producer's and the consumers'",
+            "rows.first_row = m0 + 64 * consumer;",
+            "rows.query0 = rows.first_row + 16 * warp + lane / 4;",
+            "constexpr int WS_BLOCK_M = 128;", "constexpr int WS_BLOCK_N = 128;",
             "const float base = new_max == -INFINITY ? 0.0f : new_max;",
             "total > 0.0f ? (row_max[r] + log2f(total)) * 0.6931471805599453f : -INFINITY"):
         assert expression in source, expression
@@ -190,12 +224,15 @@ def report():
 
 def test_every_kernel_compiles_for_sm_90a_without_spills(report):
     found = {(r.function, r.dtype) for r in report}
-    expected = {("tma_tile", None)} | {(v.label, dtype) for v in hb.GEMM_VARIANTS for dtype in ("float16", "bfloat16")}
-    expected |= {(f"flash_v1 D={D}", dtype) for D in (64, 128) for dtype in ("float16", "bfloat16")}
+    expected = {("tma_tile", None), ("register_split", None), ("named_barrier", None)}
+    expected |= {(v.label, dtype) for v in hb.GEMM_VARIANTS for dtype in ("float16", "bfloat16")}
+    expected |= {(f"flash_v{version} D={D}", dtype) for version in (1, 2, 3) for D in (64, 128)
+                 for dtype in ("float16", "bfloat16")}
     assert found == expected
     for kernel in report:
         assert kernel.spill_stores == kernel.spill_loads == kernel.stack_bytes == 0, kernel
-        assert kernel.registers <= 168, kernel  # 64 x 128 fp32 accumulators are 64 registers per thread
+        assert kernel.registers <= 168, kernel  # 64 x 128 fp32 accumulators are 64 registers per thread (v2/v3's
+        # consumers reach past 168 only after setmaxnreg.inc: the report shows the launch's count)
 
 
 def test_the_cuda_13_0_toolkit_compiles_it_too():
@@ -204,7 +241,7 @@ def test_the_cuda_13_0_toolkit_compiles_it_too():
     if nvcc is None:
         pytest.skip("no CUDA toolkit nvcc on this machine (the wheel's nvcc is checked above)")
     report = hb.nvcc_compile_report(nvcc=nvcc)
-    assert len(report) == 1 + 2 * len(hb.GEMM_VARIANTS) + 4
+    assert len(report) == 3 + 2 * len(hb.GEMM_VARIANTS) + 12
     assert all(r.spill_stores == r.spill_loads == r.stack_bytes == 0 for r in report)
     assert any("HGMMA" in line for line in hb.sass("wgmma_gemm_kernel", nvcc=nvcc, pattern="HGMMA"))
 
@@ -238,6 +275,34 @@ def test_the_tma_tile_kernel_and_the_watchdog(report):
     assert not any(line.startswith("BPT.TRAP") for line in unwatched)
 
 
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("dtype, D", [("6__half", 64), ("6__half", 128), ("13__nv_bfloat16", 64),
+                                      ("13__nv_bfloat16", 128)])
+def test_v2_v3_split_registers_and_keep_wgmma_on_tma_tiles(report, version, dtype, D):
+    """v2: D / 16 SS wgmma for S (64 x 128 keys) and 8 RS wgmma for P V per tile; v3 issues each twice in the source
+    (its first and last turns stand outside the loop). 168 registers at launch, the producer gives back to 24 and the
+    consumers take 240; 3-D TMA loads; v3's turns are bar.sync / bar.arrive over 256 threads; the watchdog's trap."""
+    tool_or_skip(cuda_build.find_cuobjdump, "the hopper rung's machine-code check")
+    kernel = next(r for r in report if r.function == f"flash_v{version} D={D}"
+                  and r.dtype == ("float16" if dtype == "6__half" else "bfloat16"))
+    assert (kernel.registers, kernel.spill_stores, kernel.spill_loads, kernel.stack_bytes) == (168, 0, 0, 0), kernel
+    lines = hb.sass(f"flash_ws_kernelI{dtype}Li{D}ELb{int(version == 3)}E", pattern="")
+    hgmma = [line for line in lines if line.startswith("HGMMA.")]
+    s_products = [line for line in hgmma if line.startswith("HGMMA.64x128x16.F32") and "tnspB" not in line]
+    pv_products = [line for line in hgmma if line.startswith(f"HGMMA.64x{D}x16.F32") and "tnspB" in line]
+    copies = 1 if version == 2 else 2
+    assert (len(s_products), len(pv_products), len(hgmma)) == (copies * D // 16, copies * 8, copies * (D // 16 + 8))
+    assert all(line.split()[2].startswith("R") for line in pv_products)  # P from registers
+    assert [line for line in lines if "SETMAXREG" in line] == ["USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;",
+                                                              "USETMAXREG.DEALLOC.CTAPOOL 0x18 ;"]
+    assert any(line.startswith("UTMALDG.3D") for line in lines)
+    assert any(line.startswith("SYNCS.ARRIVE") for line in lines)
+    assert any(line.startswith("BPT.TRAP") for line in lines)
+    turns = [line for line in lines if ("BAR.SYNC" in line or "BAR.ARV" in line) and line.endswith(", 0x100 ;")]
+    assert bool(turns) == (version == 3), turns
+    assert not [line for line in lines if line.startswith(("LDL", "STL"))]
+
+
 @pytest.mark.parametrize("dtype, D", [("6__half", 64), ("6__half", 128), ("13__nv_bfloat16", 128)])
 def test_v1_key_loop_is_wgmma_on_tma_tiles(report, dtype, D):
     """Per key tile: D / 16 SS wgmma for S = Q K^T (K-major), 4 RS wgmma for O += P V (V MN-major: tnspB), the K and V
@@ -253,6 +318,37 @@ def test_v1_key_loop_is_wgmma_on_tma_tiles(report, dtype, D):
     assert not [line for line in lines if line.startswith(("LDL", "STL"))]
 
 
+def _highest_register(lines) -> int:
+    return max(int(r) for line in lines for r in re.findall(r"\bR(\d+)\b", line))
+
+
+def test_setmaxnreg_moves_registers_from_the_producer_to_the_consumers(report):
+    """The block launches with 168 registers a thread; warpgroup 0 gives back to 24, warpgroups 1-2 take 240 and keep
+    200 values live without a spill, using registers past R168. The same kernel without setmaxnreg spills."""
+    tool_or_skip(cuda_build.find_cuobjdump, "the hopper rung's machine-code check")
+    split = next(r for r in report if r.function == "register_split")
+    assert (split.registers, split.spill_stores, split.stack_bytes) == (168, 0, 0), split
+    lines = hb.sass("register_split_kernel", pattern="")
+    assert [line for line in lines if "SETMAXREG" in line] == ["USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;",
+                                                              "USETMAXREG.DEALLOC.CTAPOOL 0x18 ;"]
+    assert _highest_register(lines) >= 168  # registers the launch does not give: only the .inc provides them
+    source = hb.package_source()
+    without = source.replace("        setmaxnreg_inc<CONSUMER_REGISTERS>();\n", "").replace(
+        "        setmaxnreg_dec<PRODUCER_REGISTERS>();\n", "")
+    assert without.count("setmaxnreg_") == source.count("setmaxnreg_") - 2
+    spilled = next(r for r in hb.nvcc_compile_report(without) if r.function == "register_split")
+    assert spilled.spill_stores > 0, spilled
+
+
+def test_named_barriers_are_bar_sync_and_bar_arrive_over_two_warpgroups(report):
+    tool_or_skip(cuda_build.find_cuobjdump, "the hopper rung's machine-code check")
+    lines = hb.sass("named_barrier_kernel", pattern="BAR.")
+    syncs = [line for line in lines if "BAR.SYNC" in line and line.endswith(", 0x100 ;")]  # 256 threads
+    arrives = [line for line in lines if "BAR.ARV" in line and line.endswith(", 0x100 ;")]
+    assert syncs and arrives, lines
+    assert all(" R" in line for line in syncs + arrives)  # the barrier's index from a register: 1 + warpgroup
+
+
 def test_a_serialized_wgmma_fails_the_build():
     """A printf between the wgmma and its wait makes ptxas serialize every wgmma (a C75xx note, not a warning)."""
     tool_or_skip(cuda_build.find_nvcc, "the hopper rung's compile check")
@@ -266,7 +362,9 @@ def test_a_serialized_wgmma_fails_the_build():
 def test_the_lesson_regions_exist():
     regions = module_regions(hb.SOURCE.path)
     assert {"mbarrier", "tma", "wgmma_descriptor", "wgmma", "tma_tile_kernel", "gemm_kernel", "tensor_map",
-            "torch_entry_points", "tma_3d", "flash_v1_params", "flash_v1_kernel", "flash_v1_entry_point"} <= set(regions)
+            "torch_entry_points", "tma_3d", "flash_params", "flash_tile_steps", "flash_v1_kernel", "flash_entry_point",
+            "flash_ws_layout", "flash_ws_producer", "flash_v2_consumer", "flash_v3_consumer", "flash_ws_kernel", "setmaxnreg",
+            "named_barrier", "register_split_kernel", "named_barrier_kernel"} <= set(regions)
 
 
 def test_the_build_names_the_mma_rung_on_a_gpu_that_is_not_hopper(monkeypatch):
@@ -307,6 +405,63 @@ def test_each_classic_mistake_raises_instead_of_hanging(options, error, words):
     with pytest.raises(error) as raised:
         br.simulate(**options)
     assert words in str(raised.value)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("stages, tiles", [(2, 0), (2, 1), (2, 9), (3, 9), (4, 9), (3, 2)])
+def test_v2_v3_rings_finish_under_every_interleaving(version, stages, tiles):
+    """The kernel's loops: the producer (Q, then the ring), 8 consumer warps each arriving on kv_empty; v3's warps
+    also take turns through the two named barriers. No tiles at all (a block above the causal diagonal) too."""
+    result = br.simulate_ws(version, stages, tiles, seeds=range(15))
+    assert sorted(result.reads) == sorted((f"consumer {c} warp {w}", t) for c in range(2) for w in range(4)
+                                          for t in range(tiles))
+
+
+def test_v3_needs_two_slots_and_v2_does_not():
+    """A v3 consumer holds a tile's slot until the next turn's P V: with one slot the producer can never refill it."""
+    br.simulate_ws(2, 1, 5)
+    with pytest.raises(br.Deadlock, match="producer waits on empty"):
+        br.simulate_ws(3, 1, 5)
+
+
+@pytest.mark.parametrize("options, error, words", [
+    (dict(version=3, consumer_options=dict(first_waits=True)), br.Deadlock, "consumer 0 warp 0 waits on turn[0]"),
+    (dict(version=3, consumer_options=dict(last_arrives=True)), br.RingError, "generation open"),
+    (dict(version=2, producer_tiles=6), br.Deadlock, "waits on full"),
+    (dict(version=3, producer_tiles=8), br.RingError, "disagree on the tile count"),
+    (dict(version=2, empty_count=2), br.RingError, ""),
+    (dict(version=2, producer_options=dict(expect_bytes=65536 + 16)), br.Deadlock, "16 byte"),
+], ids=["v3-both-wait-first", "v3-extra-arrival", "producer-fewer-tiles", "producer-more-tiles",
+        "empty-counts-warpgroups", "too-many-bytes"])
+def test_each_v2_v3_mistake_raises_instead_of_hanging(options, error, words):
+    with pytest.raises(error) as raised:
+        br.simulate_ws(stages=3, tiles=7, **options)
+    assert words in str(raised.value)
+
+
+def test_the_source_runs_the_modelled_ring():
+    """The expressions of barrier_ring's loops and flash_ws_kernel's, side by side: changing one side fails this."""
+    import inspect
+
+    model, kernel = inspect.getsource(br), hb.package_source()
+    for python, cuda in (
+            ("yield Wait(ring.empty[stage], phase ^ 1 if empty_parity_flip else phase)",
+             "mbarrier_wait(&kv_empty[stage], phase ^ 1);"),
+            ("yield ArriveExpectTx(ring.full[stage], tile_bytes", "mbarrier_arrive_expect_tx(&kv_full[stage], 2 * KV_TILE_BYTES);"),
+            ("yield Wait(ring.full[stage], phase)", "mbarrier_wait(&kv_full[stage], phase);"),
+            ("if stage == ring.stages:", "if (++stage == STAGES) {"),
+            ("yield Wait(ring.q_full, 0)", "mbarrier_wait(&q_full, 0);  // always, even without tiles"),
+            ("yield ArriveExpectTx(ring.q_full, Q_BYTES)", "mbarrier_arrive_expect_tx(q_full, COLUMN_BLOCKS * Q_BLOCK_BYTES);"),
+            ("ring = Ring(stages, consumers=8, empty_count=empty_count)", "constexpr int WS_EMPTY_ARRIVALS = 4 * WS_CONSUMERS;"),
+            ("yield Arrive(ring.empty[stage])", "if (rows.lane == 0) mbarrier_arrive(&kv_empty[stage]);"),
+            ("yield Arrive(ring.empty[held[0]])", "if (rows.lane == 0) mbarrier_arrive(&kv_empty[held]);"),
+            ("if consumer_index == 1 or first_waits:", "if (consumer == 1) named_barrier_sync(my_turn, TURN_THREADS_V3);"),
+            ("if consumer_index == 0 or last_arrives:", "if (consumer == 0) named_barrier_arrive(other_turn, TURN_THREADS_V3);"),
+            ('self.turn = [NamedBarrier(f"turn[{c}]", 8) for c in range(2)]', "constexpr uint32_t TURN_THREADS_V3 = 2 * WARPGROUP;")):
+        assert python in model, python
+        assert cuda in kernel, cuda
+    assert kernel.count("named_barrier_sync(my_turn, TURN_THREADS_V3);") == 3  # first (consumer 1), loop, last turn
+    assert kernel.count("named_barrier_arrive(other_turn, TURN_THREADS_V3);") == 3
 
 
 def test_a_producer_that_never_waits_is_caught():

@@ -4,8 +4,9 @@ Work in progress (NOTES.md says what runs and what remains); registered as the s
 ``wb.attention``, which runs v1 on a Hopper GPU. Files:
 
 - ``hopper_lab.cu``: v0, the primitives lab (mbarrier, the TMA tile load with the 128-byte swizzle, the wgmma
-  shared-memory descriptor, wgmma in its SS and RS forms, each in a small kernel with a torch launcher), and v1,
-  attention with those pieces and one warpgroup;
+  shared-memory descriptor, wgmma in its SS and RS forms, setmaxnreg, named barriers, each in a small kernel with a
+  torch launcher), v1, attention with those pieces and one warpgroup, v2 (a producer warpgroup and two consumers,
+  full/empty mbarrier ring, setmaxnreg) and v3 (v2's consumers in ping-pong through named barriers);
 - ``build.py``: the lab described to the shared :mod:`wb_kernels.cuda_build`, for ``sm_90a``: the extension (with the
   barrier watchdog by default) and, without a GPU, the compile report and the SASS (``HGMMA``, ``UTMALDG``); a wgmma
   that ptxas serialized fails both;

@@ -31,8 +31,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-__all__ = ["MBarrier", "Ring", "Wait", "ArriveExpectTx", "Arrive", "Copy", "Read", "Deadlock", "StaleRead",
-           "Overwrite", "RingError", "producer", "consumer", "simulate", "Result"]
+__all__ = ["MBarrier", "NamedBarrier", "Ring", "Wait", "ArriveExpectTx", "Arrive", "Copy", "Read", "Peek", "BarSync",
+           "BarArrive", "Deadlock", "StaleRead", "Overwrite", "RingError", "producer", "consumer", "ws_producer",
+           "ws_consumer_warp", "pingpong_consumer_warp", "simulate", "simulate_ws", "Result"]
 
 
 class RingError(RuntimeError):
@@ -93,10 +94,44 @@ class MBarrier:
 # endregion
 
 
+# region: named_barrier_model
+@dataclass
+class NamedBarrier:
+    """A hardware barrier of ``bar.sync id, count`` / ``bar.arrive id, count``, counted in warps (``count`` threads /
+    32): a generation completes when that many warp arrivals are in; ``bar.sync`` arrives and waits for the end of
+    its generation, ``bar.arrive`` does not wait. A warp that arrives twice in one generation is an error here: the
+    hardware would count it twice and release the barrier before the other side came."""
+
+    name: str
+    warps: int
+    generation: int = 0
+    arrived: list = field(default_factory=list)
+
+    def arrive(self, who: str) -> int:
+        """Count `who`'s arrival; returns the generation it belongs to."""
+        if who in self.arrived:
+            raise RingError(f"{who} arrived twice at {self.name} in generation {self.generation} (arrivals so far: "
+                            f"{self.arrived}): the barrier would release before the other warpgroup came")
+        self.arrived.append(who)
+        generation = self.generation
+        if len(self.arrived) == self.warps:
+            self.generation += 1
+            self.arrived = []
+        return generation
+
+    def state(self) -> str:
+        return f"{self.name}: generation {self.generation} has {len(self.arrived)} of {self.warps} warp arrivals"
+# endregion
+
+
 class Ring:
-    """``stages`` slots, each with its ``full`` and ``empty`` barrier and what it holds."""
+    """``stages`` slots, each with its ``full`` and ``empty`` barrier and what it holds; Q's barrier, and v3's two turn
+    barriers (256 threads: 8 warps each)."""
 
     def __init__(self, stages: int, consumers: int = 1, empty_count: int | None = None):
+        self.q_full = MBarrier("q_full", 1)
+        self.q_landed = False
+        self.turn = [NamedBarrier(f"turn[{c}]", 8) for c in range(2)]
         self.stages = stages
         self.full = [MBarrier(f"full[{s}]", 1) for s in range(stages)]
         self.empty = [MBarrier(f"empty[{s}]", consumers if empty_count is None else empty_count)
@@ -136,8 +171,28 @@ class Copy:
 
 @dataclass(frozen=True)
 class Read:
+    """The slot's last use by this consumer (it arrives on ``empty`` next); stage -1: Q."""
+
     stage: int
     tile: int
+
+
+@dataclass(frozen=True)
+class Peek:
+    """A use of the slot that is not its last (v3 reads K in one turn and V in the next)."""
+
+    stage: int
+    tile: int
+
+
+@dataclass(frozen=True)
+class BarSync:
+    barrier: NamedBarrier
+
+
+@dataclass(frozen=True)
+class BarArrive:
+    barrier: NamedBarrier
 
 
 # region: ring_loops
@@ -168,6 +223,66 @@ def consumer(ring: Ring, tiles: int, *, flip_on_wrap: bool = True, release: bool
         if stage == ring.stages:
             stage = 0
             phase ^= 1 if flip_on_wrap else 0
+
+
+# v2 and v3 (flash_ws_kernel in hopper_lab.cu): the producer loads Q once, then runs the ring; each consumer warp
+# waits for Q, walks the ring and arrives on kv_empty once per tile (kv_empty counts 8 arrivals: 4 warps x 2
+# consumers); all of them agree on `tiles` (key_tile_count of the block).
+Q_BYTES = 32768
+
+
+def ws_producer(ring: Ring, tiles: int, tile_bytes: int, **options):
+    """produce_tiles: Q (one barrier), then the ring loop of :func:`producer`."""
+    yield ArriveExpectTx(ring.q_full, Q_BYTES)
+    yield Copy(-1, 0, Q_BYTES, ring.q_full)
+    yield from producer(ring, tiles, tile_bytes, **options)
+
+
+def ws_consumer_warp(ring: Ring, tiles: int, **options):
+    """One warp of a v2 consumer (consume_tiles_v2): Q, then the ring loop of :func:`consumer`."""
+    yield Wait(ring.q_full, 0)
+    yield Read(-1, 0)
+    yield from consumer(ring, tiles, **options)
+
+
+def pingpong_consumer_warp(ring: Ring, tiles: int, consumer_index: int, *, first_waits: bool = False,
+                           last_arrives: bool = False):
+    """One warp of a v3 consumer (consume_tiles_v3): turns on the tensor cores through ring.turn[consumer_index]
+    (wait) and ring.turn[1 - consumer_index] (arrive). Turn 0: S of tile 0; turn t: P V of tile t - 1 (the last use
+    of its slot, released after the turn) and S of tile t; the last turn: P V of the last tile. Consumer 0 takes
+    its first turn without waiting (`first_waits` makes it wait), consumer 1 does not arrive after its last
+    (`last_arrives` makes it arrive)."""
+    mine, other = ring.turn[consumer_index], ring.turn[1 - consumer_index]
+    yield Wait(ring.q_full, 0)
+    yield Read(-1, 0)
+    if tiles == 0:
+        return
+    stage, phase = 0, 0
+    yield Wait(ring.full[stage], phase)
+    if consumer_index == 1 or first_waits:
+        yield BarSync(mine)
+    yield Peek(stage, 0)  # S = Q K^T of tile 0
+    yield BarArrive(other)
+    held = (stage, 0)
+    stage += 1
+    if stage == ring.stages:
+        stage, phase = 0, phase ^ 1
+    for tile in range(1, tiles):
+        yield Wait(ring.full[stage], phase)
+        yield BarSync(mine)
+        yield Peek(stage, tile)  # S of this tile
+        yield BarArrive(other)
+        yield Read(*held)  # P V of the previous tile: its slot's last use
+        yield Arrive(ring.empty[held[0]])
+        held = (stage, tile)
+        stage += 1
+        if stage == ring.stages:
+            stage, phase = 0, phase ^ 1
+    yield BarSync(mine)
+    if consumer_index == 0 or last_arrives:
+        yield BarArrive(other)
+    yield Read(*held)
+    yield Arrive(ring.empty[held[0]])
 # endregion
 
 
@@ -206,7 +321,24 @@ def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int) -> Resul
             instruction.barrier.arrive()
         elif isinstance(instruction, Copy):
             copies.append([copy_delay + rng.randrange(3), instruction])
-            issued[0] += 1
+            issued[0] += instruction.stage >= 0
+        elif isinstance(instruction, BarArrive):
+            instruction.barrier.arrive(name)
+        elif isinstance(instruction, BarSync):
+            if name not in sync_generation:
+                sync_generation[name] = instruction.barrier.arrive(name)
+            if instruction.barrier.generation <= sync_generation[name]:
+                blocked[name] = instruction
+                return False
+            del sync_generation[name]
+            blocked[name] = None
+        elif isinstance(instruction, (Read, Peek)) and instruction.stage < 0:
+            if not ring.q_landed:
+                raise StaleRead(f"{name} read Q before it landed ({ring.q_full.state()})")
+        elif isinstance(instruction, Peek):
+            if ring.tile_in[instruction.stage] != instruction.tile:
+                raise StaleRead(f"{name} used slot {instruction.stage} for tile {instruction.tile}, but the slot "
+                                f"holds {ring.tile_in[instruction.stage]} ({ring.full[instruction.stage].state()})")
         elif isinstance(instruction, Read):
             held = ring.tile_in[instruction.stage]
             if held != instruction.tile:
@@ -218,7 +350,13 @@ def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int) -> Resul
         current[name] = None
         return True
 
+    sync_generation = {}  # agent -> the generation of the named barrier its pending bar.sync arrived in
+
     def land(copy: Copy) -> None:
+        if copy.stage < 0:  # Q
+            ring.q_landed = True
+            copy.barrier.complete_tx(copy.nbytes)
+            return
         if ring.readers_left[copy.stage] > 0:
             raise Overwrite(f"tile {copy.tile} landed in slot {copy.stage} while {ring.readers_left[copy.stage]} "
                             f"consumer(s) still had to read tile {ring.tile_in[copy.stage]}: the producer's wait on "
@@ -229,7 +367,8 @@ def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int) -> Resul
 
     while len(finished) < len(agents) or copies:
         steps += 1
-        slowest = min(sum(1 for who, _ in reads if who == name) for name in agents if name != "producer")
+        slowest = min(sum(1 for who, tile in reads if who == name and tile >= 0) for name in agents
+                      if name != "producer")
         ahead = max(ahead, issued[0] - slowest)
         for entry in copies:
             entry[0] -= 1
@@ -242,13 +381,20 @@ def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int) -> Resul
         for name in runnable:
             progressed = step(name) or progressed
         if not progressed and not copies and len(finished) < len(agents):
-            waiting = [f"{name} waits on {w.barrier.name} for parity {w.parity}" for name, w in blocked.items()
-                       if w is not None]
+            waiting = [f"{name} waits on {w.barrier.name}" + (f" for parity {w.parity}" if isinstance(w, Wait) else "")
+                       for name, w in blocked.items() if w is not None]
             states = sorted({w.barrier.state() for w in blocked.values() if w is not None})
             raise Deadlock("no agent can move and no copy is in flight: " + "; ".join(waiting) + ". " +
                            "; ".join(states))
         if steps > 100_000:
             raise RingError("the simulation did not finish in 100,000 steps")
+    unread = [(stage, ring.tile_in[stage]) for stage in range(ring.stages) if ring.readers_left[stage] > 0]
+    if unread:
+        raise RingError(f"tiles landed that not every consumer read (slot, tile): {unread}: the producer and the "
+                        f"consumers disagree on the tile count (on the GPU a copy may still be in flight at exit)")
+    open_generations = [b.state() for b in ring.turn if b.arrived]
+    if open_generations:
+        raise RingError("named barriers left with a generation open at the end: " + "; ".join(open_generations))
     return Result(reads, steps, ahead)
 
 
@@ -267,4 +413,29 @@ def simulate(stages: int = 2, tiles: int = 7, consumers: int = 1, *, tile_bytes:
         expected = sorted((f"consumer {c}", t) for c in range(consumers) for t in range(tiles))
         if sorted(result.reads) != expected:
             raise RingError(f"seed {seed}: reads {sorted(result.reads)} instead of every tile once per consumer")
+    return result
+
+
+def simulate_ws(version: int = 2, stages: int = 3, tiles: int = 7, *, tile_bytes: int = 65536, seeds=range(20),
+                copy_delay: int = 2, producer_tiles: int | None = None, empty_count: int = 8,
+                producer_options: dict | None = None, consumer_options: dict | None = None) -> Result:
+    """v2 (`version` 2) or v3 (3) as the kernel runs it: the producer thread and the 8 consumer warps (2 warpgroups x
+    4), kv_empty counting 8 arrivals, under each seed's interleaving. `producer_tiles`: a producer that computes
+    another tile count than the consumers (a mistake)."""
+    result = None
+    for seed in seeds:
+        ring = Ring(stages, consumers=8, empty_count=empty_count)
+        agents = {"producer": ws_producer(ring, tiles if producer_tiles is None else producer_tiles, tile_bytes,
+                                          **(producer_options or {}))}
+        for c in range(2):
+            for warp in range(4):
+                if version == 2:
+                    agents[f"consumer {c} warp {warp}"] = ws_consumer_warp(ring, tiles, **(consumer_options or {}))
+                else:
+                    agents[f"consumer {c} warp {warp}"] = pingpong_consumer_warp(ring, tiles, c,
+                                                                                 **(consumer_options or {}))
+        result = _run(ring, agents, random.Random(seed), copy_delay)
+        expected = sorted((name, t) for name in agents if name != "producer" for t in range(tiles))
+        if sorted(result.reads) != expected:
+            raise RingError(f"seed {seed}: reads {sorted(result.reads)[:12]} ... instead of every tile once per warp")
     return result

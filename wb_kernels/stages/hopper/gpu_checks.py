@@ -1,7 +1,7 @@
 """The primitives lab's checks on a Hopper GPU, one per process (rung ``hopper``; run by tests/test_hopper.py).
 
-    python -m wb_kernels.stages.hopper.gpu_checks tma gemm        # each named check; prints one line per check
-    compute-sanitizer --tool memcheck --error-exitcode 1 python -m wb_kernels.stages.hopper.gpu_checks tma gemm attention_quick
+    python -m wb_kernels.stages.hopper.gpu_checks tma gemm registers named_barriers   # one line per check
+    compute-sanitizer --tool memcheck --error-exitcode 1 python -m wb_kernels.stages.hopper.gpu_checks tma gemm attention_quick v2_quick v3_quick
     compute-sanitizer --tool synccheck --error-exitcode 1 python -m wb_kernels.stages.hopper.gpu_checks tma gemm attention_quick
 
 A kernel that waits on an mbarrier hangs instead of failing when the barrier is wrong, and a trapped kernel leaves
@@ -13,9 +13,14 @@ the exit status is the number of failed checks.
   NumPy model of the 128-byte swizzle (:mod:`.tma_swizzle`), ragged parts zero;
 - ``gemm``: (b, c) every GEMM variant (SS and RS, B K-major and MN-major, N = 64 and 128, K = 16, 40, 64) in fp16
   and bf16 against torch.matmul in float64 of the same inputs;
+- ``registers``: (d) ``setmaxnreg``: the consumers' 200 live values per thread give NumPy's float32 result, and the
+  launch finishes (a ``.inc`` that the pool cannot serve would block for ever);
+- ``named_barriers``: (e) two warpgroups take 64 turns each through ``bar.sync`` / ``bar.arrive``: the log must read
+  0, 1, 0, 1, ... although warpgroup 0 sleeps before each of its turns;
 - ``attention``: v1 (work in progress) against the float64 reference with wb.check's rule; ``attention_quick``: two
   of its cases (fp16, D 64 and 128, ragged, GQA, bottom-right causal, key padding) plus rows without keys, for the
-  sanitizers;
+  sanitizers; ``v2``, ``v3`` (and ``v2_quick``, ``v3_quick``): the same for the warp-specialized versions, with two
+  shapes more (nine key tiles: the ring wraps; Lq far above Lk: blocks without a key tile);
 - ``watchdog``: a TMA load whose barrier expects 16 bytes more than arrive: the phase never completes, and the
   watchdog's trap must end the kernel with an error (this check passes when the launch fails).
 """
@@ -30,7 +35,8 @@ from . import lab
 from .build import GEMM_VARIANTS
 from .tma_swizzle import swizzled_image, tma_box
 
-__all__ = ["check_tma", "check_gemm", "check_attention", "check_watchdog", "CHECKS", "main"]
+__all__ = ["check_tma", "check_gemm", "check_registers", "check_named_barriers", "check_attention", "check_watchdog",
+           "register_split_expected", "CHECKS", "main"]
 
 
 _current = {"case": "before the first launch"}  # what ran last: a trap or a hang names it in the report
@@ -93,17 +99,68 @@ def check_gemm() -> str:
     return f"{cases} products within fp32 accumulation error of float64 (worst {worst:.2g})"
 
 
-def check_attention(quick: bool = False) -> str:
-    """v1 against the float64 reference with wb.check's rule: both dtypes and head dims, ragged lengths, Lq != Lk,
-    L = 1, both causal alignments, key padding, GQA, rows that see no key. `quick`: two cases (fp16, D = 64 and 128)
-    and the rows without keys, for the sanitizers."""
+def register_split_expected(x: np.ndarray) -> np.ndarray:
+    """What ``register_split_kernel`` computes, in NumPy float32 and the kernel's order."""
+    x = np.asarray(x, np.float32)
+    out = np.empty(3 * 128, np.float32)
+    out[:128] = 2 * x[0, 0]
+    for consumer in range(2):
+        values = x[consumer]
+        largest = values.max(axis=0)
+        total = np.zeros(128, np.float32)
+        for i in range(values.shape[0] - 1, -1, -1):
+            total = np.float32(0.5) * total + (values[i] - largest)
+        out[128 * (consumer + 1):128 * (consumer + 2)] = total
+    return out
+
+
+def check_registers() -> str:
+    import torch
+
+    x = torch.randn(2, lab.SPLIT_LIVE, 128, device="cuda")
+    _running("register_split")
+    out = lab.register_split(x).cpu().numpy()
+    expected = register_split_expected(x.cpu().numpy())
+    # same operations in the same order; room only for a contraction ptxas may choose (0.5 t + d as one FMA is exact)
+    if not np.allclose(out, expected, rtol=1e-6, atol=1e-5):
+        wrong = int((~np.isclose(out, expected, rtol=1e-6, atol=1e-5)).sum())
+        raise AssertionError(f"{wrong} of 384 outputs differ from NumPy (first thread's: {out[0]} vs {expected[0]})")
+    return (f"384 threads as NumPy: warpgroup 0 after setmaxnreg.dec, warpgroups 1-2 after setmaxnreg.inc with "
+            f"{lab.SPLIT_LIVE} live values each")
+
+
+def check_named_barriers() -> str:
+    import torch
+
+    rounds = 64
+    _running(f"named_barrier_turns rounds={rounds}")
+    log = lab.named_barrier_turns(rounds, torch.empty(1, device="cuda")).cpu().tolist()
+    expected = [0, 1] * rounds
+    if log != expected:
+        first = next(i for i, (a, b) in enumerate(zip(log, expected)) if a != b)
+        raise AssertionError(f"turn {first} went to warpgroup {log[first]}: {log[:16]} ...")
+    return f"{2 * rounds} turns alternated 0, 1, 0, 1, ... (warpgroup 0 sleeping before each of its turns)"
+
+
+ATTENTION_SHAPES = [(1, 2, 1, 1, 2), (2, 3, 100, 77, 3), (1, 2, 64, 64, 1), (1, 2, 200, 70, 2), (2, 4, 130, 300, 2),
+                    (1, 4, 77, 513, 1)]  # (B, H, Lq, Lk, Hk)
+# v2 and v3 also: 9 key tiles of 128 (the ring wraps two or three times), and Lq far above Lk, where bottom-right
+# causal leaves whole 128-row blocks without a key tile (the producer loads Q only)
+WS_EXTRA_SHAPES = [(1, 2, 300, 1100, 1), (1, 2, 1030, 200, 2)]
+LAUNCHERS = {1: lab.flash_v1, 2: lab.flash_v2, 3: lab.flash_v3}
+
+
+def check_attention(version: int = 1, quick: bool = False) -> str:
+    """v1, v2 or v3 against the float64 reference with wb.check's rule: both dtypes and head dims, ragged lengths,
+    Lq != Lk, L = 1, both causal alignments, key padding, GQA, rows that see no key. `quick`: one shape (fp16, D = 64
+    and 128, bottom-right causal, key padding) and the rows without keys, for the sanitizers."""
     import torch
 
     import wb_kernels as wb
 
+    flash = LAUNCHERS[version]
     failures, cases = [], 0
-    shapes = [(1, 2, 1, 1, 2), (2, 3, 100, 77, 3), (1, 2, 64, 64, 1), (1, 2, 200, 70, 2), (2, 4, 130, 300, 2),
-              (1, 4, 77, 513, 1)]
+    shapes = ATTENTION_SHAPES + (WS_EXTRA_SHAPES if version > 1 else [])
     dtypes, head_dims = ("float16", "bfloat16"), (64, 128)
     if quick:
         shapes, dtypes = [(2, 4, 130, 300, 2)], ("float16",)
@@ -116,11 +173,11 @@ def check_attention(quick: bool = False) -> str:
                 for causal in (("bottom_right",) if quick else (False, "top_left", "bottom_right")):
                     for padded in ((True,) if quick else (False, True)):
                         mask = wb.random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
-                        _running(f"attention {dtype} D={D} {(B, H, Lq, Lk)} Hk={Hk} causal={causal} padded={padded}")
-                        out, lse = lab.flash_v1(q, k, v, causal=causal, key_padding_mask=mask)
+                        name = f"v{version} {dtype} D={D} {(B, H, Lq, Lk)} Hk={Hk} causal={causal} padded={padded}"
+                        _running(name)
+                        out, lse = flash(q, k, v, causal=causal, key_padding_mask=mask)
                         torch.cuda.synchronize()
                         cases += 1
-                        name = f"v1 {dtype} D={D} {(B, H, Lq, Lk)} Hk={Hk} causal={causal} padded={padded}"
                         try:
                             result = wb.check(name, out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask,
                                               verbose=False, raise_on_failure=False)
@@ -130,16 +187,20 @@ def check_attention(quick: bool = False) -> str:
                         if not result.passed:
                             failures.append(result.line())
     # rows 0-4 see only keys 0-4, all padded out: zeros and an LSE of -inf
-    q, k, v = wb.random_qkv(1, 2, 70, 64, dtype="float16", framework="torch", device="cuda", seed=3)
-    mask = torch.ones(1, 70, dtype=torch.bool, device="cuda")
-    mask[0, :5] = False
-    out, lse = lab.flash_v1(q, k, v, causal=True, key_padding_mask=mask)
-    if not (torch.all(out[:, :, :5] == 0) and torch.all(lse[:, :, :5] == float("-inf")) and torch.isfinite(out).all()
-            and torch.isfinite(lse[:, :, 5:]).all()):
-        failures.append("rows without a key: not zeros and -inf")
+    for D in head_dims:
+        q, k, v = wb.random_qkv(1, 2, 70, D, dtype="float16", framework="torch", device="cuda", seed=3)
+        mask = torch.ones(1, 70, dtype=torch.bool, device="cuda")
+        mask[0, :5] = False
+        _running(f"v{version} rows without keys D={D}")
+        out, lse = flash(q, k, v, causal=True, key_padding_mask=mask)
+        cases += 1
+        if not (torch.all(out[:, :, :5] == 0) and torch.all(lse[:, :, :5] == float("-inf"))
+                and torch.isfinite(out).all() and torch.isfinite(lse[:, :, 5:]).all()):
+            failures.append(f"D={D} rows without a key: not zeros and -inf")
     if failures:
-        raise AssertionError(f"{len(failures)} of {cases + 1} cases failed: " + "; ".join(failures[:6]))
-    return f"{cases + 1} cases within wb.check's rule (both dtypes, D 64/128, masks, GQA, rows without keys)"
+        raise AssertionError(f"{len(failures)} of {cases} cases failed: " + "; ".join(failures[:6]))
+    return (f"v{version}: {cases} cases within wb.check's rule (both dtypes, D 64/128, masks, GQA, rows without keys)"
+            if not quick else f"v{version}: {cases} cases within wb.check's rule")
 
 
 def check_watchdog() -> str:
@@ -154,8 +215,11 @@ def check_watchdog() -> str:
     raise AssertionError("a barrier expecting 16 bytes too many completed: the watchdog did not fire")
 
 
-CHECKS = {"tma": check_tma, "gemm": check_gemm, "attention": check_attention,
-          "attention_quick": lambda: check_attention(quick=True), "watchdog": check_watchdog}
+CHECKS = {"tma": check_tma, "gemm": check_gemm, "registers": check_registers, "named_barriers": check_named_barriers,
+          "attention": check_attention, "attention_quick": lambda: check_attention(quick=True),
+          "v2": lambda: check_attention(2), "v2_quick": lambda: check_attention(2, quick=True),
+          "v3": lambda: check_attention(3), "v3_quick": lambda: check_attention(3, quick=True),
+          "watchdog": check_watchdog}
 
 
 def main(names) -> int:

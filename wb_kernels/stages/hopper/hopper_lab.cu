@@ -1,6 +1,6 @@
 // Hopper's primitives, one small kernel each, before any attention uses them (rung "hopper", version v0).
 //
-// The one CUDA source of the rung so far (the primitives lab and v1). Used by:
+// The one CUDA source of the rung so far (the primitives lab, v1, v2 and v3). Used by:
 //   - wb_kernels/stages/hopper/build.py: torch load_inline builds it on a Hopper GPU with
 //     -gencode arch=compute_90a,code=sm_90a (wgmma exists only on that target); without a GPU nvcc compiles it for
 //     sm_90a (-DWB_KERNEL_ONLY) and the compile report shows HGMMA (wgmma) and UTMALDG (the TMA load) in the SASS;
@@ -18,9 +18,18 @@
 //                            writes it, compared with a NumPy model (swizzle.py of the mma rung)
 //   region gemm_kernel       (b, c) C (64 x N, fp32) = A (64 x K) B (K x N), K <= 64, one warpgroup, B K-major
 //                            or MN-major, A from shared memory (SS) or registers (RS)
-//   region flash_v1_kernel   v1, work in progress (not yet a stage, not yet run on a GPU): attention with the same
-//                            pieces, one warpgroup per 64 query rows, K/V tiles by TMA in a 2-slot ring, S by SS
-//                            wgmma, P in registers as the RS wgmma's A (lab.flash_v1; gpu_checks "attention")
+//   region setmaxnreg        setmaxnreg.inc / .dec: warpgroups trade registers through the block's pool
+//   region named_barrier     bar.sync / bar.arrive with a barrier index and a thread count
+//   region register_split_kernel  (d) setmaxnreg alone: one warpgroup gives registers back, two use 240 each
+//   region named_barrier_kernel   (e) two warpgroups taking turns through named barriers (v3's ping-pong)
+//   region flash_tile_steps  what every attention version does per key tile: the tile count, the mask decision, S by
+//                            SS wgmma, the online softmax, P packed as the RS operand, O += P V, the epilogue
+//   region flash_v1_kernel   v1 (ran on an H100, not yet a stage): one warpgroup per 64 query rows, K/V tiles by TMA
+//                            in a 2-slot ring (lab.flash_v1; gpu_checks "attention")
+//   region flash_ws_*        v2 and v3 (not yet run on a GPU): a producer warpgroup (TMA into a full/empty ring) and
+//                            two consumer warpgroups of 64 rows, registers split by setmaxnreg; v3's consumers take
+//                            turns on the tensor cores through named barriers (lab.flash_v2 / flash_v3; gpu_checks
+//                            "v2", "v3")
 //
 // Build options: -DWB_WATCHDOG_NS=<n> makes every barrier wait trap after n nanoseconds instead of spinning for ever
 // (no printf: a printf in a kernel with wgmma makes ptxas serialize the wgmma, a C7510/C7520 note, and build.py
@@ -339,6 +348,105 @@ __global__ void __launch_bounds__(WARPGROUP) wgmma_gemm_kernel(const __grid_cons
 }
 // endregion
 
+// region: setmaxnreg
+// A warp-specialized block launches every warp with the same register count; `setmaxnreg` lets each warpgroup trade
+// registers through the block's pool (PTX ISA, "setmaxnreg"): `.dec` gives registers back, `.inc` blocks until the
+// pool has enough and takes them. All four warps of a warpgroup execute the same one (`.sync.aligned`), the count is
+// a multiple of 8 in 24 .. 256, and a new register's content is undefined. ptxas compiles the code after each one
+// for its count, so a branch that raised its limit can keep more values live than the launch allows.
+// The split the rung uses: a block of 3 warpgroups at __launch_bounds__(384, 1) gets 65536 / 384 = 170 -> 168
+// registers per thread (a multiple of 8); the producer keeps 24, the two consumers take 240:
+// 24 + 2 x 240 = 504 = 3 x 168, so both consumers' .inc are served by what the producer's .dec returned.
+constexpr int SPLIT_THREADS = 3 * WARPGROUP;
+constexpr int REGISTERS_AT_LAUNCH = 168;
+constexpr int PRODUCER_REGISTERS = 24;
+constexpr int CONSUMER_REGISTERS = 240;
+static_assert(PRODUCER_REGISTERS + 2 * CONSUMER_REGISTERS <= 3 * REGISTERS_AT_LAUNCH,
+              "the consumers' registers must come from what the producer gives back");
+static_assert(REGISTERS_AT_LAUNCH * SPLIT_THREADS <= 65536, "one block of 384 threads fills the register file");
+
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+// endregion
+
+// region: named_barrier
+// Sixteen hardware barriers per block; __syncthreads is barrier 0 over every thread. `bar.sync id, count` waits until
+// `count` threads (a multiple of 32) have reached barrier `id`; `bar.arrive id, count` counts this thread without
+// waiting. A producer of some event arrives, its consumer syncs: with count = 256 and one warpgroup on each side,
+// the barrier's generation completes when both warpgroups are there, and only the syncing one waits. Arrivals and
+// syncs order the memory accesses of the threads that take part (PTX ISA, "bar, barrier").
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// endregion
+
+// region: register_split_kernel
+// (d) setmaxnreg alone: warpgroup 0 gives registers back and doubles its 128 inputs; warpgroups 1 and 2 take 240
+// each and keep SPLIT_LIVE values per thread live at once (a max over all of them, then a sum that starts from the
+// last: nothing can be dropped early), which would spill at the 168 the block launches with. The compile report
+// shows it: no spills, registers above R168 in the SASS; the GPU check compares the outputs with NumPy.
+constexpr int SPLIT_LIVE = 200;
+
+__global__ void __launch_bounds__(SPLIT_THREADS, 1) register_split_kernel(const float* __restrict__ x,
+                                                                          float* __restrict__ out) {
+    const int warpgroup = threadIdx.x / WARPGROUP, t = threadIdx.x % WARPGROUP;
+    if (warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGISTERS>();
+        out[threadIdx.x] = 2.0f * x[t];
+    } else {
+        setmaxnreg_inc<CONSUMER_REGISTERS>();
+        const float* mine = x + (warpgroup - 1) * SPLIT_LIVE * WARPGROUP;  // (2, SPLIT_LIVE, 128)
+        float v[SPLIT_LIVE];
+#pragma unroll
+        for (int i = 0; i < SPLIT_LIVE; ++i) v[i] = mine[i * WARPGROUP + t];
+        float largest = v[0];
+#pragma unroll
+        for (int i = 1; i < SPLIT_LIVE; ++i) largest = fmaxf(largest, v[i]);
+        float total = 0.0f;
+#pragma unroll
+        for (int i = SPLIT_LIVE - 1; i >= 0; --i) total = 0.5f * total + (v[i] - largest);
+        out[threadIdx.x] = total;
+    }
+}
+// endregion
+
+// region: named_barrier_kernel
+// (e) Named barriers as v3's two consumers use them: warpgroups 0 and 1 take turns, each waiting on its own barrier
+// (1 + w) and arriving at the other's, 256 threads each. Warpgroup 0 goes first without waiting; warpgroup 1 skips
+// its last arrival, so every generation has one arrival from each side and none is left open at the end. In its
+// turn a warpgroup appends its index to a log; warpgroup 0 sleeps first, so turns that are not enforced show as a
+// log that is not 0, 1, 0, 1, ...
+constexpr int TURN_THREADS = 2 * WARPGROUP;
+constexpr uint32_t FIRST_TURN_BARRIER = 1;  // barrier 0 is __syncthreads'
+
+__global__ void __launch_bounds__(TURN_THREADS) named_barrier_kernel(int rounds, int* __restrict__ log) {
+    __shared__ int written;
+    const int warpgroup = threadIdx.x / WARPGROUP;
+    if (threadIdx.x == 0) written = 0;
+    __syncthreads();
+    for (int round = 0; round < rounds; ++round) {
+        if (warpgroup == 1 || round > 0) named_barrier_sync(FIRST_TURN_BARRIER + warpgroup, TURN_THREADS);
+        if (warpgroup == 0) __nanosleep(2000);
+        if (threadIdx.x % WARPGROUP == 0) {
+            volatile int* count = &written;
+            log[*count] = warpgroup;
+            *count = *count + 1;
+        }
+        __syncwarp();
+        if (warpgroup == 0 || round + 1 < rounds) named_barrier_arrive(FIRST_TURN_BARRIER + 1 - warpgroup, TURN_THREADS);
+    }
+}
+// endregion
+
 // region: tma_3d
 // The same copy over a rank-3 tensor map (column, row, head): a box never crosses into the next head, and rows past
 // the head's length arrive as zeros. v1 views q, k, v (B, H, L, D) as (B H, L, D).
@@ -352,8 +460,8 @@ __device__ __forceinline__ void tma_load_3d(void* destination, const CUtensorMap
 }
 // endregion
 
-// region: flash_v1_params
-struct FlashV1Params {
+// region: flash_params
+struct FlashParams {
     void* out;                // (B, H, Lq, D), q's dtype
     float* lse;               // (B, H, Lq), natural log
     const uint8_t* key_keep;  // (B, Lk), 1 = key takes part; nullptr = no padding mask
@@ -363,7 +471,6 @@ struct FlashV1Params {
 };
 // endregion
 
-// region: v1_helpers
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -384,6 +491,157 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
     }
 }
 
+// region: flash_tile_steps
+// The pieces every version runs per key tile, for one warpgroup's 64 query rows. A thread holds two rows, query0 and
+// query0 + 8 (query0 = the warpgroup's first row + 16 warp + lane / 4), and in S's accumulators
+// s[4 j + 2 r + e] = S[row r][8 j + 2 (lane % 4) + e].
+
+// How many key tiles of BLOCK_N the query rows m0 .. m0 + BLOCK_M - 1 need: all keys, or under the causal mask up to
+// the last row's diagonal. In v2 and v3 the producer and both consumers call it with the block's m0: they must agree.
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ int key_tile_count(const FlashParams& params, int m0) {
+    int kv_end = params.Lk;
+    if (params.causal) kv_end = max(0, min(params.Lk, min(m0 + BLOCK_M, params.Lq) + params.causal_offset));
+    return (kv_end + BLOCK_N - 1) / BLOCK_N;
+}
+
+// Whether the tile of keys n0 .. n0 + BLOCK_N - 1 needs the mask for rows first_row, first_row + 1, ...: keys past
+// Lk (zero-filled by the TMA), key padding, or keys past the first row's causal diagonal.
+template <int BLOCK_N>
+__device__ __forceinline__ bool tile_needs_mask(const FlashParams& params, const uint8_t* keep, int n0, int first_row) {
+    const bool needs_mask = n0 + BLOCK_N > params.Lk || keep != nullptr ||
+                            (params.causal && n0 + BLOCK_N - 1 > first_row + params.causal_offset);
+    return needs_mask;
+}
+
+// S (64 x BLOCK_N, fp32) = Q K^T by HEAD_DIM / 16 SS wgmma, both operands K-major (issued only: the caller fences,
+// commits and waits). q: this warpgroup's 64 rows; k: a tile of BLOCK_N rows; in both, the 64-wide column blocks of
+// D lie *_block_bytes apart and k-step `step` starts 32 bytes on within its block.
+template <typename T, int HEAD_DIM, int BLOCK_N>
+__device__ __forceinline__ void issue_scores(float (&s)[BLOCK_N / 2], uint32_t q, uint32_t q_block_bytes, uint32_t k,
+                                             uint32_t k_block_bytes) {
+#pragma unroll
+    for (int step = 0; step < HEAD_DIM / 16; ++step) {
+        wgmma_ss<T, 0, BLOCK_N>(s, smem_descriptor(q + (step / 4) * q_block_bytes + (step % 4) * 32, 16, 1024),
+                                smem_descriptor(k + (step / 4) * k_block_bytes + (step % 4) * 32, 16, 1024), step > 0);
+    }
+}
+
+// O (64 x HEAD_DIM) += P V by BLOCK_N / 16 RS wgmma, V MN-major: k-step t is 16 key rows further (16 x 128 bytes),
+// the 64-wide blocks of D lie v_block_bytes apart (the descriptor's LBO). Issued only.
+template <typename T, int HEAD_DIM, int BLOCK_N>
+__device__ __forceinline__ void issue_output(float (&o)[HEAD_DIM / 2], const uint32_t (&p)[BLOCK_N / 16][4], uint32_t v,
+                                             uint32_t v_block_bytes) {
+#pragma unroll
+    for (int t = 0; t < BLOCK_N / 16; ++t) {
+        wgmma_rs<T, 1, HEAD_DIM>(o, p[t], smem_descriptor(v + t * 16 * TILE_ROW_BYTES, v_block_bytes, 1024), 1);
+    }
+}
+
+// The online softmax of one tile in base 2, on S's registers: masks by select (ragged keys, key padding, causal at
+// any offset), the running max and sum of the thread's two rows, alpha = the factor O must be scaled by; S becomes
+// P (fp32, not normalised). A row with no key so far subtracts 0: its P is 0, not NaN.
+template <int BLOCK_N>
+__device__ __forceinline__ void online_softmax(float (&s)[BLOCK_N / 2], float (&row_max)[2], float (&row_sum)[2],
+                                               float (&alpha)[2], const FlashParams& params, const uint8_t* keep,
+                                               int n0, int query0, bool needs_mask, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int query = query0 + 8 * r;
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float x = s[4 * j + 2 * r + e] * params.scale_log2;
+                if (needs_mask) {
+                    const int key = n0 + 8 * j + 2 * (lane % 4) + e;
+                    const bool visible = key < params.Lk && (keep == nullptr || keep[key] != 0) &&
+                                         (!params.causal || key <= query + params.causal_offset);
+                    x = visible ? x : -INFINITY;
+                }
+                s[4 * j + 2 * r + e] = x;
+                tile_max = fmaxf(tile_max, x);
+            }
+        }
+        const float new_max = fmaxf(row_max[r], quad_max(tile_max));
+        const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key so far subtracts 0
+        alpha[r] = exp2f(row_max[r] - base);  // exp2(-inf) = 0 for the first tile
+        row_max[r] = new_max;
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = exp2f(s[4 * j + 2 * r + e] - base);
+                s[4 * j + 2 * r + e] = p;
+                tile_sum += p;
+            }
+        }
+        row_sum[r] = row_sum[r] * alpha[r] + tile_sum;  // each lane its part; the quad adds them at the end
+    }
+}
+
+template <int HEAD_DIM>
+__device__ __forceinline__ void rescale_output(float (&o)[HEAD_DIM / 2], const float (&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[4 * j + i] *= alpha[i / 2];
+    }
+}
+
+// P as the RS form's A: k-step t covers keys 16 t .. 16 t + 15, a[i] = s[8 t + 2 i], s[8 t + 2 i + 1] (no data
+// moves between threads: wgmma_fragments.py)
+template <typename T, int BLOCK_N>
+__device__ __forceinline__ void pack_probabilities(const float (&s)[BLOCK_N / 2], uint32_t (&p)[BLOCK_N / 16][4]) {
+#pragma unroll
+    for (int t = 0; t < BLOCK_N / 16; ++t) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p[t][i] = pack_pair<T>(s[8 * t + 2 * i], s[8 * t + 2 * i + 1]);
+    }
+}
+
+// Everything between the two products of a tile: the softmax on S's registers (masked where the tile needs it), O
+// rescaled, P packed for the RS wgmma.
+template <typename T, int HEAD_DIM, int BLOCK_N>
+__device__ __forceinline__ void softmax_step(float (&s)[BLOCK_N / 2], uint32_t (&p)[BLOCK_N / 16][4],
+                                             float (&o)[HEAD_DIM / 2], float (&row_max)[2], float (&row_sum)[2],
+                                             const FlashParams& params, const uint8_t* keep, int n0, int first_row,
+                                             int query0, int lane) {
+    float alpha[2];
+    online_softmax<BLOCK_N>(s, row_max, row_sum, alpha, params, keep, n0, query0,
+                            tile_needs_mask<BLOCK_N>(params, keep, n0, first_row), lane);
+    rescale_output<HEAD_DIM>(o, alpha);
+    pack_probabilities<T, BLOCK_N>(s, p);
+}
+
+// The epilogue: O / l for the thread's two rows, rows past Lq dropped; a row with no key gives 0 and LSE -inf.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void store_rows(const float (&o)[HEAD_DIM / 2], const float (&row_max)[2],
+                                           const float (&row_sum)[2], const FlashParams& params, int bh, int query0,
+                                           int lane) {
+    T* out = static_cast<T*>(params.out) + static_cast<int64_t>(bh) * params.Lq * HEAD_DIM;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int query = query0 + 8 * r;
+        const float total = quad_sum(row_sum[r]);
+        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        if (query < params.Lq) {
+#pragma unroll
+            for (int j = 0; j < HEAD_DIM / 8; ++j) {
+                *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(query) * HEAD_DIM + 8 * j + 2 * (lane % 4)) =
+                    pack_pair<T>(o[4 * j + 2 * r] * inverse, o[4 * j + 2 * r + 1] * inverse);
+            }
+            if (lane % 4 == 0) {
+                params.lse[static_cast<int64_t>(bh) * params.Lq + query] =
+                    total > 0.0f ? (row_max[r] + log2f(total)) * 0.6931471805599453f : -INFINITY;
+            }
+        }
+    }
+}
+// endregion
+
 constexpr int V1_BLOCK_M = 64;   // query rows per block: one warpgroup, 16 per warp
 constexpr int V1_BLOCK_N = 64;   // keys per tile
 constexpr int V1_STAGES = 2;     // K/V tiles in flight
@@ -392,7 +650,6 @@ template <int HEAD_DIM>
 constexpr int v1_smem_bytes() {  // Q, then STAGES x (K, V); each tile HEAD_DIM / 64 swizzled blocks of 64 x 128 bytes
     return 1024 /* alignment slack */ + (1 + 2 * V1_STAGES) * 64 * HEAD_DIM * 2;
 }
-// endregion
 
 // region: flash_v1_kernel
 // v1: one warpgroup per 64 query rows of one (batch, head). Thread 0 loads Q and K/V tiles by TMA into a ring of
@@ -406,7 +663,7 @@ template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_constant__ CUtensorMap q_map,
                                                            const __grid_constant__ CUtensorMap k_map,
                                                            const __grid_constant__ CUtensorMap v_map,
-                                                           const FlashV1Params params) {
+                                                           const FlashParams params) {
     constexpr int TILE_BYTES = 64 * HEAD_DIM * 2;
     constexpr int COLUMN_BLOCKS = HEAD_DIM / 64;  // 64-wide blocks of D: the 128-byte swizzle's span each
     constexpr int BLOCK_BYTES = 64 * TILE_ROW_BYTES;
@@ -421,14 +678,8 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
     const int b = bh / params.H, h = bh % params.H;
     const int kv_head = b * (params.H / params.kv_group) + h / params.kv_group;
     const int m0 = m_block * V1_BLOCK_M;
-    // keys this block needs: all, or under the causal mask up to the last row's diagonal
-    int kv_end = params.Lk;
-    if (params.causal) kv_end = max(0, min(params.Lk, min(m0 + V1_BLOCK_M, params.Lq) + params.causal_offset));
-    const int n_tiles = (kv_end + V1_BLOCK_N - 1) / V1_BLOCK_N;
+    const int n_tiles = key_tile_count<V1_BLOCK_M, V1_BLOCK_N>(params, m0);
 
-    // endregion
-
-    // region: flash_v1_prologue
     if (threadIdx.x == 0) {
         mbarrier_init(&q_full, 1);
         for (int s = 0; s < V1_STAGES; ++s) mbarrier_init(&kv_full[s], 1);
@@ -448,15 +699,12 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
     }
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row_in_block = 16 * warp + lane / 4;  // and + 8: this thread's two rows
+    const int query0 = m0 + 16 * warp + lane / 4;  // and + 8: this thread's two rows
     float o[HEAD_DIM / 2];
     zero_accumulators(o);
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
     const uint8_t* keep = params.key_keep ? params.key_keep + static_cast<int64_t>(b) * params.Lk : nullptr;
 
-    // endregion
-
-    // region: flash_v1_tile_loop
     mbarrier_wait(&q_full, 0);
     for (int tile = 0; tile < n_tiles; ++tile) {
         const int slot = tile % V1_STAGES;
@@ -470,117 +718,295 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
         }
         mbarrier_wait(&kv_full[slot], (tile / V1_STAGES) & 1);
 
-        // S = Q K^T
         float s[V1_BLOCK_N / 2];
         zero_accumulators(s);
         wgmma_fence();
-#pragma unroll
-        for (int step = 0; step < HEAD_DIM / 16; ++step) {
-            const uint32_t within = (step / 4) * BLOCK_BYTES + (step % 4) * 32;
-            wgmma_ss<T, 0, V1_BLOCK_N>(s, smem_descriptor(smem_address(q_tile) + within, 16, 1024),
-                                       smem_descriptor(smem_address(k_tiles + slot * TILE_BYTES) + within, 16, 1024),
-                                       step > 0);
-        }
+        issue_scores<T, HEAD_DIM, V1_BLOCK_N>(s, smem_address(q_tile), BLOCK_BYTES,
+                                              smem_address(k_tiles + slot * TILE_BYTES), BLOCK_BYTES);
         wgmma_commit_group();
         wgmma_wait_group<0>();
         fence_accumulators(s);
 
-        // endregion
-
-        // region: flash_v1_online_softmax
-        // online softmax, base 2; s[4 j + 2 r + e] = S[row r][8 j + 2 (lane % 4) + e]
-        const int n0 = tile * V1_BLOCK_N;
-        const bool needs_mask = n0 + V1_BLOCK_N > params.Lk || keep != nullptr ||
-                                (params.causal && n0 + V1_BLOCK_N - 1 > m0 + params.causal_offset);
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int query = m0 + row_in_block + 8 * r;
-            float tile_max = -INFINITY;
-#pragma unroll
-            for (int j = 0; j < V1_BLOCK_N / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float x = s[4 * j + 2 * r + e] * params.scale_log2;
-                    if (needs_mask) {
-                        const int key = n0 + 8 * j + 2 * (lane % 4) + e;
-                        const bool visible = key < params.Lk && (keep == nullptr || keep[key] != 0) &&
-                                             (!params.causal || key <= query + params.causal_offset);
-                        x = visible ? x : -INFINITY;
-                    }
-                    s[4 * j + 2 * r + e] = x;
-                    tile_max = fmaxf(tile_max, x);
-                }
-            }
-            const float new_max = fmaxf(row_max[r], quad_max(tile_max));
-            const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key so far subtracts 0
-            alpha[r] = exp2f(row_max[r] - base);  // exp2(-inf) = 0 for the first tile
-            row_max[r] = new_max;
-            float tile_sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < V1_BLOCK_N / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = exp2f(s[4 * j + 2 * r + e] - base);
-                    s[4 * j + 2 * r + e] = p;
-                    tile_sum += p;
-                }
-            }
-            row_sum[r] = row_sum[r] * alpha[r] + tile_sum;  // each lane its part; the quad adds them at the end
-        }
-#pragma unroll
-        for (int j = 0; j < HEAD_DIM / 8; ++j) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) o[4 * j + i] *= alpha[i / 2];
-        }
-        // endregion
-
-        // region: flash_v1_pv
-        // P as the RS form's A: k-step t covers keys 16 t .. 16 t + 15, a[i] = s[8 t + 2 i], s[8 t + 2 i + 1]
         uint32_t p[V1_BLOCK_N / 16][4];
-#pragma unroll
-        for (int t = 0; t < V1_BLOCK_N / 16; ++t) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) p[t][i] = pack_pair<T>(s[8 * t + 2 * i], s[8 * t + 2 * i + 1]);
-        }
+        softmax_step<T, HEAD_DIM, V1_BLOCK_N>(s, p, o, row_max, row_sum, params, keep, tile * V1_BLOCK_N, m0, query0,
+                                              lane);
 
-        // O += P V, V MN-major: k-step t is 16 key rows further (16 x 128 bytes), 64-wide blocks of D 64 rows apart
         fence_accumulators(o);
         wgmma_fence();
-#pragma unroll
-        for (int t = 0; t < V1_BLOCK_N / 16; ++t) {
-            wgmma_rs<T, 1, HEAD_DIM>(o, p[t],
-                                     smem_descriptor(smem_address(v_tiles + slot * TILE_BYTES) + t * 16 * TILE_ROW_BYTES,
-                                                     BLOCK_BYTES, 1024), 1);
-        }
+        issue_output<T, HEAD_DIM, V1_BLOCK_N>(o, p, smem_address(v_tiles + slot * TILE_BYTES), BLOCK_BYTES);
         wgmma_commit_group();
         wgmma_wait_group<0>();
         fence_accumulators(o);
         __syncthreads();  // every warp is done with this slot: thread 0 may refill it
     }
+    store_rows<T, HEAD_DIM>(o, row_max, row_sum, params, bh, query0, lane);
+}
+// endregion
 
-    // endregion
+// region: flash_ws_layout
+// v2 and v3: warp specialization. A block of 3 warpgroups owns 128 query rows of one (batch, head):
+//   warpgroup   role                                     registers   waits on                  arrives at
+//   0           producer: one thread issues every TMA       24        kv_empty[s] (parity ^ 1)  q_full, kv_full[s] (expect_tx)
+//   1, 2        consumer c = 0, 1: query rows 64 c ..      240        q_full, kv_full[s]        kv_empty[s] (one thread per warp)
+//               64 c + 63 of the block                               v3: turn barrier 1 + c     v3: turn barrier 2 - c
+// Shared memory (each tile is HEAD_DIM / 64 column blocks of 128 rows x 128 bytes, 128-byte swizzled):
+//   Q 128 x HEAD_DIM once, then STAGES slots of K and V tiles (128 keys x HEAD_DIM each):
+//   D = 64:  16 KB + 4 x (16 + 16) KB = 144 KB;  D = 128: 32 KB + 3 x (32 + 32) KB = 224 KB (the H100 allows 227 KB
+//   per block; 1 KB more is the slack to align the tiles to 1024 bytes). One block per SM either way: 384 threads at
+//   168 registers fill the register file.
+// The producer's ring (barrier_ring.py models it, line for line): for tile t in 0 .. n_tiles - 1, slot
+// s = t % STAGES, phase = (t / STAGES) % 2: wait kv_empty[s] with parity phase ^ 1 (the first lap returns at once),
+// arrive.expect_tx(kv_full[s], K + V bytes: whole boxes, rows past Lk are zero-filled and counted), two TMA loads
+// per column block. A consumer waits kv_full[s] with parity phase, computes, and each of its 4 warps arrives once on
+// kv_empty[s] after its own wgmma.wait_group: kv_empty counts 8 arrivals.
+constexpr int WS_BLOCK_M = 128;  // query rows per block: two consumer warpgroups of 64
+constexpr int WS_BLOCK_N = 128;  // keys per tile
+constexpr int WS_CONSUMERS = 2;
+constexpr int WS_THREADS = (1 + WS_CONSUMERS) * WARPGROUP;
+constexpr int WS_EMPTY_ARRIVALS = 4 * WS_CONSUMERS;  // one per consumer warp
+static_assert(WS_THREADS == SPLIT_THREADS, "the register split of the lab (24 / 240 / 240) is this block's");
 
-    // region: flash_v1_epilogue
-    // epilogue: O / l, rows past Lq dropped; a row with no key gives 0 and LSE -inf
-    T* out = static_cast<T*>(params.out) + static_cast<int64_t>(bh) * params.Lq * HEAD_DIM;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int query = m0 + row_in_block + 8 * r;
-        const float total = quad_sum(row_sum[r]);
-        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-        if (query < params.Lq) {
-#pragma unroll
-            for (int j = 0; j < HEAD_DIM / 8; ++j) {
-                *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(query) * HEAD_DIM + 8 * j + 2 * (lane % 4)) =
-                    pack_pair<T>(o[4 * j + 2 * r] * inverse, o[4 * j + 2 * r + 1] * inverse);
-            }
-            if (lane % 4 == 0) {
-                params.lse[static_cast<int64_t>(bh) * params.Lq + query] =
-                    total > 0.0f ? (row_max[r] + log2f(total)) * 0.6931471805599453f : -INFINITY;
-            }
+template <int HEAD_DIM>
+__host__ __device__ constexpr int ws_stages() {
+    return HEAD_DIM == 64 ? 4 : 3;
+}
+template <int HEAD_DIM>
+constexpr int ws_smem_bytes() {  // alignment slack, Q, STAGES x (K, V)
+    return 1024 + (WS_BLOCK_M + 2 * ws_stages<HEAD_DIM>() * WS_BLOCK_N) * HEAD_DIM * 2;
+}
+static_assert(ws_smem_bytes<64>() == 1024 + 144 * 1024 && ws_smem_bytes<128>() == 1024 + 224 * 1024,
+              "the arithmetic above");
+static_assert(ws_smem_bytes<128>() + 64 <= 227 * 1024, "an H100 block gets at most 227 KB of shared memory");
+// endregion
+
+// region: flash_ws_producer
+// One thread of warpgroup 0: Q (both consumers' 128 rows, one barrier), then the K/V tiles through the ring.
+template <int HEAD_DIM>
+__device__ __forceinline__ void produce_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map,
+                                              const CUtensorMap* v_map, uint8_t* q_tile, uint8_t* k_tiles,
+                                              uint8_t* v_tiles, uint64_t* q_full, uint64_t* kv_full,
+                                              uint64_t* kv_empty, int m0, int bh, int kv_head, int n_tiles) {
+    constexpr int STAGES = ws_stages<HEAD_DIM>();
+    constexpr int COLUMN_BLOCKS = HEAD_DIM / 64;
+    constexpr int Q_BLOCK_BYTES = WS_BLOCK_M * TILE_ROW_BYTES, KV_BLOCK_BYTES = WS_BLOCK_N * TILE_ROW_BYTES;
+    constexpr int KV_TILE_BYTES = COLUMN_BLOCKS * KV_BLOCK_BYTES;
+    mbarrier_arrive_expect_tx(q_full, COLUMN_BLOCKS * Q_BLOCK_BYTES);
+    for (int c = 0; c < COLUMN_BLOCKS; ++c) tma_load_3d(q_tile + c * Q_BLOCK_BYTES, q_map, 64 * c, m0, bh, q_full);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        mbarrier_wait(&kv_empty[stage], phase ^ 1);
+        mbarrier_arrive_expect_tx(&kv_full[stage], 2 * KV_TILE_BYTES);
+        for (int c = 0; c < COLUMN_BLOCKS; ++c) {
+            tma_load_3d(k_tiles + stage * KV_TILE_BYTES + c * KV_BLOCK_BYTES, k_map, 64 * c, tile * WS_BLOCK_N, kv_head,
+                        &kv_full[stage]);
+            tma_load_3d(v_tiles + stage * KV_TILE_BYTES + c * KV_BLOCK_BYTES, v_map, 64 * c, tile * WS_BLOCK_N, kv_head,
+                        &kv_full[stage]);
+        }
+        if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
         }
     }
+}
+// endregion
+
+// What a consumer warpgroup needs to know about its block and its rows.
+struct ConsumerRows {
+    int m0;        // the block's first query row
+    int first_row;  // this warpgroup's first row: m0 + 64 c
+    int query0;    // this thread's first row (and + 8)
+    int bh, n_tiles, lane;
+    const uint8_t* keep;  // the batch's key_keep row, or nullptr
+};
+
+// region: flash_v2_consumer
+// v2's consumer loop: v1's tile step on the ring. Each tile: wait for the slot, S = Q K^T, the softmax, O += P V,
+// wait for both products, and release the slot (one arrival per warp).
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void consume_tiles_v2(const ConsumerRows& rows, const FlashParams& params, uint32_t q_rows,
+                                                 const uint8_t* k_tiles, const uint8_t* v_tiles, uint64_t* kv_full,
+                                                 uint64_t* kv_empty, float (&o)[HEAD_DIM / 2], float (&row_max)[2],
+                                                 float (&row_sum)[2]) {
+    constexpr int STAGES = ws_stages<HEAD_DIM>();
+    constexpr int KV_BLOCK_BYTES = WS_BLOCK_N * TILE_ROW_BYTES, KV_TILE_BYTES = HEAD_DIM / 64 * KV_BLOCK_BYTES;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int tile = 0; tile < rows.n_tiles; ++tile) {
+        mbarrier_wait(&kv_full[stage], phase);
+        float s[WS_BLOCK_N / 2];
+        zero_accumulators(s);
+        wgmma_fence();
+        issue_scores<T, HEAD_DIM, WS_BLOCK_N>(s, q_rows, WS_BLOCK_M * TILE_ROW_BYTES,
+                                              smem_address(k_tiles + stage * KV_TILE_BYTES), KV_BLOCK_BYTES);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        fence_accumulators(s);
+
+        uint32_t p[WS_BLOCK_N / 16][4];
+        softmax_step<T, HEAD_DIM, WS_BLOCK_N>(s, p, o, row_max, row_sum, params, rows.keep, tile * WS_BLOCK_N,
+                                              rows.first_row, rows.query0, rows.lane);
+
+        fence_accumulators(o);
+        wgmma_fence();
+        issue_output<T, HEAD_DIM, WS_BLOCK_N>(o, p, smem_address(v_tiles + stage * KV_TILE_BYTES), KV_BLOCK_BYTES);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        fence_accumulators(o);
+        if (rows.lane == 0) mbarrier_arrive(&kv_empty[stage]);  // this warp's wgmma no longer read the slot
+        if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+        }
+    }
+}
+// endregion
+
+// region: flash_v3_consumer
+// v3's consumer loop: ping-pong (FlashAttention-3, section 3.1). The two consumers take turns on the tensor cores
+// through two named barriers of 256 threads: consumer c waits on barrier 1 + c before it issues wgmma and arrives
+// at the other's barrier 2 - c right after committing them, so one consumer's softmax runs while the other's GEMMs
+// do. For the GEMMs of a turn to sit together, a turn issues O += P V of the previous tile and S = Q K^T of this
+// one; the last turn only P V. So consumer c has n_tiles + 1 turns; consumer 0 takes its first without waiting and
+// consumer 1 does not arrive after its last: every generation of a barrier has one arrival from each consumer, and
+// no generation is left open. A slot is released after the turn that read its V: a consumer holds two slots at once
+// (K of this tile, V of the last), so v3 needs STAGES >= 2 (barrier_ring.py: one stage deadlocks).
+constexpr uint32_t TURN_THREADS_V3 = 2 * WARPGROUP;
+
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void consume_tiles_v3(const ConsumerRows& rows, int consumer, const FlashParams& params,
+                                                 uint32_t q_rows, const uint8_t* k_tiles, const uint8_t* v_tiles,
+                                                 uint64_t* kv_full, uint64_t* kv_empty, float (&o)[HEAD_DIM / 2],
+                                                 float (&row_max)[2], float (&row_sum)[2]) {
+    constexpr int STAGES = ws_stages<HEAD_DIM>();
+    static_assert(STAGES >= 2, "a v3 consumer holds two slots at once");
+    constexpr int KV_BLOCK_BYTES = WS_BLOCK_N * TILE_ROW_BYTES, KV_TILE_BYTES = HEAD_DIM / 64 * KV_BLOCK_BYTES;
+    const uint32_t my_turn = FIRST_TURN_BARRIER + consumer, other_turn = FIRST_TURN_BARRIER + 1 - consumer;
+    if (rows.n_tiles == 0) return;
+    // The first turn: S of tile 0 only. (A wgmma under `if (tile > 0)` inside the loop made ptxas serialize every
+    // wgmma, C7519: so the first and the last turn stand outside the loop.)
+    int stage = 0;
+    uint32_t phase = 0;
+    mbarrier_wait(&kv_full[stage], phase);
+    if (consumer == 1) named_barrier_sync(my_turn, TURN_THREADS_V3);
+    float s[WS_BLOCK_N / 2];
+    zero_accumulators(s);
+    wgmma_fence();
+    issue_scores<T, HEAD_DIM, WS_BLOCK_N>(s, q_rows, WS_BLOCK_M * TILE_ROW_BYTES,
+                                          smem_address(k_tiles + stage * KV_TILE_BYTES), KV_BLOCK_BYTES);
+    wgmma_commit_group();
+    named_barrier_arrive(other_turn, TURN_THREADS_V3);  // the other consumer's turn: its wgmma queue behind these
+    wgmma_wait_group<0>();
+    fence_accumulators(s);
+    uint32_t p[WS_BLOCK_N / 16][4];  // the last softmax's P, multiplied by V in the next turn
+    softmax_step<T, HEAD_DIM, WS_BLOCK_N>(s, p, o, row_max, row_sum, params, rows.keep, 0, rows.first_row, rows.query0,
+                                          rows.lane);
+    int held = stage;  // the slot whose V the next turn reads
+    if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1;
+    }
+    for (int tile = 1; tile < rows.n_tiles; ++tile) {  // a turn: P V of the previous tile, S of this one
+        mbarrier_wait(&kv_full[stage], phase);
+        named_barrier_sync(my_turn, TURN_THREADS_V3);
+        zero_accumulators(s);
+        fence_accumulators(o);
+        wgmma_fence();
+        issue_output<T, HEAD_DIM, WS_BLOCK_N>(o, p, smem_address(v_tiles + held * KV_TILE_BYTES), KV_BLOCK_BYTES);
+        issue_scores<T, HEAD_DIM, WS_BLOCK_N>(s, q_rows, WS_BLOCK_M * TILE_ROW_BYTES,
+                                              smem_address(k_tiles + stage * KV_TILE_BYTES), KV_BLOCK_BYTES);
+        wgmma_commit_group();
+        named_barrier_arrive(other_turn, TURN_THREADS_V3);
+        wgmma_wait_group<0>();
+        fence_accumulators(s);
+        fence_accumulators(o);
+        if (rows.lane == 0) mbarrier_arrive(&kv_empty[held]);  // this warp has read the previous tile's V
+        softmax_step<T, HEAD_DIM, WS_BLOCK_N>(s, p, o, row_max, row_sum, params, rows.keep, tile * WS_BLOCK_N,
+                                              rows.first_row, rows.query0, rows.lane);
+        held = stage;
+        if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+        }
+    }
+    // the last turn: the last tile's P V; consumer 1 arrives nowhere after it (consumer 0 has no turn left)
+    named_barrier_sync(my_turn, TURN_THREADS_V3);
+    fence_accumulators(o);
+    wgmma_fence();
+    issue_output<T, HEAD_DIM, WS_BLOCK_N>(o, p, smem_address(v_tiles + held * KV_TILE_BYTES), KV_BLOCK_BYTES);
+    wgmma_commit_group();
+    if (consumer == 0) named_barrier_arrive(other_turn, TURN_THREADS_V3);
+    wgmma_wait_group<0>();
+    fence_accumulators(o);
+    if (rows.lane == 0) mbarrier_arrive(&kv_empty[held]);
+}
+// endregion
+
+// region: flash_ws_kernel
+// v2 (PINGPONG false) and v3 (true): the block's setup, the role split with setmaxnreg, the producer, and the
+// consumers' loop of their version; the epilogue stores from registers as v1 does.
+template <typename T, int HEAD_DIM, bool PINGPONG>
+__global__ void __launch_bounds__(WS_THREADS, 1) flash_ws_kernel(const __grid_constant__ CUtensorMap q_map,
+                                                               const __grid_constant__ CUtensorMap k_map,
+                                                               const __grid_constant__ CUtensorMap v_map,
+                                                               const FlashParams params) {
+    constexpr int STAGES = ws_stages<HEAD_DIM>();
+    constexpr int Q_TILE_BYTES = WS_BLOCK_M * HEAD_DIM * 2, KV_TILE_BYTES = WS_BLOCK_N * HEAD_DIM * 2;
+    extern __shared__ uint8_t raw_smem[];
+    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+    uint8_t* q_tile = smem;
+    uint8_t* k_tiles = smem + Q_TILE_BYTES;  // slot s at k_tiles + s * KV_TILE_BYTES
+    uint8_t* v_tiles = k_tiles + STAGES * KV_TILE_BYTES;
+    __shared__ __align__(8) uint64_t q_full, kv_full[STAGES], kv_empty[STAGES];
+
+    const int bh = blockIdx.y, b = bh / params.H, h = bh % params.H;
+    const int kv_head = b * (params.H / params.kv_group) + h / params.kv_group;
+    const int m0 = blockIdx.x * WS_BLOCK_M;
+    const int n_tiles = key_tile_count<WS_BLOCK_M, WS_BLOCK_N>(params, m0);  // the producer's and the consumers'
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(&q_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&kv_full[s], 1);                   // the producer's arrive.expect_tx + the bytes
+            mbarrier_init(&kv_empty[s], WS_EMPTY_ARRIVALS);  // every consumer warp
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();  // the last block-wide barrier: from here on the warpgroups meet only at mbarriers
+
+    const int warpgroup = threadIdx.x / WARPGROUP;
+    if (warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGISTERS>();  // all four warps; three of them then have nothing to do
+        if (threadIdx.x == 0) {
+            produce_tiles<HEAD_DIM>(&q_map, &k_map, &v_map, q_tile, k_tiles, v_tiles, &q_full, kv_full, kv_empty, m0,
+                                    bh, kv_head, n_tiles);
+        }
+        return;
+    }
+    setmaxnreg_inc<CONSUMER_REGISTERS>();
+    const int consumer = warpgroup - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    ConsumerRows rows;
+    rows.m0 = m0;
+    rows.first_row = m0 + 64 * consumer;
+    rows.query0 = rows.first_row + 16 * warp + lane / 4;
+    rows.bh = bh;
+    rows.n_tiles = n_tiles;
+    rows.lane = lane;
+    rows.keep = params.key_keep ? params.key_keep + static_cast<int64_t>(b) * params.Lk : nullptr;
+    // this consumer's 64 rows of Q: 64 x 128 bytes into each column block (a multiple of the swizzle's 1024)
+    const uint32_t q_rows = smem_address(q_tile) + consumer * 64 * TILE_ROW_BYTES;
+
+    float o[HEAD_DIM / 2];
+    zero_accumulators(o);
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    mbarrier_wait(&q_full, 0);  // always, even without tiles: no copy may be in flight when the block exits
+    if constexpr (PINGPONG) {
+        consume_tiles_v3<T, HEAD_DIM>(rows, consumer, params, q_rows, k_tiles, v_tiles, kv_full, kv_empty, o, row_max,
+                                      row_sum);
+    } else {
+        consume_tiles_v2<T, HEAD_DIM>(rows, params, q_rows, k_tiles, v_tiles, kv_full, kv_empty, o, row_max, row_sum);
+    }
+    store_rows<T, HEAD_DIM>(o, row_max, row_sum, params, bh, rows.query0, lane);
 }
 // endregion
 
@@ -600,9 +1026,17 @@ WB_FOR_EACH_GEMM_VARIANT(WB_INSTANTIATE_BOTH)
 #define WB_INSTANTIATE_V1(T, D)                                                                                     \
     template __global__ void wb::flash_v1_kernel<T, D>(const __grid_constant__ CUtensorMap,                       \
                                                        const __grid_constant__ CUtensorMap,                       \
-                                                       const __grid_constant__ CUtensorMap, const wb::FlashV1Params);
+                                                       const __grid_constant__ CUtensorMap, const wb::FlashParams);
 WB_INSTANTIATE_V1(__half, 64) WB_INSTANTIATE_V1(__half, 128) WB_INSTANTIATE_V1(__nv_bfloat16, 64)
 WB_INSTANTIATE_V1(__nv_bfloat16, 128)
+#define WB_INSTANTIATE_WS(T, D, PINGPONG)                                                                           \
+    template __global__ void wb::flash_ws_kernel<T, D, PINGPONG>(const __grid_constant__ CUtensorMap,             \
+                                                                 const __grid_constant__ CUtensorMap,             \
+                                                                 const __grid_constant__ CUtensorMap, const wb::FlashParams);
+#define WB_INSTANTIATE_WS_ALL(PINGPONG)                                                                             \
+    WB_INSTANTIATE_WS(__half, 64, PINGPONG) WB_INSTANTIATE_WS(__half, 128, PINGPONG)                               \
+    WB_INSTANTIATE_WS(__nv_bfloat16, 64, PINGPONG) WB_INSTANTIATE_WS(__nv_bfloat16, 128, PINGPONG)
+WB_INSTANTIATE_WS_ALL(false) WB_INSTANTIATE_WS_ALL(true)
 #else
 // region: tensor_map
 #include <c10/cuda/CUDAException.h>
@@ -701,18 +1135,44 @@ torch::Tensor hopper_wgmma_gemm(torch::Tensor a, torch::Tensor b, bool a_in_regi
                 " b_mn_major=", b_mn_major);
     return c;
 }
+// (d) setmaxnreg: x (2, SPLIT_LIVE, 128) float32, the two consumers' values (warpgroup 0 doubles x's first 128);
+// returns the 384 outputs, one per thread.
+torch::Tensor hopper_register_split(torch::Tensor x) {
+    TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+                x.numel() == 2 * wb::SPLIT_LIVE * wb::WARPGROUP,
+                "hopper_register_split: x must be a contiguous CUDA float32 tensor of 2 x ", wb::SPLIT_LIVE,
+                " x 128 elements");
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto out = torch::empty({wb::SPLIT_THREADS}, x.options());
+    wb::register_split_kernel<<<1, wb::SPLIT_THREADS, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.data_ptr<float>(), out.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return out;
+}
+
+// (e) Named barriers: the order in which two warpgroups took `rounds` turns each (int32, 2 x rounds entries).
+torch::Tensor hopper_named_barrier_turns(int64_t rounds, torch::Tensor device_like) {
+    TORCH_CHECK(device_like.is_cuda(), "hopper_named_barrier_turns: device_like must be a CUDA tensor");
+    TORCH_CHECK(rounds > 0 && rounds <= 1024, "hopper_named_barrier_turns: rounds must be in 1..1024");
+    const c10::cuda::CUDAGuard guard(device_like.device());
+    auto log = torch::full({2 * rounds}, -1, device_like.options().dtype(torch::kInt32));
+    wb::named_barrier_kernel<<<1, wb::TURN_THREADS, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        static_cast<int>(rounds), log.data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return log;
+}
 // endregion
 
-// region: flash_v1_entry_point
+// region: flash_entry_point
 namespace wb {
-// A rank-3 tensor map over x (B, Hx, L, D), contiguous, viewed as (B Hx, L, D): boxes of 64 rows x 64 elements of
-// one head, the 128-byte swizzle, rows past L zero-filled.
-CUtensorMap head_map_3d(const torch::Tensor& x) {
+// A rank-3 tensor map over x (B, Hx, L, D), contiguous, viewed as (B Hx, L, D): boxes of box_rows rows x 64 elements
+// of one head, the 128-byte swizzle, rows past L zero-filled (and counted in the barrier's bytes).
+CUtensorMap head_map_3d(const torch::Tensor& x, uint32_t box_rows) {
     const int64_t D = x.size(3), L = x.size(2), heads = x.size(0) * x.size(1);
     CUtensorMap map;
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(L), static_cast<cuuint64_t>(heads)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(D * 2), static_cast<cuuint64_t>(L * D * 2)};
-    const cuuint32_t box[3] = {64, 64, 1};
+    const cuuint32_t box[3] = {64, box_rows, 1};
     const cuuint32_t element_strides[3] = {1, 1, 1};
     const CUresult result = tensor_map_encoder()(
         &map, x.scalar_type() == torch::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -723,41 +1183,62 @@ CUtensorMap head_map_3d(const torch::Tensor& x) {
 }
 
 template <typename T, int HEAD_DIM>
-void launch_flash_v1(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const FlashV1Params& params,
+void launch_flash_v1(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const FlashParams& params,
                      cudaStream_t stream) {
     constexpr int smem = v1_smem_bytes<HEAD_DIM>();
     auto kernel = flash_v1_kernel<T, HEAD_DIM>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid((params.Lq + V1_BLOCK_M - 1) / V1_BLOCK_M, params.B * params.H);
-    kernel<<<grid, WARPGROUP, smem, stream>>>(head_map_3d(q), head_map_3d(k), head_map_3d(v), params);
+    kernel<<<grid, WARPGROUP, smem, stream>>>(head_map_3d(q, V1_BLOCK_M), head_map_3d(k, V1_BLOCK_N),
+                                              head_map_3d(v, V1_BLOCK_N), params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// v2 (PINGPONG false) and v3: 384 threads, 128 query rows per block, Q and K/V boxes of 128 rows
+template <typename T, int HEAD_DIM, bool PINGPONG>
+void launch_flash_ws(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const FlashParams& params,
+                     cudaStream_t stream) {
+    constexpr int smem = ws_smem_bytes<HEAD_DIM>();
+    auto kernel = flash_ws_kernel<T, HEAD_DIM, PINGPONG>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const dim3 grid((params.Lq + WS_BLOCK_M - 1) / WS_BLOCK_M, params.B * params.H);
+    kernel<<<grid, WS_THREADS, smem, stream>>>(head_map_3d(q, WS_BLOCK_M), head_map_3d(k, WS_BLOCK_N),
+                                               head_map_3d(v, WS_BLOCK_N), params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int HEAD_DIM>
+void launch_flash(int version, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                  const FlashParams& params, cudaStream_t stream) {
+    if (version == 1) launch_flash_v1<T, HEAD_DIM>(q, k, v, params, stream);
+    else if (version == 2) launch_flash_ws<T, HEAD_DIM, false>(q, k, v, params, stream);
+    else launch_flash_ws<T, HEAD_DIM, true>(q, k, v, params, stream);
 }
 }  // namespace wb
 
-// endregion
-
-// region: flash_v1_torch_entry
-// Returns [out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) float32]. v1: work in progress, not a registered stage.
-std::vector<torch::Tensor> hopper_flash_v1_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                                   torch::Tensor key_keep, bool causal, int64_t causal_offset,
-                                                   double scale) {
-    TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "hopper_flash_v1: q, k, v must be CUDA tensors");
+// Returns [out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) float32]. version 1, 2 or 3 (work in progress, not a
+// registered stage).
+std::vector<torch::Tensor> hopper_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                                torch::Tensor key_keep, bool causal, int64_t causal_offset,
+                                                double scale, int64_t version) {
+    TORCH_CHECK(version >= 1 && version <= 3, "hopper_flash: version must be 1, 2 or 3, got ", version);
+    TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "hopper_flash: q, k, v must be CUDA tensors");
     TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                 (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16),
-                "hopper_flash_v1: q, k, v must be all float16 or all bfloat16");
+                "hopper_flash: q, k, v must be all float16 or all bfloat16");
     TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.is_contiguous() && k.is_contiguous() &&
-                v.is_contiguous(), "hopper_flash_v1: q, k, v must be contiguous (B, H, L, D)");
+                v.is_contiguous(), "hopper_flash: q, k, v must be contiguous (B, H, L, D)");
     const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2);
-    TORCH_CHECK(D == 64 || D == 128, "hopper_flash_v1: head dim must be 64 or 128, got ", D);
+    TORCH_CHECK(D == 64 || D == 128, "hopper_flash: head dim must be 64 or 128, got ", D);
     TORCH_CHECK(k.size(0) == B && k.size(1) > 0 && H % k.size(1) == 0 && k.size(3) == D && v.sizes() == k.sizes(),
-                "hopper_flash_v1: k and v must be (B, Hk, Lk, D) with q's B and D, and Hk dividing H");
-    TORCH_CHECK(scale > 0, "hopper_flash_v1: the launcher passes a positive scale (got ", scale, ")");
-    TORCH_CHECK(B * H <= 65535, "hopper_flash_v1: B * H = ", B * H, " is over gridDim.y's 65,535");
+                "hopper_flash: k and v must be (B, Hk, Lk, D) with q's B and D, and Hk dividing H");
+    TORCH_CHECK(scale > 0, "hopper_flash: the launcher passes a positive scale (got ", scale, ")");
+    TORCH_CHECK(B * H <= 65535, "hopper_flash: B * H = ", B * H, " is over gridDim.y's 65,535");
     const bool has_mask = key_keep.numel() > 0;
     if (has_mask) {
         TORCH_CHECK(key_keep.is_cuda() && key_keep.scalar_type() == torch::kUInt8 && key_keep.is_contiguous() &&
                     key_keep.dim() == 2 && key_keep.size(0) == B && key_keep.size(1) == Lk,
-                    "hopper_flash_v1: key_keep must be a contiguous CUDA uint8 tensor (B, Lk)");
+                    "hopper_flash: key_keep must be a contiguous CUDA uint8 tensor (B, Lk)");
     }
     const c10::cuda::CUDAGuard guard(q.device());
     auto out = torch::empty_like(q);
@@ -768,7 +1249,7 @@ std::vector<torch::Tensor> hopper_flash_v1_forward(torch::Tensor q, torch::Tenso
         lse.fill_(-std::numeric_limits<float>::infinity());
         return {out, lse};
     }
-    wb::FlashV1Params params;
+    wb::FlashParams params;
     params.out = out.data_ptr();
     params.lse = lse.data_ptr<float>();
     params.key_keep = has_mask ? key_keep.data_ptr<uint8_t>() : nullptr;
@@ -781,13 +1262,14 @@ std::vector<torch::Tensor> hopper_flash_v1_forward(torch::Tensor q, torch::Tenso
     params.causal = causal ? 1 : 0;
     params.causal_offset = static_cast<int>(causal_offset);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const int which = static_cast<int>(version);
     const bool is_half = q.scalar_type() == torch::kHalf;
     if (D == 64) {
-        if (is_half) wb::launch_flash_v1<__half, 64>(q, k, v, params, stream);
-        else wb::launch_flash_v1<__nv_bfloat16, 64>(q, k, v, params, stream);
+        if (is_half) wb::launch_flash<__half, 64>(which, q, k, v, params, stream);
+        else wb::launch_flash<__nv_bfloat16, 64>(which, q, k, v, params, stream);
     } else {
-        if (is_half) wb::launch_flash_v1<__half, 128>(q, k, v, params, stream);
-        else wb::launch_flash_v1<__nv_bfloat16, 128>(q, k, v, params, stream);
+        if (is_half) wb::launch_flash<__half, 128>(which, q, k, v, params, stream);
+        else wb::launch_flash<__nv_bfloat16, 128>(which, q, k, v, params, stream);
     }
     return {out, lse};
 }
