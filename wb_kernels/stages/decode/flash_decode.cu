@@ -1150,8 +1150,12 @@ std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tens
     // fused merge where the stages' shared memory holds the group's weights for every split (else a second kernel)
     const int64_t weights = is_half ? (D == 64 ? wb::mma_dynamic_smem_bytes<__half, 64>() : wb::mma_dynamic_smem_bytes<__half, 128>()) / 4
                                     : (D == 64 ? wb::mma_dynamic_smem_bytes<__nv_bfloat16, 64>() : wb::mma_dynamic_smem_bytes<__nv_bfloat16, 128>()) / 4;
+    // ... and where the one block that merges does no more than the split kernel's does (4 rows x 64 splits): the
+    // last block of a group reads group x splits x D floats alone, 1 MB for MQA's 32 heads at 64 splits, D = 128, which
+    // one block reads far slower than the second kernel's B x H blocks do (on an H100, MQA B1 Lk32768 took 97 us fused)
+    constexpr int64_t kMostFusedRowSplits = 4 * 64;
     params.counters = nullptr;
-    if (WB_DECODE_FUSED_MERGE && group * num_splits <= weights)
+    if (WB_DECODE_FUSED_MERGE && group * num_splits <= weights && group * num_splits <= kMostFusedRowSplits)
         params.counters = wb::merge_counters(workspace, part_floats * sizeof(float), counters, stream);
     if (is_half) {
         if (D == 64) wb::launch_mma<__half, 64>(params, stream);

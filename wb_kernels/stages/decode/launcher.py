@@ -208,6 +208,8 @@ def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
 # WB_DECODE_MMA_MIN_GROUP environment variable or this attribute change it; the launch plans remember the kernel).
 MMA_MIN_GROUP = int(os.environ.get("WB_DECODE_MMA_MIN_GROUP", "5"))
 MMA_MAX_GROUP = 64  # 4 row tiles of 16: flash_decode.cu's kMmaMaxGroup
+MMA_MIN_KEYS_PER_SPLIT = 128  # the mma kernel's splits: at least two 64-key tiles (the split kernel's: 256)
+MMA_MAX_SPLITS = 128
 
 
 def cuda_kernel_for(H: int, Hk: int, *, min_group: int | None = None) -> str:
@@ -280,10 +282,14 @@ def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, 
     once per problem shape and remembered: a decoder asks the same question for every layer of every step."""
     if num_splits is None:
         group = H // Hk
+        # the mma kernel: one block per (sequence, KV head, split) whatever the group, so MQA at B = 1 has B * Hk = 1
+        # block per split; shorter splits (two of its 64-key tiles) and more of them keep the SMs busy, and past 4 x 64
+        # (row, split) pairs its splits are merged by the second kernel's B x H blocks, not one (flash_decode.cu)
+        shorter = {"min_keys_per_split": MMA_MIN_KEYS_PER_SPLIT, "max_splits": MMA_MAX_SPLITS} if kernel == "mma" else {}
         num_splits = choose_num_splits(B, Hk, max_len, num_sms(),
                                        row_chunks=cuda_row_chunks(group) if kernel == "split" else 1,
                                        blocks_per_sm=cuda_blocks_per_sm(device_index, bf16, D, group, paged, kernel),
-                                       keys_step=build.KEYS_PER_STEP)
+                                       keys_step=build.KEYS_PER_STEP, **shorter)
     return (*cuda_split_plan(max_len, num_splits), float(D) ** -0.5)
 
 
