@@ -208,9 +208,12 @@ def _baselines() -> dict:
     }
 
 
-def _stage_contender(stage) -> Contender:
+def _stage_contender(stage, version=None) -> Contender:
+    """The stage as the benchmark times it: its launcher alone (or, with `version`, that version of its kernel)."""
     from ..api import validate
     from ..device import like_input
+
+    chosen = {} if version is None else {"version": version}
 
     def prepare(q, k, v, causal):
         try:
@@ -220,16 +223,19 @@ def _stage_contender(stage) -> Contender:
         # Validated once above; the timed call is the stage's launcher alone, without the API's per-call
         # checks (its NaN/Inf scan reads q and k once more and waits for the answer on the host).
         # (like_input: the simulator's stages return NumPy; on a GPU it returns the CUDA tensor as it is)
-        return (lambda: like_input(stage.forward(q, k, v, causal=causal, key_padding_mask=None, scale=None)[0],
-                                   q)), None
+        return (lambda: like_input(stage.forward(q, k, v, causal=causal, key_padding_mask=None, scale=None,
+                                                 **chosen)[0], q)), None
 
-    return Contender(stage.name, "stage", prepare, dtypes=tuple(stage.dtypes), head_dims=stage.head_dims,
+    return Contender(stage.name if version is None else f"{stage.name}-{version}", "stage", prepare, dtypes=tuple(stage.dtypes), head_dims=stage.head_dims,
                      needs_gpu=stage.needs_gpu, workspace_bytes=stage.workspace_bytes)
 
 
 def contenders() -> dict:
     """{name: Contender}: the package's stages (ladder order), then the baselines."""
-    found = {name: _stage_contender(stage) for name, stage in available_stages().items()}
+    found = {}
+    for name, stage in available_stages().items():
+        found[name] = _stage_contender(stage)
+        found.update({f"{name}-{version}": _stage_contender(stage, version) for version in stage.versions})
     problems = {"flex": _flex_problem(), "flash_attn": _import_problem("flash_attn"),
                 "vllm": _import_problem("vllm.vllm_flash_attn"), "flashinfer-fa2": flashinfer.problem(),
                 "flashinfer-fa3": flashinfer.fa3_problem()}

@@ -38,6 +38,9 @@ class Stage:
     # True: the kernel itself gives NaN/Inf inputs SDPA's result (wb.attention then skips its host-side pass, which
     # synchronises with the GPU: a large part of a small call's cost)
     non_finite_in_kernel: bool = False
+    # named versions of the kernel (a rung that grows in versions, each kept runnable): forward(..., version=name)
+    # runs one of them, and the benchmark times each as the contender "<name>-<version>" beside the stage's default
+    versions: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -73,4 +73,5 @@ STAGE = Stage(
     workspace_bytes=lambda B, H, Lq, Lk, D: B * H * Lq * (2 * D + 4),  # the 16-bit output and the float32 LSE
     order=9,
     linear_memory=True,
+    versions=tuple(VERSIONS),
 )
