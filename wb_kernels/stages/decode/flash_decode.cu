@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
     // key / page_size as a multiply and a shift (Granlund and Montgomery, "Division by invariant integers using
     // multiplication", 1994): with shift = 31 + ceil(log2 page_size) and magic = ceil(2^shift / page_size), it is exact
     // for every key below 2^31. A division by a value known only at run time is some 20 dependent instructions
-    // (I2F, MUFU.RCP, F2I, fix-ups) between a key and its page-table read; this is two.
+    // (I2F, MUFU.RCP, F2I, fix-ups) between a key and its page-table read; this is three.
     const int page_shift = 31 + (32 - __clz(p.page_size - 1));
     const unsigned page_magic = (unsigned)(((1ull << page_shift) + p.page_size - 1) / (unsigned)p.page_size);
     auto page_of = [&](int key) { return (int)(((unsigned long long)(unsigned)key * page_magic) >> page_shift); };
