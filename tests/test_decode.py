@@ -276,6 +276,107 @@ def test_cuda_kernel_compiles_without_spills():
             assert r.registers <= (168 if r.kernel != "mma" else 255), r
 
 
+
+def _sass_with_scoreboards(cubin: str) -> dict:
+    """{mangled kernel: [(address, instruction, write scoreboard, wait mask)]} from ``cuobjdump -sass``. Each
+    instruction's second 64-bit word holds its control bits from bit 41 on (bits 105-127 of the 128): 4 of stall, 1 of
+    yield, 3 naming the scoreboard a variable-latency result (a load, a shuffle) counts on (7: none), 3 for its source
+    registers, then a mask of the 6 scoreboards to wait for before issuing."""
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from wb_kernels import cuda_build
+
+    cuobjdump = cuda_build.find_cuobjdump()
+    env = dict(os.environ, PATH=str(Path(cuobjdump).parent) + os.pathsep + os.environ.get("PATH", ""))
+    lines = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, env=env,
+                           check=True).stdout.splitlines()
+    kernels, current = {}, None
+    for line, following in zip(lines, lines[1:] + [""]):
+        if "Function :" in line:
+            current = kernels.setdefault(line.split("Function :", 1)[1].strip(), [])
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;\s*/\* 0x[0-9a-f]+ \*/", line)
+        if m and current is not None:
+            control = int(re.search(r"/\* (0x[0-9a-f]+) \*/", following).group(1), 16) >> 41
+            current.append((int(m.group(1), 16), m.group(2), (control >> 5) & 7, (control >> 11) & 0x3F))
+    return kernels
+
+
+def _key_loop(instructions: list) -> list:
+    """The split kernel's trip loop: the shortest backward branch whose body holds the 16-byte K/V loads."""
+    import re
+
+    loops = []
+    for address, text, _, _ in instructions:
+        m = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < address and "BRA.DIV" not in text:
+            body = [x for x in instructions if int(m.group(1), 16) <= x[0] <= address]
+            if any("LDG.E.128" in x[1] for x in body):
+                loops.append(body)
+    return min(loops, key=len)
+
+
+def test_the_split_kernels_prefetch_is_not_waited_for_before_the_trips_arithmetic():
+    """The loads of the next trip must have this trip's arithmetic to hide behind. A warp waits for a load where an
+    instruction's wait mask names the scoreboard the load counts on, and loads (and shuffles) share the 6 counters:
+    after the graph-safe rewrite, ptxas put the first wait on the K/V loads' counter 1-57 instructions after the
+    prefetch of the 4-row paged kernel, before any FFMA (the warp waited for its own prefetch: 14 % slower on the
+    H100), while the contiguous kernel had ~315 instructions and 123 FFMAs. Here every split kernel must issue at
+    least 16 FFMAs per query row before its first wait on any K/V load of the loop, and the paged loop must not
+    divide (key / page_size by multiply and shift: no I2F or MUFU.RCP)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from stage_cases import tool_or_skip
+
+    from wb_kernels import cuda_build
+    from wb_kernels.cuda_build import compile_cubin
+    from wb_kernels.stages.decode import build
+
+    tool_or_skip(cuda_build.find_nvcc, "the decode kernel's SASS check")
+    tool_or_skip(cuda_build.find_cuobjdump, "the decode kernel's SASS check")
+    cubin, _ = compile_cubin("sm_90", build.current_source(), build.LINE_NAME, build.SOURCE_NAME)
+    checked = 0
+    for name, instructions in _sass_with_scoreboards(cubin).items():
+        split = build._SPLIT.search(name)
+        if split is None:
+            continue
+        rows, paged = int(split.group(3)), name.endswith("Lb1EEEvNS_12DecodeParamsE")
+        loop = _key_loop(instructions)
+        for i, (_, text, counter, _) in enumerate(loop):
+            if "LDG.E.128" not in text:
+                continue
+            ffmas = 0
+            for _, later, _, waits in loop[i + 1:] + loop[:i]:  # round the back edge
+                if waits >> counter & 1:
+                    break
+                ffmas += later.startswith("FFMA")
+            assert ffmas >= 16 * rows, (name, text, ffmas)
+        if paged:
+            assert not any(op in text for _, text, _, _ in loop for op in ("I2F", "MUFU.RCP")), name
+        checked += 1
+    assert checked == 24  # fp16 and bf16, D 64 and 128, 1, 2 and 4 rows, paged and contiguous
+
+
+def test_page_of_key_by_multiply_and_shift_is_exact():
+    """The split kernel's key / page_size: shift = 31 + ceil(log2 page_size), magic = ceil(2^shift / page_size),
+    page = (key * magic) >> shift, for every key below 2^31 (the bound: key * (magic * page_size - 2^shift) < 2^shift)."""
+    rng = np.random.default_rng(0)
+    keys = np.concatenate([np.arange(5000), 2**31 - 1 - np.arange(500), rng.integers(0, 2**31, 2000)]).astype(object)
+    for page_size in [*range(1, 300), 1000, 1024, 4095, 4096, 65_537, 2**30, 2**31 - 1]:
+        shift = 31 + (page_size - 1).bit_length()  # 32 - clz(page_size - 1)
+        magic = ((1 << shift) + page_size - 1) // page_size
+        assert magic < 2**32, page_size  # a 32-bit register
+        pages = (keys * magic) >> shift
+        assert (pages == keys // page_size).all(), page_size
+        off_by_one = ((keys * (magic - 1)) >> shift) == keys // page_size  # a plausible wrong magic fails
+        assert page_size == 1 or page_size > 4096 or not off_by_one.all(), page_size
+
+
 def test_bfloat16_needs_the_gpu_kernel():
     torch = pytest.importorskip("torch")
     if ON_GPU:

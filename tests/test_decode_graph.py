@@ -168,6 +168,27 @@ def test_gpu_lengths_outside_the_cache_are_clamped_and_reported():
     assert decoding.decode_problems() == [problem] and decoding.decode_problems() == []
 
 
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("H, Hk", [(8, 8), (32, 8)], ids=["group1", "group4"])
+def test_gpu_split_kernel_clamps_and_reports_a_page_outside_the_pool(H, Hk, D):
+    """The split kernel (groups below the tensor-core kernel's) reads the nearest page for a table entry outside the
+    pool and raises status bit 4, whichever split the entry falls in; a valid table raises nothing."""
+    q, k, v, table = _random_cache(3, H, Hk, D, 700, page_size=16, seed=11)
+    lens = torch.tensor([700, 333, 517], dtype=torch.int32, device="cuda")
+    decoding.decode_problems()
+    out = wb.decode(q, k, v, lens, block_table=table, num_splits=4)
+    _assert_matches(out, q, k, v, lens, table)
+    assert decoding.decode_problems() == []
+    bad = table.clone()
+    bad[0, 40] = k.shape[0] + 10  # keys 640-655 of sequence 0: its last split
+    bad[2, 3] = -3  # keys 48-63 of sequence 2: its first split
+    out = wb.decode(q, k, v, lens, block_table=bad, num_splits=4)
+    assert not bool(out.isnan().any())
+    _assert_matches(out, q, k, v, lens, bad.clamp(0, k.shape[0] - 1))
+    problems = decoding.decode_problems()
+    assert any("page number" in p for p in problems), problems
+
 # ---------------------------------------------------------------- layouts: read in place, or refused clearly
 
 

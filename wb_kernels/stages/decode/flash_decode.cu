@@ -60,7 +60,8 @@ struct DecodeParams {
     void* out;  // (B, H, D) in q's dtype: the merged output, written by the last block of each group when fused
     float* lse;  // (B, H) float32
     int* counters;  // (B * Hk * chunks) zeros: splits finished per group; nullptr: a second kernel merges
-    int* status;  // flags for the host: 1 a length clamped to the cache, 2 a length past the splits' keys
+    int* status;  // flags for the host: 1 a length clamped to the cache, 2 a length past the splits' keys,
+                  // 4 a page number outside the pool
     int B, H, Hk, page_size, pages_per_seq, num_pages, keys_per_split, num_splits;
     float scale_log2;  // softmax scale * log2(e)
 };
@@ -246,22 +247,46 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
     const T* k_base = static_cast<const T*>(p.k_pages) + head;
     const T* v_base = static_cast<const T*>(p.v_pages) + head;
     const int* table = p.block_table + (PAGED ? (size_t)b * p.pages_per_seq : 0);
+    // key / page_size as a multiply and a shift (Granlund and Montgomery, "Division by invariant integers using
+    // multiplication", 1994): with shift = 31 + ceil(log2 page_size) and magic = ceil(2^shift / page_size), it is exact
+    // for every key below 2^31. A division by a value known only at run time is some 20 dependent instructions
+    // (I2F, MUFU.RCP, F2I, fix-ups) between a key and its page-table read; this is three.
+    const int page_shift = 31 + (32 - __clz(p.page_size - 1));
+    const unsigned page_magic = (unsigned)(((1ull << page_shift) + p.page_size - 1) / (unsigned)p.page_size);
+    auto page_of = [&](int key) { return (int)(((unsigned long long)(unsigned)key * page_magic) >> page_shift); };
     constexpr int STRIDE = KEYS_PER_STEP * KEYS_IN_FLIGHT;  // keys the block covers per trip round the loop
-    // the loads of KEYS_IN_FLIGHT steps from key0 on, issued together (zeros past the split's end)
+    // the loads of KEYS_IN_FLIGHT steps from key0 on, issued together (zeros past the split's end): every step's
+    // page-table entry first (an index past the sequence's row is clamped into it; that entry goes unused), so their
+    // latencies overlap, then the keys' and values' loads
     auto load = [&](int key0, uint4 (&k_raw)[KEYS_IN_FLIGHT], uint4 (&v_raw)[KEYS_IN_FLIGHT]) {
+        int page[KEYS_IN_FLIGHT];
+        if constexpr (PAGED) {
+#pragma unroll
+            for (int s = 0; s < KEYS_IN_FLIGHT; ++s)
+                page[s] = table[min(page_of(key0 + s * KEYS_PER_STEP + key_lane), p.pages_per_seq - 1)];
+        }
+        // every step's offset before any key's load: a table read still pending after those loads would be waited
+        // for with them (a load's register counts down a counter the others share), and the loads would then have
+        // nothing to hide behind; an entry outside the pool reads the nearest page (reported after the loop, status
+        // bit 4)
+        size_t offset[KEYS_IN_FLIGHT];
 #pragma unroll
         for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
             const int key = key0 + s * KEYS_PER_STEP + key_lane;
+            offset[s] = (size_t)(unsigned)key * p.strides[2];
+            if constexpr (PAGED) {
+                const int slot = key - page_of(key) * p.page_size;
+                // a 32 x 32 -> 64-bit product (one IMAD.WIDE.U32): the pool may hold more than 2^32 elements
+                offset[s] = (size_t)(unsigned)min(max(page[s], 0), p.num_pages - 1) * p.strides[0] +
+                            (unsigned)slot * p.strides[2];
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
             k_raw[s] = v_raw[s] = make_uint4(0, 0, 0, 0);
-            if (key < stop) {
-                size_t offset = (unsigned)key * p.strides[2];
-                if constexpr (PAGED) {
-                    const int page = min(max(table[key / p.page_size], 0), p.num_pages - 1);
-                    // a 32 x 32 -> 64-bit product (one IMAD.WIDE.U32): the pool may hold more than 2^32 elements
-                    offset = (size_t)(unsigned)page * p.strides[0] + (unsigned)(key % p.page_size) * p.strides[2];
-                }
-                k_raw[s] = *reinterpret_cast<const uint4*>(k_base + offset);
-                v_raw[s] = *reinterpret_cast<const uint4*>(v_base + offset);
+            if (key0 + s * KEYS_PER_STEP + key_lane < stop) {
+                k_raw[s] = *reinterpret_cast<const uint4*>(k_base + offset[s]);
+                v_raw[s] = *reinterpret_cast<const uint4*>(v_base + offset[s]);
             }
         }
     };
@@ -365,6 +390,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
 #else
         load(key0 + STRIDE, k_raw, v_raw);
 #endif
+    }
+    if constexpr (PAGED) {
+        // status bit 4: an entry of this split's pages outside the pool (the loads read the nearest page), looked for
+        // once per block after its loop, where the entries are in cache, rather than once per key inside it
+        if (blockIdx.z == 0 && stop > start) {
+            bool outside = false;
+            for (int i = start / p.page_size + threadIdx.x; i <= (stop - 1) / p.page_size; i += NUM_WARPS * 32)
+                outside |= table[i] < 0 || table[i] >= p.num_pages;
+            if (outside) atomicOr(p.status, 4);
+        }
     }
 
     // endregion

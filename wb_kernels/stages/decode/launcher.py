@@ -158,8 +158,7 @@ STATUS_MESSAGES = {
     2: "a length in cache_seqlens was above max_seqlen (more keys than the splits cover): the last split read the "
        "rest, correct but slower; pass a larger max_seqlen (wb_kernels.decoding.seqlen_bucket) or None",
     4: "a page number in block_table was outside [0, the number of pages in the cache): the kernel read the nearest "
-       "page instead, so that sequence's output is wrong; fix the block table (raised by the tensor-core kernel for "
-       "large groups; the split kernel clamps without the flag)",
+       "page instead, so that sequence's output is wrong; fix the block table",
 }
 
 
