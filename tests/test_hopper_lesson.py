@@ -1,6 +1,7 @@
 """Lesson 09's figure, committed-number and slider logic (wb_kernels/stages/hopper/slider.py), without a browser and
 without a GPU; the lesson's measure cells with the rung's results file absent and present (a small fixture); the
-lesson's puzzle stub, fixed, solving the puzzle; and every region of v1 shown, in the file's order."""
+lesson's puzzle stub, fixed, solving the puzzle; ping-pong's schematic timeline; and every region of the attention
+kernels shown, in the file's order."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def test_the_version_table_reads_notes_and_the_measurement():
     assert measured["v1"] == 420.0 and measured["v2"] == 560.0 and measured["v0"] is None
     assert all(row["measured"] is None for row in slider.version_table(slider.notes_text(), None))
     text = "# x\n## Versions\n\n| version | what | prediction | measurement |\n|---|---|---|---|\n| v7 | a | b | c |\n## Next\n| v8 | d | e | f |"
-    assert slider.notes_versions(text) == [{"version": "v7", "what": "a", "prediction": "b"}]
+    assert slider.notes_versions(text) == [{"version": "v7", "what": "a", "prediction": "b", "notes": "c"}]
+    assert all(row["notes"] for row in versions if row["version"] in ("v1", "v2", "v3"))  # NOTES says what ran where
 
 
 def test_profile_contrast_tells_the_wgmma_kernel_apart():
@@ -86,6 +88,28 @@ def test_a_threads_p_operand_is_its_s_accumulators(thread):
     assert {row // 16 for row, _ in held["S"]} == {thread // 32}
     assert slider.draw_thread(thread) is not None
     assert slider.THREAD_CHOICES == list(range(wgmma_fragments.WARPGROUP))
+
+
+def test_pingpong_keeps_the_tensor_cores_busy_where_v2_leaves_them_idle():
+    for softmax in (0.3, 0.8, 1.0):  # a softmax no longer than the products: v3 never idles between its products
+        v2, v3 = (slider.pingpong_schedule(version, tiles=5, gemm=1.0, softmax=softmax) for version in (2, 3))
+        assert v3["tensor_busy"] == pytest.approx(1.0) and v2["tensor_busy"] == pytest.approx(2 * 5 / (4 * (2 + softmax) + 2))
+        assert v3["end"] < v2["end"]  # (v2: 5 tiles of 2 units of shared products, 4 softmaxes between them)
+    longer = slider.pingpong_schedule(3, tiles=50, gemm=1.0, softmax=1.5)["tensor_busy"]
+    assert 0.8 < longer < 1  # a softmax longer than the products: the tensor cores wait for it even in turns
+
+
+def test_pingpong_turns_never_overlap_and_follow_each_warpgroups_softmax():
+    bars = slider.pingpong_schedule(3, tiles=4, gemm=1.0, softmax=0.8)["bars"]
+    products = sorted((start, end, c) for c, start, end, kind, _ in bars if kind == "gemm")
+    assert all(a[1] <= b[0] for a, b in zip(products, products[1:]))  # one warpgroup on the tensor cores at a time
+    assert [c for _, _, c in products] == [0, 1] * 4  # in turn, consumer 0 first
+    for c in (0, 1):
+        mine = sorted((start, end, kind) for who, start, end, kind, _ in bars if who == c)
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:]))  # a warpgroup does one thing at a time
+    with pytest.raises(ValueError):
+        slider.pingpong_schedule(1)
+    assert slider.draw_pingpong() is not None
 
 
 # ---- the lesson's cells --------------------------------------------------------------------------------------------
@@ -139,10 +163,18 @@ def test_the_lessons_puzzle_stub_is_unsolved_and_its_two_fixes_solve_it(capsys):
     assert "solved ✓" in capsys.readouterr().out
 
 
-def test_every_v1_region_is_shown_once_in_the_files_order():
+def test_every_attention_region_is_shown_once_in_the_files_order():
+    """The shared tile steps, v1, v2, v3 and the host side: every region, once, in the file's order (so each function
+    is shown before its caller); the primitives v2 and v3 use, before their kernels."""
     from wb_kernels.sync import module_regions, notebook_regions
 
     shown = [name for name, module, _ in notebook_regions(LESSON) if module == SOURCE]
-    v1 = [name for name in module_regions(ROOT / SOURCE) if name.startswith(("flash_v1", "v1_", "tma_3d"))]
-    assert [name for name in shown if name in v1] == v1
+    attention = [name for name in module_regions(ROOT / SOURCE) if name.startswith(("flash_", "tma_3d"))]
+    assert {"flash_tile_steps", "flash_v1_tile_loop", "flash_v2_consumer", "flash_v3_turn", "flash_ws_roles"} <= set(attention)
+    assert [name for name in shown if name in attention] == attention
     assert len(shown) == len(set(shown))
+    for primitive, user in (("setmaxnreg", "flash_ws_roles"), ("register_split_kernel", "flash_ws_layout"),
+                            ("named_barrier", "flash_v3_consumer"), ("named_barrier_kernel", "flash_v3_consumer")):
+        assert shown.index(primitive) < shown.index(user)
+    ring = [name for name, module, _ in notebook_regions(LESSON) if module.endswith("barrier_ring.py")]
+    assert ring == ["mbarrier_model", "ring_loops", "named_barrier_model", "ws_loops"]

@@ -225,6 +225,10 @@ def consumer(ring: Ring, tiles: int, *, flip_on_wrap: bool = True, release: bool
             phase ^= 1 if flip_on_wrap else 0
 
 
+# endregion
+
+
+# region: ws_loops
 # v2 and v3 (flash_ws_kernel in hopper_lab.cu): the producer loads Q once, then runs the ring; each consumer warp
 # waits for Q, walks the ring and arrives on kv_empty once per tile (kv_empty counts 8 arrivals: 4 warps x 2
 # consumers); all of them agree on `tiles` (key_tile_count of the block).

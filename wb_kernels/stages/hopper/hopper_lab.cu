@@ -179,6 +179,9 @@ __device__ __forceinline__ void zero_accumulators(float (&d)[R]) {
     fence_accumulators(d);
 }
 
+// endregion
+
+// region: wgmma_asm
 #define WB_ACC32 "{" \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -220,6 +223,9 @@ __device__ __forceinline__ void zero_accumulators(float (&d)[R]) {
                  : ACC_OPERANDS                                                                               \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
 
+// endregion
+
+// region: wgmma_products
 template <typename T> constexpr bool is_half = false;
 template <> constexpr bool is_half<__half> = true;
 
@@ -250,11 +256,11 @@ __device__ __forceinline__ uint32_t swizzled_byte_offset(int row, int column) {
     return row * 128 + ((((column >> 3) ^ (row & 7)) << 4) | ((column & 7) << 1));
 }
 
+// region: tma_tile_kernel
 constexpr int TILE_ROWS = 64;          // rows of the box the TMA lab copies
 constexpr int TILE_ROW_BYTES = 128;    // 64 16-bit elements: the span of the 128-byte swizzle
 constexpr int WARPGROUP = 128;         // threads
 
-// region: tma_tile_kernel
 // (a) One TMA box of TILE_ROWS x 64 16-bit elements, starting at (row0, column0) of a 2-D tensor, lands in shared
 // memory swizzled; the block copies the raw bytes back, so the host sees the layout the copy engine wrote.
 // expect_bytes is normally the box's size; a test passes a wrong one to see the watchdog catch the hang.
@@ -471,6 +477,7 @@ struct FlashParams {
 };
 // endregion
 
+// region: flash_helpers
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -490,6 +497,8 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
         return *reinterpret_cast<uint32_t*>(&pair);
     }
 }
+
+// endregion
 
 // region: flash_tile_steps
 // The pieces every version runs per key tile, for one warpgroup's 64 query rows. A thread holds two rows, query0 and
@@ -514,6 +523,9 @@ __device__ __forceinline__ bool tile_needs_mask(const FlashParams& params, const
     return needs_mask;
 }
 
+// endregion
+
+// region: flash_products
 // S (64 x BLOCK_N, fp32) = Q K^T by HEAD_DIM / 16 SS wgmma, both operands K-major (issued only: the caller fences,
 // commits and waits). q: this warpgroup's 64 rows; k: a tile of BLOCK_N rows; in both, the 64-wide column blocks of
 // D lie *_block_bytes apart and k-step `step` starts 32 bytes on within its block.
@@ -538,6 +550,9 @@ __device__ __forceinline__ void issue_output(float (&o)[HEAD_DIM / 2], const uin
     }
 }
 
+// endregion
+
+// region: flash_online_softmax
 // The online softmax of one tile in base 2, on S's registers: masks by select (ragged keys, key padding, causal at
 // any offset), the running max and sum of the thread's two rows, alpha = the factor O must be scaled by; S becomes
 // P (fp32, not normalised). A row with no key so far subtracts 0: its P is 0, not NaN.
@@ -582,6 +597,9 @@ __device__ __forceinline__ void online_softmax(float (&s)[BLOCK_N / 2], float (&
     }
 }
 
+// endregion
+
+// region: flash_softmax_step
 template <int HEAD_DIM>
 __device__ __forceinline__ void rescale_output(float (&o)[HEAD_DIM / 2], const float (&alpha)[2]) {
 #pragma unroll
@@ -616,6 +634,9 @@ __device__ __forceinline__ void softmax_step(float (&s)[BLOCK_N / 2], uint32_t (
     pack_probabilities<T, BLOCK_N>(s, p);
 }
 
+// endregion
+
+// region: flash_store_rows
 // The epilogue: O / l for the thread's two rows, rows past Lq dropped; a row with no key gives 0 and LSE -inf.
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void store_rows(const float (&o)[HEAD_DIM / 2], const float (&row_max)[2],
@@ -642,6 +663,7 @@ __device__ __forceinline__ void store_rows(const float (&o)[HEAD_DIM / 2], const
 }
 // endregion
 
+// region: flash_v1_kernel
 constexpr int V1_BLOCK_M = 64;   // query rows per block: one warpgroup, 16 per warp
 constexpr int V1_BLOCK_N = 64;   // keys per tile
 constexpr int V1_STAGES = 2;     // K/V tiles in flight
@@ -651,7 +673,6 @@ constexpr int v1_smem_bytes() {  // Q, then STAGES x (K, V); each tile HEAD_DIM 
     return 1024 /* alignment slack */ + (1 + 2 * V1_STAGES) * 64 * HEAD_DIM * 2;
 }
 
-// region: flash_v1_kernel
 // v1: one warpgroup per 64 query rows of one (batch, head). Thread 0 loads Q and K/V tiles by TMA into a ring of
 // V1_STAGES slots, each with a full barrier; the block's __syncthreads at the end of a tile is the "empty" signal
 // (v2 replaces it with empty barriers and a producer warpgroup). Per key tile:
@@ -680,6 +701,9 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
     const int m0 = m_block * V1_BLOCK_M;
     const int n_tiles = key_tile_count<V1_BLOCK_M, V1_BLOCK_N>(params, m0);
 
+    // endregion
+
+    // region: flash_v1_prologue
     if (threadIdx.x == 0) {
         mbarrier_init(&q_full, 1);
         for (int s = 0; s < V1_STAGES; ++s) mbarrier_init(&kv_full[s], 1);
@@ -705,6 +729,9 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
     const uint8_t* keep = params.key_keep ? params.key_keep + static_cast<int64_t>(b) * params.Lk : nullptr;
 
+    // endregion
+
+    // region: flash_v1_tile_loop
     mbarrier_wait(&q_full, 0);
     for (int tile = 0; tile < n_tiles; ++tile) {
         const int slot = tile % V1_STAGES;
@@ -811,6 +838,7 @@ __device__ __forceinline__ void produce_tiles(const CUtensorMap* q_map, const CU
 }
 // endregion
 
+// region: flash_v2_consumer
 // What a consumer warpgroup needs to know about its block and its rows.
 struct ConsumerRows {
     int m0;        // the block's first query row
@@ -820,7 +848,6 @@ struct ConsumerRows {
     const uint8_t* keep;  // the batch's key_keep row, or nullptr
 };
 
-// region: flash_v2_consumer
 // v2's consumer loop: v1's tile step on the ring. Each tile: wait for the slot, S = Q K^T, the softmax, O += P V,
 // wait for both products, and release the slot (one arrival per warp).
 template <typename T, int HEAD_DIM>
@@ -906,6 +933,9 @@ __device__ __forceinline__ void consume_tiles_v3(const ConsumerRows& rows, int c
         stage = 0;
         phase ^= 1;
     }
+    // endregion
+
+    // region: flash_v3_turn
     for (int tile = 1; tile < rows.n_tiles; ++tile) {  // a turn: P V of the previous tile, S of this one
         mbarrier_wait(&kv_full[stage], phase);
         named_barrier_sync(my_turn, TURN_THREADS_V3);
@@ -974,6 +1004,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1) flash_ws_kernel(const __grid_co
     }
     __syncthreads();  // the last block-wide barrier: from here on the warpgroups meet only at mbarriers
 
+    // endregion
+
+    // region: flash_ws_roles
     const int warpgroup = threadIdx.x / WARPGROUP;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGISTERS>();  // all four warps; three of them then have nothing to do
@@ -1216,6 +1249,9 @@ void launch_flash(int version, const torch::Tensor& q, const torch::Tensor& k, c
 }
 }  // namespace wb
 
+// endregion
+
+// region: flash_torch_entry
 // Returns [out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) float32]. version 1, 2 or 3 (work in progress, not a
 // registered stage).
 std::vector<torch::Tensor> hopper_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,

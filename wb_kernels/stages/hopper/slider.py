@@ -5,6 +5,8 @@ without a browser (tests/test_hopper_lesson.py).
   :func:`profile_contrast` (the mma rung's Nsight Compute file: the mma kernel next to cuDNN's wgmma kernel);
 - the 128-byte swizzle as a picture: :func:`swizzle_positions`, :func:`draw_swizzle`;
 - one thread's registers in a warpgroup (the slider): :func:`thread_elements`, :func:`draw_thread`;
+- ping-pong (v3) as a picture: :func:`pingpong_schedule`, :func:`draw_pingpong` (a schematic timeline of two consumer
+  warpgroups, in units of one warpgroup's products of one tile: no GPU time in it);
 - the rung's own measurements: :func:`load_bench` (``None`` while ``results/hopper/bench_h100.json`` is not
   committed), :func:`hopper_rows` and :func:`version_table` (NOTES.md's predictions next to what the file measured).
 """
@@ -20,15 +22,15 @@ import numpy as np
 from . import tma_swizzle, wgmma_fragments
 
 __all__ = ["REPOSITORY", "BENCH_FILE", "MEASURE_COMMAND", "HEADLINE", "THREAD_CHOICES", "tflops_at",
-           "profile_contrast", "swizzle_positions", "draw_swizzle", "thread_elements", "draw_thread", "load_bench",
+           "profile_contrast", "swizzle_positions", "draw_swizzle", "thread_elements", "draw_thread", "pingpong_schedule",
+           "draw_pingpong", "load_bench",
            "hopper_rows", "notes_versions", "version_table", "notes_text", "load_json"]
 
 REPOSITORY = Path(__file__).resolve().parents[3]
 BENCH_FILE = REPOSITORY / "results" / "hopper" / "bench_h100.json"
-# what writes BENCH_FILE on an H100: the rung, the mma rung and the two Hopper kernels it is measured against
-MEASURE_COMMAND = ("python -m wb_kernels.bench --stages hopper,mma --baselines sdpa-cudnn,flashinfer-fa3 "
-                   "--dtypes float16,bfloat16 --head-dims 64,128 --lengths 512,1024,2048,4096,8192,16384 "
-                   "--causal both --json results/hopper/bench_h100.json")
+# what writes BENCH_FILE on an H100: the rung's preset (the stage against the mma rung, SDPA FLASH and cuDNN and
+# FlashInfer's FlashAttention-3 kernel at issue 31's shapes), into results/hopper/bench_<gpu>.json
+MEASURE_COMMAND = "python -m wb_kernels.bench --preset hopper-bar"
 # the issue's first bar is stated at this problem: fp16, B = 4, H = 16, L = 4096, D = 128, not causal
 HEADLINE = {"B": 4, "H": 16, "L": 4096, "D": 128, "dtype": "float16", "causal": False}
 THREAD_CHOICES = list(range(wgmma_fragments.WARPGROUP))
@@ -134,6 +136,69 @@ def draw_thread(thread: int):
     return fig
 
 
+# --- ping-pong, schematically (v3) ---------------------------------------------------------------------------
+
+def pingpong_schedule(version: int, tiles: int = 4, gemm: float = 1.0, softmax: float = 0.8) -> dict:
+    """A schematic timeline of two consumer warpgroups, each doing, per key tile, its products (`gemm` time units
+    when it has the tensor cores to itself) and then its softmax (`softmax` units, off the tensor cores).
+
+    v2 (`version` 2): nothing orders the two; they start each tile together (the same tile lands for both), so their
+    products share the tensor cores (both finish after 2 `gemm`) and their softmaxes run at the same time, with the
+    tensor cores idle. v3: named barriers give the tensor cores to one warpgroup at a time, in turn; a warpgroup's
+    products start when the other's are done and its own softmax is over. Returns the bars
+    ``(warpgroup, start, end, "gemm" | "softmax", tile)`` and ``tensor_busy``, the share of the time from the first
+    product to the last in which the tensor cores work."""
+    if version not in (2, 3):
+        raise ValueError(f"version must be 2 or 3, got {version}")
+    bars, tensor_time = [], 0.0
+    ready = [0.0, 0.0]  # when each warpgroup's softmax of its last tile is over
+    tensor_free = 0.0
+    for tile in range(tiles):
+        if version == 2:
+            start = max(ready)
+            for c in range(2):
+                bars.append((c, start, start + 2 * gemm, "gemm", tile))
+                bars.append((c, start + 2 * gemm, start + 2 * gemm + softmax, "softmax", tile))
+                ready[c] = start + 2 * gemm + softmax
+            tensor_time += 2 * gemm
+            continue
+        for c in range(2):  # v3: c's turn, then the other's
+            start = max(tensor_free, ready[c])
+            tensor_free = start + gemm
+            bars.append((c, start, tensor_free, "gemm", tile))
+            bars.append((c, tensor_free, tensor_free + softmax, "softmax", tile))
+            ready[c] = tensor_free + softmax
+            tensor_time += gemm
+    products = [bar for bar in bars if bar[3] == "gemm"]
+    span = max(end for _, _, end, _, _ in products) - min(start for _, start, _, _, _ in products)
+    return {"bars": bars, "tensor_busy": tensor_time / span, "end": max(end for _, _, end, _, _ in bars)}
+
+
+def draw_pingpong(tiles: int = 4, gemm: float = 1.0, softmax: float = 0.8):
+    """v2 above, v3 below: :func:`pingpong_schedule`'s bars, one row per consumer warpgroup (blue: its products of a
+    tile, numbered; orange: its softmax), on one time axis."""
+    from ...plots import new_figure
+
+    fig, axes = new_figure(nrows=2, width=11, height=4.2)
+    for ax, version in zip(axes, (2, 3)):
+        schedule = pingpong_schedule(version, tiles, gemm, softmax)
+        for c, start, end, kind, tile in schedule["bars"]:
+            shared = version == 2 and kind == "gemm"
+            ax.barh(c, end - start, left=start, height=0.6, color="#4c72b0" if kind == "gemm" else "#dd8452",
+                    hatch="//" if shared else None, edgecolor="white")
+            ax.text((start + end) / 2, c, f"{'S, PV' if kind == 'gemm' else 'softmax'} {tile}", ha="center",
+                    va="center", fontsize=7, color="white")
+        ax.set_yticks([0, 1], ["consumer 0", "consumer 1"])
+        ax.invert_yaxis()
+        ax.set_title(f"v{version}: " + ("both warpgroups' products share the tensor cores, then both softmaxes "
+                                        "leave them idle" if version == 2 else
+                                        "named barriers give the tensor cores to one warpgroup at a time")
+                     + f" (tensor cores busy {schedule['tensor_busy']:.0%} of the time)", fontsize=9)
+    axes[1].set_xlim(axes[0].get_xlim())  # one time axis: v3 ends earlier
+    axes[1].set_xlabel("time, in units of one warpgroup's products of one tile (a schematic, not a measurement)")
+    return fig
+
+
 # --- the rung's measurements -------------------------------------------------------------------------------------
 
 def load_bench(path=None):
@@ -162,14 +227,16 @@ _ROW = re.compile(r"^\|\s*(v\d+)\s*\|(.*)\|\s*$")
 
 
 def notes_versions(notes_text: str) -> list:
-    """The version table of the rung's NOTES.md ("## Versions"): [{version, what, prediction}] in its order."""
+    """The version table of the rung's NOTES.md ("## Versions"): [{version, what, prediction, notes}] in its order
+    (notes: the table's own "measurement" column, which says what ran where)."""
     section = notes_text.split("## Versions", 1)[1].split("\n## ", 1)[0] if "## Versions" in notes_text else ""
     versions = []
     for line in section.splitlines():
         match = _ROW.match(line.strip())
         if match:
             cells = [cell.strip() for cell in match.group(2).split("|")]
-            versions.append({"version": match.group(1), "what": cells[0], "prediction": cells[1] if len(cells) > 1 else ""})
+            versions.append({"version": match.group(1), "what": cells[0], "prediction": cells[1] if len(cells) > 1 else "",
+                             "notes": cells[2] if len(cells) > 2 else ""})
     return versions
 
 
