@@ -402,7 +402,7 @@ def _to_cuda(*arrays, dtype=None):
 @pytest.mark.parametrize("Hk", [32, 8, 1])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_cuda_kernel_decode_shapes(dtype, Hk, D):
-    """Lengths 0, 1, odd, and beyond a split; paged (page 16, shuffled) and contiguous agree exactly."""
+    """Lengths 0, 1, odd, and beyond a split; paged (page 16, shuffled) and contiguous agree exactly at one split count."""
     from wb_kernels.stages.decode.launcher import uses_cuda_kernel
 
     q, (kp, vp, table), (kc, vc), lens = make_cache(4, 32, Hk, D, [0, 1, 1000, 4099], page_size=16, seed=Hk + D)
@@ -415,8 +415,11 @@ def test_gpu_cuda_kernel_decode_shapes(dtype, Hk, D):
     # out stays a CUDA tensor in its 16-bit dtype: the tolerance is PyTorch's error in that dtype on that device
     assert check_decode(out, *as64, lens).passed
     assert bool((lse[0] == float("-inf")).all()) and not bool(out.isnan().any())
-    out_contiguous = wb.decode(q_, kc_, vc_, lens_, max_seqlen=4099)
-    assert bool((out_contiguous == out).all())
+    # the same splits on both layouts give the same bits (the default plans may differ: each layout's kernel has its
+    # own occupancy, so its own split count; on the H100 at 605b48b they did, 6 of 8192 outputs an ulp apart)
+    paged_out = wb.decode(q_, kp_, vp_, lens_, block_table=table_, max_seqlen=4099, num_splits=8)
+    out_contiguous = wb.decode(q_, kc_, vc_, lens_, max_seqlen=4099, num_splits=8)
+    assert bool((out_contiguous == paged_out).all())
 
 
 @gpu_only

@@ -207,7 +207,12 @@ def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
 # WB_DECODE_MMA_MIN_GROUP environment variable or this attribute change it; the launch plans remember the kernel).
 MMA_MIN_GROUP = int(os.environ.get("WB_DECODE_MMA_MIN_GROUP", "5"))
 MMA_MAX_GROUP = 64  # 4 row tiles of 16: flash_decode.cu's kMmaMaxGroup
-MMA_MIN_KEYS_PER_SPLIT = 128  # the mma kernel's splits: at least two 64-key tiles (the split kernel's: 256)
+MMA_MIN_KEYS_PER_SPLIT = 128  # the mma kernel's splits: at least two 64-key tiles
+# The split kernel's: one trip of its block round the loop (KEYS_PER_STEP keys), not the NumPy model's 256: a short
+# cache (a decoder's B = 1 step at 1k keys, 8 KV heads) otherwise gets 4 splits, 32 blocks on 132 SMs, and its time
+# is the latency of 4 trips in a row (8.5 us a layer in the H100's profile of the decoder's step); the cost model
+# (splitkv.choose_num_splits) still weighs each block's fixed cost
+SPLIT_MIN_KEYS_PER_SPLIT = build.KEYS_PER_STEP
 MMA_MAX_SPLITS = 128
 
 
@@ -284,7 +289,8 @@ def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, 
         # the mma kernel: one block per (sequence, KV head, split) whatever the group, so MQA at B = 1 has B * Hk = 1
         # block per split; shorter splits (two of its 64-key tiles) and more of them keep the SMs busy, and past 4 x 64
         # (row, split) pairs its splits are merged by the second kernel's B x H blocks, not one (flash_decode.cu)
-        shorter = {"min_keys_per_split": MMA_MIN_KEYS_PER_SPLIT, "max_splits": MMA_MAX_SPLITS} if kernel == "mma" else {}
+        shorter = ({"min_keys_per_split": MMA_MIN_KEYS_PER_SPLIT, "max_splits": MMA_MAX_SPLITS} if kernel == "mma"
+                   else {"min_keys_per_split": SPLIT_MIN_KEYS_PER_SPLIT})
         num_splits = choose_num_splits(B, Hk, max_len, num_sms(),
                                        row_chunks=cuda_row_chunks(group) if kernel == "split" else 1,
                                        blocks_per_sm=cuda_blocks_per_sm(device_index, bf16, D, group, paged, kernel),
