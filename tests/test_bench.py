@@ -927,11 +927,12 @@ def test_hopper_bar_preset_is_the_issues_workload():
     its own (results/hopper/)."""
     (sweep,) = bench.PRESETS["hopper-bar"]
     assert sweep.contenders[0] == "hopper"
-    assert set(sweep.contenders) == {"hopper", "hopper-v2", "hopper-v3", "mma", "sdpa-flash", "sdpa-cudnn",
-                                     "flashinfer-fa3"}
+    assert set(sweep.contenders) == {"hopper", "hopper-v2", "hopper-v3", "hopper-v4", "mma", "sdpa-flash",
+                                     "sdpa-cudnn", "flashinfer-fa3"}
     # every version contender names a version the stage has, and the benchmark knows it
-    assert {f"hopper-{v}" for v in wb.available_stages()["hopper"].versions} >= {"hopper-v2", "hopper-v3"}
-    assert {"hopper-v2", "hopper-v3"} <= set(measure.contenders())
+    versions = {"hopper-v2", "hopper-v3", "hopper-v4"}
+    assert {f"hopper-{v}" for v in wb.available_stages()["hopper"].versions} >= versions
+    assert versions <= set(measure.contenders())
     mha = {(c.B, c.H, c.L, c.D, c.dtype, c.causal) for c in sweep.configs if c.kv_heads == c.H}
     assert mha == {(bench.TOKENS // L, 16, L, D, dtype, causal) for L in bench.LADDER_LENGTHS for D in (64, 128)
                    for dtype in ("float16", "bfloat16") for causal in (False, True)}

@@ -39,7 +39,7 @@ from stage_cases import tool_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_CHECK_SECONDS = {"tma": 60, "gemm": 60, "registers": 60, "named_barriers": 60, "attention": 150, "v2": 200,
-                     "v3": 200, "watchdog": 60}  # a hang is cut off here
+                     "v3": 200, "v4": 200, "watchdog": 60}  # a hang is cut off here
 
 
 def _is_hopper() -> bool:
@@ -226,7 +226,7 @@ def test_every_kernel_compiles_for_sm_90a_without_spills(report):
     found = {(r.function, r.dtype) for r in report}
     expected = {("tma_tile", None), ("register_split", None), ("named_barrier", None)}
     expected |= {(v.label, dtype) for v in hb.GEMM_VARIANTS for dtype in ("float16", "bfloat16")}
-    expected |= {(f"flash_v{version} D={D}", dtype) for version in (1, 2, 3) for D in (64, 128)
+    expected |= {(f"flash_v{version} D={D}", dtype) for version in (1, 2, 3, 4) for D in (64, 128)
                  for dtype in ("float16", "bfloat16")}
     assert found == expected
     for kernel in report:
@@ -241,7 +241,7 @@ def test_the_cuda_13_0_toolkit_compiles_it_too():
     if nvcc is None:
         pytest.skip("no CUDA toolkit nvcc on this machine (the wheel's nvcc is checked above)")
     report = hb.nvcc_compile_report(nvcc=nvcc)
-    assert len(report) == 3 + 2 * len(hb.GEMM_VARIANTS) + 12
+    assert len(report) == 3 + 2 * len(hb.GEMM_VARIANTS) + 16  # v1 to v4, fp16/bf16, D 64/128
     assert all(r.spill_stores == r.spill_loads == r.stack_bytes == 0 for r in report)
     assert any("HGMMA" in line for line in hb.sass("wgmma_gemm_kernel", nvcc=nvcc, pattern="HGMMA"))
 
@@ -275,18 +275,19 @@ def test_the_tma_tile_kernel_and_the_watchdog(report):
     assert not any(line.startswith("BPT.TRAP") for line in unwatched)
 
 
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, 4])
 @pytest.mark.parametrize("dtype, D", [("6__half", 64), ("6__half", 128), ("13__nv_bfloat16", 64),
                                       ("13__nv_bfloat16", 128)])
-def test_v2_v3_split_registers_and_keep_wgmma_on_tma_tiles(report, version, dtype, D):
-    """v2: D / 16 SS wgmma for S (64 x 128 keys) and 8 RS wgmma for P V per tile; v3 issues each twice in the source
-    (its first and last turns stand outside the loop). 168 registers at launch, the producer gives back to 24 and the
-    consumers take 240; 3-D TMA loads; v3's turns are bar.sync / bar.arrive over 256 threads; the watchdog's trap."""
+def test_v2_v3_v4_split_registers_and_keep_wgmma_on_tma_tiles(report, version, dtype, D):
+    """v2: D / 16 SS wgmma for S (64 x 128 keys) and 8 RS wgmma for P V per tile; v3 and v4 issue each twice in the
+    source (their first and last turns stand outside the loop). 168 registers at launch, the producer gives back to 24
+    and the consumers take 240; 3-D TMA loads; v3's and v4's turns are bar.sync / bar.arrive over 256 threads; only
+    v4 waits for one of two groups (wgmma.wait_group 1: DEPBAR.LE gsb0, 0x1); the watchdog's trap."""
     tool_or_skip(cuda_build.find_cuobjdump, "the hopper rung's machine-code check")
     kernel = next(r for r in report if r.function == f"flash_v{version} D={D}"
                   and r.dtype == ("float16" if dtype == "6__half" else "bfloat16"))
     assert (kernel.registers, kernel.spill_stores, kernel.spill_loads, kernel.stack_bytes) == (168, 0, 0, 0), kernel
-    lines = hb.sass(f"flash_ws_kernelI{dtype}Li{D}ELb{int(version == 3)}E", pattern="")
+    lines = hb.sass(f"flash_ws_kernelI{dtype}Li{D}ELi{version}E", pattern="")
     hgmma = [line for line in lines if line.startswith("HGMMA.")]
     s_products = [line for line in hgmma if line.startswith("HGMMA.64x128x16.F32") and "tnspB" not in line]
     pv_products = [line for line in hgmma if line.startswith(f"HGMMA.64x{D}x16.F32") and "tnspB" in line]
@@ -299,7 +300,9 @@ def test_v2_v3_split_registers_and_keep_wgmma_on_tma_tiles(report, version, dtyp
     assert any(line.startswith("SYNCS.ARRIVE") for line in lines)
     assert any(line.startswith("BPT.TRAP") for line in lines)
     turns = [line for line in lines if ("BAR.SYNC" in line or "BAR.ARV" in line) and line.endswith(", 0x100 ;")]
-    assert bool(turns) == (version == 3), turns
+    assert bool(turns) == (version >= 3), turns
+    overlapped = [line for line in lines if line.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1")]
+    assert len(overlapped) == (1 if version == 4 else 0), overlapped  # the softmax between the two waits
     assert not [line for line in lines if line.startswith(("LDL", "STL"))]
 
 
@@ -363,7 +366,8 @@ def test_the_lesson_regions_exist():
     regions = module_regions(hb.SOURCE.path)
     assert {"mbarrier", "tma", "wgmma_descriptor", "wgmma", "tma_tile_kernel", "gemm_kernel", "tensor_map",
             "torch_entry_points", "tma_3d", "flash_params", "flash_tile_steps", "flash_v1_kernel", "flash_entry_point",
-            "flash_ws_layout", "flash_ws_producer", "flash_v2_consumer", "flash_v3_consumer", "flash_ws_kernel", "setmaxnreg",
+            "flash_ws_layout", "flash_ws_producer", "flash_v2_consumer", "flash_v3_consumer", "flash_v4_consumer",
+            "flash_v4_turn", "flash_ws_kernel", "setmaxnreg",
             "named_barrier", "register_split_kernel", "named_barrier_kernel"} <= set(regions)
 
 
@@ -407,9 +411,9 @@ def test_each_classic_mistake_raises_instead_of_hanging(options, error, words):
     assert words in str(raised.value)
 
 
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, 4])
 @pytest.mark.parametrize("stages, tiles", [(2, 0), (2, 1), (2, 9), (3, 9), (4, 9), (3, 2)])
-def test_v2_v3_rings_finish_under_every_interleaving(version, stages, tiles):
+def test_v2_v3_v4_rings_finish_under_every_interleaving(version, stages, tiles):
     """The kernel's loops: the producer (Q, then the ring), 8 consumer warps each arriving on kv_empty; v3's warps
     also take turns through the two named barriers. No tiles at all (a block above the causal diagonal) too."""
     result = br.simulate_ws(version, stages, tiles, seeds=range(15))
@@ -417,11 +421,15 @@ def test_v2_v3_rings_finish_under_every_interleaving(version, stages, tiles):
                                           for t in range(tiles))
 
 
-def test_v3_needs_two_slots_and_v2_does_not():
-    """A v3 consumer holds a tile's slot until the next turn's P V: with one slot the producer can never refill it."""
+def test_v3_v4_need_two_slots_and_v2_does_not():
+    """A v3 or v4 consumer holds a tile's slot until the next turn's P V: with one slot the producer can never refill
+    it."""
     br.simulate_ws(2, 1, 5)
-    with pytest.raises(br.Deadlock, match="producer waits on empty"):
-        br.simulate_ws(3, 1, 5)
+    for version in (3, 4):
+        with pytest.raises(br.Deadlock, match="producer waits on empty"):
+            br.simulate_ws(version, 1, 5)
+    with pytest.raises(ValueError, match="v5"):
+        br.simulate_ws(5, 3, 5)
 
 
 @pytest.mark.parametrize("options, error, words", [
@@ -460,8 +468,9 @@ def test_the_source_runs_the_modelled_ring():
             ('self.turn = [NamedBarrier(f"turn[{c}]", 8) for c in range(2)]', "constexpr uint32_t TURN_THREADS_V3 = 2 * WARPGROUP;")):
         assert python in model, python
         assert cuda in kernel, cuda
-    assert kernel.count("named_barrier_sync(my_turn, TURN_THREADS_V3);") == 3  # first (consumer 1), loop, last turn
-    assert kernel.count("named_barrier_arrive(other_turn, TURN_THREADS_V3);") == 3
+    # v3 and v4: first turn (consumer 1), loop, last turn
+    assert kernel.count("named_barrier_sync(my_turn, TURN_THREADS_V3);") == 6
+    assert kernel.count("named_barrier_arrive(other_turn, TURN_THREADS_V3);") == 6
 
 
 def test_a_producer_that_never_waits_is_caught():

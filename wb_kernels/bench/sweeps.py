@@ -110,9 +110,9 @@ def _preset_sweeps() -> dict:
         "mma": [Sweep("mma", ("wmma", "mma", "sdpa-flash", "sdpa-cudnn", "sdpa", "flex", "flashinfer-fa2",
                               "flashinfer-fa3"),
                       mma_configs + small_public)],
-        # ("hopper" is the stage as users call it, its default version; hopper-v2 and -v3 the later versions)
-        "hopper-bar": [Sweep("hopper-bar", ("hopper", "hopper-v2", "hopper-v3", "mma", "sdpa-flash", "sdpa-cudnn",
-                                            "flashinfer-fa3"), mma_configs + gqa_configs)],
+        # ("hopper" is the stage as users call it, its default version; hopper-v2 to -v4 the later versions)
+        "hopper-bar": [Sweep("hopper-bar", ("hopper", "hopper-v2", "hopper-v3", "hopper-v4", "mma", "sdpa-flash",
+                                            "sdpa-cudnn", "flashinfer-fa3"), mma_configs + gqa_configs)],
     }
 
 
@@ -126,7 +126,7 @@ PRESET_HELP = {
     "public": "every stage and baseline at the configurations other projects report (fp16)",
     "mma": "mma vs wmma, SDPA default/FLASH/cuDNN, FlexAttention, FlashInfer fa2/fa3 (where installed): fp16/bf16, "
            "D=64/128, L=512..16384, B*L=16k, H=16, causal and not; and B=1 H=16 L=512 D=64 fp16",
-    "hopper-bar": "the hopper rung's bar (issue 31): hopper (and its versions v2, v3) vs mma, SDPA FLASH/cuDNN "
+    "hopper-bar": "the hopper rung's bar (issue 31): hopper (and its versions v2, v3, v4) vs mma, SDPA FLASH/cuDNN "
                   "and FlashInfer fa3 (where installed): fp16/bf16, D=64/128, L=512..16384, B*L=16k, H=16, causal and not; GQA H=32 Hk=8 "
                   "B=4 L=4096 D=128. Own file: results/hopper/bench_<gpu>.json, with TFLOP/s and the ratios to cuDNN "
                   "printed (about 4 min on an H100)",

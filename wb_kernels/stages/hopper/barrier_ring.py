@@ -423,9 +423,13 @@ def simulate(stages: int = 2, tiles: int = 7, consumers: int = 1, *, tile_bytes:
 def simulate_ws(version: int = 2, stages: int = 3, tiles: int = 7, *, tile_bytes: int = 65536, seeds=range(20),
                 copy_delay: int = 2, producer_tiles: int | None = None, empty_count: int = 8,
                 producer_options: dict | None = None, consumer_options: dict | None = None) -> Result:
-    """v2 (`version` 2) or v3 (3) as the kernel runs it: the producer thread and the 8 consumer warps (2 warpgroups x
-    4), kv_empty counting 8 arrivals, under each seed's interleaving. `producer_tiles`: a producer that computes
-    another tile count than the consumers (a mistake)."""
+    """v2 (`version` 2), v3 (3) or v4 (4) as the kernel runs it: the producer thread and the 8 consumer warps (2
+    warpgroups x 4), kv_empty counting 8 arrivals, under each seed's interleaving. v4's warps run v3's sequence of
+    waits and arrivals (consume_tiles_v4 splits a turn's products into two commit groups, S first, and waits for P V
+    before it releases the slot, as v3 does): :func:`pingpong_consumer_warp`. `producer_tiles`: a producer that
+    computes another tile count than the consumers (a mistake)."""
+    if version not in (2, 3, 4):
+        raise ValueError(f"simulate_ws models v2, v3 and v4, not v{version}")
     result = None
     for seed in seeds:
         ring = Ring(stages, consumers=8, empty_count=empty_count)

@@ -106,7 +106,7 @@ def extension():
 class KernelResources:
     """What ptxas reports for one kernel (per thread; shared memory is static here, per block)."""
 
-    function: str  # "tma_tile", "register_split", "named_barrier", a GemmVariant's label or "flash_v1 D=64" (v2, v3)
+    function: str  # "tma_tile", "register_split", "named_barrier", a GemmVariant's label or "flash_v1 D=64" (v2-v4)
     dtype: str | None
     variant: GemmVariant | None
     registers: int
@@ -120,7 +120,7 @@ _MANGLED = re.compile(r"wgmma_gemm_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELi(\d
 
 
 _V1 = re.compile(r"flash_v1_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
-_WS = re.compile(r"flash_ws_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELb([01])E")  # v2 (PINGPONG 0) and v3 (1)
+_WS = re.compile(r"flash_ws_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELi([234])E")  # VERSION 2, 3 or 4
 
 
 def _decode(function: str):
@@ -132,7 +132,7 @@ def _decode(function: str):
         return f"flash_v1 D={match.group(2)}", "float16" if match.group(1) == "6__half" else "bfloat16", None
     match = _WS.search(function)
     if match is not None:
-        return (f"flash_v{3 if match.group(3) == '1' else 2} D={match.group(2)}",
+        return (f"flash_v{match.group(3)} D={match.group(2)}",
                 "float16" if match.group(1) == "6__half" else "bfloat16", None)
     match = _MANGLED.search(function)
     if match is None:

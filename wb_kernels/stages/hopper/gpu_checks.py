@@ -1,7 +1,7 @@
 """The primitives lab's checks on a Hopper GPU, one per process (rung ``hopper``; run by tests/test_hopper.py).
 
     python -m wb_kernels.stages.hopper.gpu_checks tma gemm registers named_barriers   # one line per check
-    compute-sanitizer --tool memcheck --error-exitcode 1 python -m wb_kernels.stages.hopper.gpu_checks tma gemm attention_quick v2_quick v3_quick
+    compute-sanitizer --tool memcheck --error-exitcode 1 python -m wb_kernels.stages.hopper.gpu_checks tma gemm attention_quick v2_quick v3_quick v4_quick
     compute-sanitizer --tool synccheck --error-exitcode 1 python -m wb_kernels.stages.hopper.gpu_checks tma gemm attention_quick
 
 A kernel that waits on an mbarrier hangs instead of failing when the barrier is wrong, and a trapped kernel leaves
@@ -19,8 +19,8 @@ the exit status is the number of failed checks.
   0, 1, 0, 1, ... although warpgroup 0 sleeps before each of its turns;
 - ``attention``: v1 (work in progress) against the float64 reference with wb.check's rule; ``attention_quick``: two
   of its cases (fp16, D 64 and 128, ragged, GQA, bottom-right causal, key padding) plus rows without keys, for the
-  sanitizers; ``v2``, ``v3`` (and ``v2_quick``, ``v3_quick``): the same for the warp-specialized versions, with two
-  shapes more (nine key tiles: the ring wraps; Lq far above Lk: blocks without a key tile);
+  sanitizers; ``v2``, ``v3``, ``v4`` (and ``v2_quick`` ... ``v4_quick``): the same for the warp-specialized
+  versions, with two shapes more (nine key tiles: the ring wraps; Lq far above Lk: blocks without a key tile);
 - ``watchdog``: a TMA load whose barrier expects 16 bytes more than arrive: the phase never completes, and the
   watchdog's trap must end the kernel with an error (this check passes when the launch fails).
 """
@@ -147,11 +147,11 @@ ATTENTION_SHAPES = [(1, 2, 1, 1, 2), (2, 3, 100, 77, 3), (1, 2, 64, 64, 1), (1, 
 # v2 and v3 also: 9 key tiles of 128 (the ring wraps two or three times), and Lq far above Lk, where bottom-right
 # causal leaves whole 128-row blocks without a key tile (the producer loads Q only)
 WS_EXTRA_SHAPES = [(1, 2, 300, 1100, 1), (1, 2, 1030, 200, 2)]
-LAUNCHERS = {1: lab.flash_v1, 2: lab.flash_v2, 3: lab.flash_v3}
+LAUNCHERS = {1: lab.flash_v1, 2: lab.flash_v2, 3: lab.flash_v3, 4: lab.flash_v4}
 
 
 def check_attention(version: int = 1, quick: bool = False) -> str:
-    """v1, v2 or v3 against the float64 reference with wb.check's rule: both dtypes and head dims, ragged lengths,
+    """v1, v2, v3 or v4 against the float64 reference with wb.check's rule: both dtypes and head dims, ragged lengths,
     Lq != Lk, L = 1, both causal alignments, key padding, GQA, rows that see no key. `quick`: one shape (fp16, D = 64
     and 128, bottom-right causal, key padding) and the rows without keys, for the sanitizers."""
     import torch
@@ -219,6 +219,7 @@ CHECKS = {"tma": check_tma, "gemm": check_gemm, "registers": check_registers, "n
           "attention": check_attention, "attention_quick": lambda: check_attention(quick=True),
           "v2": lambda: check_attention(2), "v2_quick": lambda: check_attention(2, quick=True),
           "v3": lambda: check_attention(3), "v3_quick": lambda: check_attention(3, quick=True),
+          "v4": lambda: check_attention(4), "v4_quick": lambda: check_attention(4, quick=True),
           "watchdog": check_watchdog}
 
 

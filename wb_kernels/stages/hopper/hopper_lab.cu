@@ -96,9 +96,11 @@ __device__ __forceinline__ uint64_t global_nanoseconds() {
 }
 
 // The wait every kernel of the rung uses. A wrong parity or a wrong byte count never completes the phase: the
-// watchdog build (-DWB_WATCHDOG_NS) turns that hang into a trap, which the host sees as a launch failure.
+// watchdog build (-DWB_WATCHDOG_NS) turns that hang into a trap (a launch failure). The clock is read only after a
+// failed first try: a wait that succeeds at once reads no %globaltimer (the timed kernels are the watchdog build).
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
 #if WB_WATCHDOG_NS > 0
+    if (mbarrier_try_wait(barrier, parity)) return;
     const uint64_t start = global_nanoseconds();
     while (!mbarrier_try_wait(barrier, parity)) {
         if (global_nanoseconds() - start > static_cast<uint64_t>(WB_WATCHDOG_NS)) __trap();
@@ -972,10 +974,95 @@ __device__ __forceinline__ void consume_tiles_v3(const ConsumerRows& rows, int c
 }
 // endregion
 
+// region: flash_v4_consumer
+// v4's consumer loop: v3's turns, and inside each turn the softmax of this tile under the P V of the last
+// (FlashAttention-3, section 3.2, Algorithm 2). A turn issues S = Q K^T of this tile and O += P V of the previous
+// one as two commit groups, S first; wgmma.wait_group 1 returns once S is done, the softmax runs on S's registers
+// while P V still runs on the tensor cores, and wait_group 0 comes only before O is rescaled and the new P packed
+// (P V reads P's registers and writes O's until then). Registers: S (fp32), P of the last tile (16-bit, packed) and
+// O, as in v3. The first turn (S of tile 0) and the last (P V of the last tile) are v3's, outside the loop.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void consume_tiles_v4(const ConsumerRows& rows, int consumer, const FlashParams& params,
+                                                 uint32_t q_rows, const uint8_t* k_tiles, const uint8_t* v_tiles,
+                                                 uint64_t* kv_full, uint64_t* kv_empty, float (&o)[HEAD_DIM / 2],
+                                                 float (&row_max)[2], float (&row_sum)[2]) {
+    constexpr int STAGES = ws_stages<HEAD_DIM>();
+    static_assert(STAGES >= 2, "a v4 consumer holds two slots at once");
+    constexpr int KV_BLOCK_BYTES = WS_BLOCK_N * TILE_ROW_BYTES, KV_TILE_BYTES = HEAD_DIM / 64 * KV_BLOCK_BYTES;
+    const uint32_t my_turn = FIRST_TURN_BARRIER + consumer, other_turn = FIRST_TURN_BARRIER + 1 - consumer;
+    if (rows.n_tiles == 0) return;
+    int stage = 0;
+    uint32_t phase = 0;
+    mbarrier_wait(&kv_full[stage], phase);
+    if (consumer == 1) named_barrier_sync(my_turn, TURN_THREADS_V3);
+    float s[WS_BLOCK_N / 2];
+    zero_accumulators(s);
+    wgmma_fence();
+    issue_scores<T, HEAD_DIM, WS_BLOCK_N>(s, q_rows, WS_BLOCK_M * TILE_ROW_BYTES,
+                                          smem_address(k_tiles + stage * KV_TILE_BYTES), KV_BLOCK_BYTES);
+    wgmma_commit_group();
+    named_barrier_arrive(other_turn, TURN_THREADS_V3);
+    wgmma_wait_group<0>();
+    fence_accumulators(s);
+    uint32_t p[WS_BLOCK_N / 16][4];
+    softmax_step<T, HEAD_DIM, WS_BLOCK_N>(s, p, o, row_max, row_sum, params, rows.keep, 0, rows.first_row, rows.query0,
+                                          rows.lane);
+    int held = stage;
+    if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1;
+    }
+    // endregion
+
+    // region: flash_v4_turn
+    for (int tile = 1; tile < rows.n_tiles; ++tile) {
+        mbarrier_wait(&kv_full[stage], phase);
+        named_barrier_sync(my_turn, TURN_THREADS_V3);
+        zero_accumulators(s);
+        wgmma_fence();
+        issue_scores<T, HEAD_DIM, WS_BLOCK_N>(s, q_rows, WS_BLOCK_M * TILE_ROW_BYTES,
+                                              smem_address(k_tiles + stage * KV_TILE_BYTES), KV_BLOCK_BYTES);
+        wgmma_commit_group();  // group 1: S of this tile
+        fence_accumulators(o);
+        issue_output<T, HEAD_DIM, WS_BLOCK_N>(o, p, smem_address(v_tiles + held * KV_TILE_BYTES), KV_BLOCK_BYTES);
+        wgmma_commit_group();  // group 2: P V of the previous tile
+        named_barrier_arrive(other_turn, TURN_THREADS_V3);
+        wgmma_wait_group<1>();  // S is done; P V may still run
+        fence_accumulators(s);
+        float alpha[2];
+        online_softmax<WS_BLOCK_N>(s, row_max, row_sum, alpha, params, rows.keep, tile * WS_BLOCK_N, rows.query0,
+                                   tile_needs_mask<WS_BLOCK_N>(params, rows.keep, tile * WS_BLOCK_N, rows.first_row),
+                                   rows.lane);
+        fence_accumulators(s);  // the softmax's results before the wait: else the compiler sinks half of it below
+        fence_accumulators(row_sum);
+        fence_accumulators(alpha);
+        wgmma_wait_group<0>();  // P V is done: O and P are this warpgroup's again, the previous tile's V is read
+        fence_accumulators(o);
+        if (rows.lane == 0) mbarrier_arrive(&kv_empty[held]);
+        rescale_output<HEAD_DIM>(o, alpha);
+        pack_probabilities<T, WS_BLOCK_N>(s, p);
+        held = stage;
+        if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+        }
+    }
+    named_barrier_sync(my_turn, TURN_THREADS_V3);  // the last turn, as v3's
+    fence_accumulators(o);
+    wgmma_fence();
+    issue_output<T, HEAD_DIM, WS_BLOCK_N>(o, p, smem_address(v_tiles + held * KV_TILE_BYTES), KV_BLOCK_BYTES);
+    wgmma_commit_group();
+    if (consumer == 0) named_barrier_arrive(other_turn, TURN_THREADS_V3);
+    wgmma_wait_group<0>();
+    fence_accumulators(o);
+    if (rows.lane == 0) mbarrier_arrive(&kv_empty[held]);
+}
+// endregion
+
 // region: flash_ws_kernel
-// v2 (PINGPONG false) and v3 (true): the block's setup, the role split with setmaxnreg, the producer, and the
+// v2 (VERSION 2), v3 (3) and v4 (4): the block's setup, the role split with setmaxnreg, the producer, and the
 // consumers' loop of their version; the epilogue stores from registers as v1 does.
-template <typename T, int HEAD_DIM, bool PINGPONG>
+template <typename T, int HEAD_DIM, int VERSION>
 __global__ void __launch_bounds__(WS_THREADS, 1) flash_ws_kernel(const __grid_constant__ CUtensorMap q_map,
                                                                const __grid_constant__ CUtensorMap k_map,
                                                                const __grid_constant__ CUtensorMap v_map,
@@ -1033,7 +1120,11 @@ __global__ void __launch_bounds__(WS_THREADS, 1) flash_ws_kernel(const __grid_co
     zero_accumulators(o);
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
     mbarrier_wait(&q_full, 0);  // always, even without tiles: no copy may be in flight when the block exits
-    if constexpr (PINGPONG) {
+    static_assert(VERSION >= 2 && VERSION <= 4, "flash_ws_kernel runs v2, v3 and v4");
+    if constexpr (VERSION == 4) {
+        consume_tiles_v4<T, HEAD_DIM>(rows, consumer, params, q_rows, k_tiles, v_tiles, kv_full, kv_empty, o, row_max,
+                                      row_sum);
+    } else if constexpr (VERSION == 3) {
         consume_tiles_v3<T, HEAD_DIM>(rows, consumer, params, q_rows, k_tiles, v_tiles, kv_full, kv_empty, o, row_max,
                                       row_sum);
     } else {
@@ -1062,14 +1153,14 @@ WB_FOR_EACH_GEMM_VARIANT(WB_INSTANTIATE_BOTH)
                                                        const __grid_constant__ CUtensorMap, const wb::FlashParams);
 WB_INSTANTIATE_V1(__half, 64) WB_INSTANTIATE_V1(__half, 128) WB_INSTANTIATE_V1(__nv_bfloat16, 64)
 WB_INSTANTIATE_V1(__nv_bfloat16, 128)
-#define WB_INSTANTIATE_WS(T, D, PINGPONG)                                                                           \
-    template __global__ void wb::flash_ws_kernel<T, D, PINGPONG>(const __grid_constant__ CUtensorMap,             \
-                                                                 const __grid_constant__ CUtensorMap,             \
-                                                                 const __grid_constant__ CUtensorMap, const wb::FlashParams);
-#define WB_INSTANTIATE_WS_ALL(PINGPONG)                                                                             \
-    WB_INSTANTIATE_WS(__half, 64, PINGPONG) WB_INSTANTIATE_WS(__half, 128, PINGPONG)                               \
-    WB_INSTANTIATE_WS(__nv_bfloat16, 64, PINGPONG) WB_INSTANTIATE_WS(__nv_bfloat16, 128, PINGPONG)
-WB_INSTANTIATE_WS_ALL(false) WB_INSTANTIATE_WS_ALL(true)
+#define WB_INSTANTIATE_WS(T, D, VERSION)                                                                            \
+    template __global__ void wb::flash_ws_kernel<T, D, VERSION>(const __grid_constant__ CUtensorMap,              \
+                                                                const __grid_constant__ CUtensorMap,              \
+                                                                const __grid_constant__ CUtensorMap, const wb::FlashParams);
+#define WB_INSTANTIATE_WS_ALL(VERSION)                                                                              \
+    WB_INSTANTIATE_WS(__half, 64, VERSION) WB_INSTANTIATE_WS(__half, 128, VERSION)                                 \
+    WB_INSTANTIATE_WS(__nv_bfloat16, 64, VERSION) WB_INSTANTIATE_WS(__nv_bfloat16, 128, VERSION)
+WB_INSTANTIATE_WS_ALL(2) WB_INSTANTIATE_WS_ALL(3) WB_INSTANTIATE_WS_ALL(4)
 #else
 // region: tensor_map
 #include <c10/cuda/CUDAException.h>
@@ -1227,12 +1318,12 @@ void launch_flash_v1(const torch::Tensor& q, const torch::Tensor& k, const torch
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// v2 (PINGPONG false) and v3: 384 threads, 128 query rows per block, Q and K/V boxes of 128 rows
-template <typename T, int HEAD_DIM, bool PINGPONG>
+// v2, v3 and v4 (VERSION): 384 threads, 128 query rows per block, Q and K/V boxes of 128 rows
+template <typename T, int HEAD_DIM, int VERSION>
 void launch_flash_ws(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const FlashParams& params,
                      cudaStream_t stream) {
     constexpr int smem = ws_smem_bytes<HEAD_DIM>();
-    auto kernel = flash_ws_kernel<T, HEAD_DIM, PINGPONG>;
+    auto kernel = flash_ws_kernel<T, HEAD_DIM, VERSION>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid((params.Lq + WS_BLOCK_M - 1) / WS_BLOCK_M, params.B * params.H);
     kernel<<<grid, WS_THREADS, smem, stream>>>(head_map_3d(q, WS_BLOCK_M), head_map_3d(k, WS_BLOCK_N),
@@ -1244,20 +1335,21 @@ template <typename T, int HEAD_DIM>
 void launch_flash(int version, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                   const FlashParams& params, cudaStream_t stream) {
     if (version == 1) launch_flash_v1<T, HEAD_DIM>(q, k, v, params, stream);
-    else if (version == 2) launch_flash_ws<T, HEAD_DIM, false>(q, k, v, params, stream);
-    else launch_flash_ws<T, HEAD_DIM, true>(q, k, v, params, stream);
+    else if (version == 2) launch_flash_ws<T, HEAD_DIM, 2>(q, k, v, params, stream);
+    else if (version == 3) launch_flash_ws<T, HEAD_DIM, 3>(q, k, v, params, stream);
+    else launch_flash_ws<T, HEAD_DIM, 4>(q, k, v, params, stream);
 }
 }  // namespace wb
 
 // endregion
 
 // region: flash_torch_entry
-// Returns [out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) float32]. version 1, 2 or 3 (work in progress, not a
+// Returns [out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) float32]. version 1, 2, 3 or 4 (work in progress, not a
 // registered stage).
 std::vector<torch::Tensor> hopper_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                                 torch::Tensor key_keep, bool causal, int64_t causal_offset,
                                                 double scale, int64_t version) {
-    TORCH_CHECK(version >= 1 && version <= 3, "hopper_flash: version must be 1, 2 or 3, got ", version);
+    TORCH_CHECK(version >= 1 && version <= 4, "hopper_flash: version must be 1, 2, 3 or 4, got ", version);
     TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "hopper_flash: q, k, v must be CUDA tensors");
     TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                 (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16),

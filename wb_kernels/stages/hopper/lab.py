@@ -5,8 +5,9 @@ the extension is built with the watchdog (``build.WATCHDOG_SECONDS``), and the t
 subprocess under a time limit (:mod:`.gpu_checks`).
 
 - :func:`tma_tile`: (a) one TMA box, 64 x 64 16-bit elements, returned as the raw shared-memory image;
-- :func:`flash_v1`, :func:`flash_v2`, :func:`flash_v3`: attention (work in progress, not yet a stage): v1 TMA + wgmma,
-  one warpgroup per 64 query rows; v2 a producer warpgroup and two consumers; v3 the consumers in ping-pong;
+- :func:`flash_v1` ... :func:`flash_v4`: attention (work in progress, not yet a stage): v1 TMA + wgmma, one
+  warpgroup per 64 query rows; v2 a producer warpgroup and two consumers; v3 the consumers in ping-pong; v4 v3 with
+  each consumer's softmax under its own P V;
 - :func:`wgmma_gemm`: (b, c) C = A B in fp32 by one warpgroup, A (64, K <= 64) from shared memory (SS) or registers
   (RS), B K-major (given as its transpose, (N, K)) or MN-major ((K, N)), N = 64 or 128;
 - :func:`register_split`: (d) ``setmaxnreg``: one warpgroup gives registers back, two take 240 each and use them;
@@ -18,7 +19,7 @@ from __future__ import annotations
 from . import build as hopper_build
 
 __all__ = ["tma_tile", "wgmma_gemm", "register_split", "named_barrier_turns", "flash_v1", "flash_v2", "flash_v3",
-           "SPLIT_LIVE"]
+           "flash_v4", "SPLIT_LIVE"]
 
 TILE_BYTES = 64 * 128
 SPLIT_LIVE = 200  # values each consumer thread of register_split_kernel keeps live (hopper_lab.cu's SPLIT_LIVE)
@@ -92,3 +93,10 @@ def flash_v3(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module
     """v3 attention: v2 with the two consumers taking turns on the tensor cores through named barriers (ping-pong),
     so that one's softmax runs under the other's GEMMs. Arguments and result as :func:`flash_v1`."""
     return _flash(3, q, k, v, causal, key_padding_mask, scale, module)
+
+
+def flash_v4(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=None):
+    """v4 attention: v3's turns, and inside each turn S of this tile and P V of the last as two commit groups, the
+    softmax running under the P V (wgmma.wait_group 1; FlashAttention-3's Algorithm 2). Arguments and result as
+    :func:`flash_v1`."""
+    return _flash(4, q, k, v, causal, key_padding_mask, scale, module)
