@@ -760,6 +760,48 @@ def test_decode_bench_rows_put_prediction_and_measurement_side_by_side():
     assert slider.decode_bench_rows(results, D=128) == [] and slider.decode_bench_rows(results, D=64, Hk=1) == []
 
 
+def test_decode_bench_rows_carry_the_bandwidth_and_the_ratio_to_sdpa():
+    from wb_kernels.stages.decode import slider
+
+    results = {"ceilings": {"copy_gbps": 2000.0}, "records": [
+        dict(contender="wb.decode", layout="contiguous", dtype="float16", D=128, status="ok", B=8, H=32, Hk=1,
+             Lk=8192, kv_bytes=2 ** 25, median_ms=0.0315, fraction_of_copy=0.38, vs_best_sdpa={"ratio": 0.75})]}
+    (row,) = slider.decode_bench_rows(results, D=128, Hk=1)
+    assert row["gbps"] == pytest.approx(2 ** 25 / 31.5e3) and row["vs_best_sdpa"] == 0.75
+
+
+def test_the_newest_decode_bar_run_is_found_by_its_date(tmp_path):
+    import json
+
+    from wb_kernels.stages.decode import slider
+
+    assert slider.committed_decode_bar_results(tmp_path) is None
+    for name, date, backend in (("bench_decode_bar_h100_aaa.json", "2026-11-27", "gpu"),
+                                ("bench_decode_bar_h100_zzz.json", "2026-11-26", "gpu"),
+                                ("bench_decode_bar_cpu_bbb.json", "2026-11-28", "simulator")):
+        (tmp_path / name).write_text(json.dumps({"environment": {"date": date, "backend": backend}, "records": []}))
+    (tmp_path / "bench_decode_bar_h100_broken.json").write_text("{")
+    assert slider.committed_decode_bar_results(tmp_path).name == "bench_decode_bar_h100_aaa.json"
+    from wb_kernels.bench import REPO_ROOT
+
+    assert (REPO_ROOT / "results" / "decode" / "history" / slider.BEFORE_PAGED_FIX).is_file()
+
+
+def test_kernel_bytes_rows_read_mqa_once_with_the_tensor_core_kernel_and_eight_times_with_the_split_kernel():
+    from wb_kernels.stages.decode import launcher, slider
+
+    rows = slider.kernel_bytes_rows([(8, 8192), (1, 2048)], num_sms=132, blocks_per_sm=2)
+    by = {(r["B"], r["kernel"]): r for r in rows}
+    assert by[8, "split"]["splits"] == 4 and by[8, "mma"]["splits"] == 32  # the same 256 blocks
+    assert by[8, "split"]["bytes"].blocks == by[8, "mma"]["bytes"].blocks == 256
+    for B in (8, 1):
+        split, mma = by[B, "split"]["bytes"], by[B, "mma"]["bytes"]
+        assert split.reads_per_key == launcher.cuda_row_chunks(32) == 8 and mma.reads_per_key == 1
+        assert split.kv_requested == 8 * mma.kv_requested == 8 * mma.kv_unique == 8 * 2 * B * 1 * {8: 8192, 1: 2048}[B] * 128 * 2
+    # every split the mma plan picks is at least two 64-key tiles, and the split plan's one trip of its block
+    assert 2048 // by[1, "mma"]["splits"] >= launcher.MMA_MIN_KEYS_PER_SPLIT
+
+
 def test_the_lesson_shows_every_cuda_region_in_file_order_each_function_before_its_caller():
     import json
     from pathlib import Path

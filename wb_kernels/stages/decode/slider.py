@@ -23,7 +23,7 @@ __all__ = ["attention_cost", "committed_gpu", "draw_roofline", "split_weights", 
            "cache_memory", "draw_cache_memory", "draw_page_pool", "committed_tune_results",
            "describe_tune_run", "committed_decoder_results", "decoder_table", "describe_decoder_run",
            "NO_DECODER_RUN", "draw_fused_merge", "implied_block_overhead_keys", "decode_bench_rows", "copy_bandwidths",
-           "decoder_speedups", "CUDA_ROWS_PER_BLOCK", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
+           "committed_decode_bar_results", "BEFORE_PAGED_FIX", "kernel_bytes_rows", "decoder_speedups", "CUDA_ROWS_PER_BLOCK", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
            "WORKLOAD_KV_HEADS", "WORKLOAD_LENGTHS"]
 
 SLIDER_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -542,8 +542,54 @@ def decode_bench_rows(results: dict, *, D: int, dtype: str = "float16", layout: 
         predicted_us = r["kv_bytes"] / (copy_gbps * 1e3)
         rows.append({"B": r["B"], "H": r["H"], "Hk": r["Hk"], "Lk": r["Lk"], "kv_bytes": r["kv_bytes"],
                      "predicted_us": predicted_us, "measured_us": 1e3 * r["median_ms"],
-                     "fraction_of_copy": r["fraction_of_copy"]})
+                     "gbps": r["kv_bytes"] / (1e6 * r["median_ms"]), "fraction_of_copy": r["fraction_of_copy"],
+                     "vs_best_sdpa": (r.get("vs_best_sdpa") or {}).get("ratio")})
     return sorted(rows, key=lambda r: (r["Hk"], r["B"], r["Lk"]))
+
+
+# the decode-bar run after the graph-safe rewrite and before the paged kernel's fix (lesson 07's paged regression)
+BEFORE_PAGED_FIX = "bench_decode_bar_h100_444ad36.json"
+
+
+def committed_decode_bar_results(folder=None):
+    """The newest committed run of the decode-bar preset (``results/decode/history/bench_decode_bar_<gpu>_<commit>.json``,
+    from ``python -m wb_kernels.bench --preset decode-bar --fresh --json ...``), by the date it records, or None.
+    The full decode preset's file (``results/decode/bench_<gpu>.json``) is :func:`committed_decode_results`'."""
+    from ...bench import REPO_ROOT, load_results
+
+    folder = Path(folder) if folder is not None else REPO_ROOT / "results" / "decode" / "history"
+    found = []
+    for path in sorted(folder.glob("bench_decode_bar_*.json")):
+        try:
+            data = load_results(path)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and (data.get("environment") or {}).get("backend") == "gpu":
+            found.append((str(data["environment"].get("date", "")), path.name, path))
+    return max(found)[2] if found else None
+
+
+def kernel_bytes_rows(shapes, *, num_sms: int, blocks_per_sm: int = 2, H: int = 32, Hk: int = 1, D: int = 128,
+                      itemsize: int = 2) -> list:
+    """What each CUDA kernel would ask of memory at the shapes (B, Lk): for the split kernel (up to 4 query heads a
+    block) and the tensor-core kernel (the whole group a block), the splits the launcher's rule picks at
+    `blocks_per_sm` (the GPU's occupancy of that kernel, which the launcher asks the CUDA runtime for; here given) and
+    :func:`launcher.decode_bytes` at those splits. One dict per (shape, kernel)."""
+    from . import build, launcher
+
+    rules = {"split": {"row_chunks": launcher.cuda_row_chunks(H // Hk),
+                       "min_keys_per_split": launcher.SPLIT_MIN_KEYS_PER_SPLIT},
+             "mma": {"row_chunks": 1, "min_keys_per_split": launcher.MMA_MIN_KEYS_PER_SPLIT,
+                     "max_splits": launcher.MMA_MAX_SPLITS}}
+    rows = []
+    for B, Lk in shapes:
+        for kernel, rule in rules.items():
+            asked = choose_num_splits(B, Hk, Lk, num_sms, blocks_per_sm=blocks_per_sm, keys_step=build.KEYS_PER_STEP,
+                                      **rule)
+            splits = launcher.cuda_split_plan(Lk, asked)[1]
+            rows.append({"B": B, "Lk": Lk, "kernel": kernel, "splits": splits,
+                         "bytes": launcher.decode_bytes(B, H, Hk, Lk, D, itemsize, splits, kernel)})
+    return rows
 
 
 def copy_bandwidths() -> dict:
@@ -564,6 +610,12 @@ def copy_bandwidths() -> dict:
         data = load_results(bench_path)
         found[f"results/decode/{bench_path.name}"] = (data["environment"]["gpu"], data["environment"]["date"][:10],
                                                       data["ceilings"]["copy_gbps"])
+    bar_path = committed_decode_bar_results()
+    if bar_path is not None:
+        data = load_results(bar_path)
+        found[f"results/decode/history/{bar_path.name}"] = (data["environment"]["gpu"],
+                                                            data["environment"]["date"][:10],
+                                                            data["ceilings"]["copy_gbps"])
     decoder_path = committed_decoder_results()
     if decoder_path is not None:
         data = json.loads(decoder_path.read_text())
