@@ -985,3 +985,23 @@ def test_the_overview_reads_the_hopper_rungs_own_file():
     (line,) = [line for line in dashboard.overview_lines({"hopper": dict(mma, records=records)})
                if line.startswith("hopper")]
     assert " Hk4 " in line and "TFLOP/s" in line
+
+
+def test_readme_hopper_block_is_the_committed_hopper_bar_file(tmp_path):
+    """The README's hopper table is what its committed file renders, and --update-readme on a hopper-bar file fills
+    that block alone (a file of that preset must leave the ladder's and the mma rung's tables as they are)."""
+    from wb_kernels.bench.results import README_HOPPER_END, README_HOPPER_START, hopper_readme_table
+
+    text = (bench.REPO_ROOT / "README.md").read_text()
+    block = text.split(README_HOPPER_START, 1)[1].split(README_HOPPER_END, 1)[0].strip("\n")
+    relative = "results/hopper/bench_h100.json"
+    results = bench.load_results(bench.REPO_ROOT / relative)
+    assert block == hopper_readme_table(results, source=relative), (
+        f"README.md's hopper table is stale: run python -m wb_kernels.bench --update-readme {relative}")
+    assert "| hopper |" not in block.splitlines()[0] and "hopper ×sdpa-cudnn" in block
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{bench.README_START}\nladder\n{bench.README_END}\n"
+                      f"{README_HOPPER_START}\nold\n{README_HOPPER_END}\nb\n")
+    results_file.update_readme(bench.REPO_ROOT / relative, readme=readme)
+    written = readme.read_text()
+    assert "\nladder\n" in written and "\nold\n" not in written and "hopper ×best" in written

@@ -489,17 +489,31 @@ def rung_bar_table(results: dict, sweep, *, reference: str = "sdpa-cudnn",
 
 README_MMA_START = "<!-- perf-table-mma:start -->"
 README_MMA_END = "<!-- perf-table-mma:end -->"
+README_HOPPER_START = "<!-- perf-table-hopper:start -->"
+README_HOPPER_END = "<!-- perf-table-hopper:end -->"
+
+
+def hopper_readme_table(results: dict, source: str | None = None) -> str:
+    """The README's table of the hopper rung's bar (the ``hopper-bar`` preset's own file): :func:`rung_bar_table`
+    of its one sweep, under the name of the file it came from."""
+    from .sweeps import PRESETS
+
+    (sweep,) = PRESETS["hopper-bar"]
+    table = rung_bar_table(results, sweep)
+    return table if source is None else f"From `{source}`. " + table
 
 
 def _readme_blocks(results: dict) -> list:
     """The README's blocks a results file fills, as (start marker, end marker, render): the decode table (a file of
-    the decode presets); else the ladder's table, and the mma table too when the file holds the ``mma`` preset (a
+    the decode presets); the hopper rung's table (a file of its hopper-bar preset); else the ladder's table, and the mma table too when the file holds the ``mma`` preset (a
     file of that preset alone fills only the mma table). One file filling both: both tables timed the same way."""
     presets = results.get("presets") or []
     if results.get("kind") == "decode":
         return [(README_DECODE_START, README_DECODE_END, decode_readme_table)]
     if presets == ["mma"]:
         return [(README_MMA_START, README_MMA_END, readme_table)]
+    if presets == ["hopper-bar"]:
+        return [(README_HOPPER_START, README_HOPPER_END, hopper_readme_table)]
     blocks = [(README_START, README_END, readme_table)]
     if "mma" in presets:
         blocks.append((README_MMA_START, README_MMA_END, readme_table))
