@@ -544,3 +544,23 @@ def _run_gpu_check(name: str) -> str:
 @pytest.mark.parametrize("name", list(GPU_CHECK_SECONDS))
 def test_on_the_gpu(name, built_extension):
     print(_run_gpu_check(name))
+
+
+def test_a_producer_that_waits_on_the_full_barrier_overwrites_a_slot_still_being_read():
+    """A slot is being read from a consumer's Read until its arrive on the slot's empty barrier: with consumers that
+    compute on a tile for a few steps (read_ticks), a producer that waits for the previous lap's tile to land (the
+    full barrier, as the consumers wait) instead of for its release lands the next tile on it; the ring's own
+    producer never does, with the same consumers."""
+    from wb_kernels.stages.hopper import exercises
+
+    def agents(ring, make_producer):
+        return {"producer": make_producer(ring, 7, 16384), "consumer 0": br.consumer(ring, 7)}
+
+    with pytest.raises(br.Overwrite, match="had not yet released"):
+        for seed in range(5):
+            ring = br.Ring(1)
+            br.run_agents(ring, agents(ring, exercises._waits_on_full), seed=seed, read_ticks=4)
+    for seed in range(5):
+        ring = br.Ring(2)
+        result = br.run_agents(ring, agents(ring, br.producer), seed=seed, read_ticks=4)
+        assert [tile for _, tile in result.reads] == list(range(7))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-__all__ = ["MBarrier", "NamedBarrier", "Ring", "Wait", "ArriveExpectTx", "Arrive", "Copy", "Read", "Peek", "BarSync",
+__all__ = ["MBarrier", "NamedBarrier", "Ring", "run_agents", "Wait", "ArriveExpectTx", "Arrive", "Copy", "Read", "Peek", "BarSync",
            "BarArrive", "Deadlock", "StaleRead", "Overwrite", "RingError", "producer", "consumer", "ws_producer",
            "ws_consumer_warp", "pingpong_consumer_warp", "simulate", "simulate_ws", "Result"]
 
@@ -137,7 +137,7 @@ class Ring:
         self.empty = [MBarrier(f"empty[{s}]", consumers if empty_count is None else empty_count)
                       for s in range(stages)]
         self.tile_in = [None] * stages  # which tile the slot holds (None: nothing landed yet)
-        self.readers_left = [0] * stages  # consumers that still have to read the slot's tile
+        self.readers_left = [0] * stages  # consumers that have not yet released the slot's tile (read, then arrive)
         self.consumers = consumers
 
 
@@ -297,8 +297,18 @@ class Result:
     max_ahead: int  # most tiles copied but not yet read by every consumer: up to `stages` when the ring works
 
 
-def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int) -> Result:
+def run_agents(ring: Ring, agents: dict, *, seed: int = 0, copy_delay: int = 2, read_ticks: int = 0) -> Result:
+    """Run `agents` ({name: generator of the instructions above}) on `ring` under one interleaving (`seed`): copies
+    land `copy_delay` to `copy_delay` + 2 steps after they start, and a consumer computes on a tile it reads for
+    `read_ticks` steps before its next instruction (a wgmma reading shared memory). A slot counts as being read from
+    the consumer's Read until it arrives on the slot's empty barrier, so a copy landing there in between is an
+    Overwrite. Raises what :func:`simulate` raises; returns the :class:`Result`."""
+    return _run(ring, agents, random.Random(seed), copy_delay, read_ticks)
+
+
+def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int, read_ticks: int = 0) -> Result:
     blocked = {name: None for name in agents}  # name -> the Wait it is stuck on, or None
+    busy = {name: 0 for name in agents}  # steps a consumer still computes on the tile it read
     current = {name: None for name in agents}
     copies = []  # [ticks left, Copy]
     reads, steps, ahead = [], 0, 0
@@ -307,6 +317,9 @@ def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int) -> Resul
 
     def step(name) -> bool:
         """Run `name`'s next instruction; False when it is blocked on a wait."""
+        if busy[name]:  # still computing on the tile it read: no instruction this step, but not stuck
+            busy[name] -= 1
+            return True
         instruction = current[name]
         if instruction is None:
             try:
@@ -322,6 +335,9 @@ def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int) -> Resul
         elif isinstance(instruction, ArriveExpectTx):
             instruction.barrier.arrive(instruction.nbytes)
         elif isinstance(instruction, Arrive):
+            if any(instruction.barrier is empty for empty in ring.empty):  # a consumer releases its slot
+                released = next(s for s, empty in enumerate(ring.empty) if instruction.barrier is empty)
+                ring.readers_left[released] = max(0, ring.readers_left[released] - 1)
             instruction.barrier.arrive()
         elif isinstance(instruction, Copy):
             copies.append([copy_delay + rng.randrange(3), instruction])
@@ -349,8 +365,8 @@ def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int) -> Resul
                 raise StaleRead(f"{name} read slot {instruction.stage} for tile {instruction.tile}, but the slot "
                                 f"holds {'nothing yet' if held is None else f'tile {held}'}: its full-barrier wait "
                                 f"returned before the copy landed ({ring.full[instruction.stage].state()})")
-            ring.readers_left[instruction.stage] -= 1
-            reads.append((name, instruction.tile))
+            reads.append((name, instruction.tile))  # (the slot stays being read until the consumer releases it)
+            busy[name] = read_ticks
         current[name] = None
         return True
 
@@ -363,8 +379,9 @@ def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int) -> Resul
             return
         if ring.readers_left[copy.stage] > 0:
             raise Overwrite(f"tile {copy.tile} landed in slot {copy.stage} while {ring.readers_left[copy.stage]} "
-                            f"consumer(s) still had to read tile {ring.tile_in[copy.stage]}: the producer's wait on "
-                            f"{ring.empty[copy.stage].name} returned too early ({ring.empty[copy.stage].state()})")
+                            f"consumer(s) had not yet released tile {ring.tile_in[copy.stage]} (read it and arrived on "
+                            f"{ring.empty[copy.stage].name}): the producer started the copy before the slot was free "
+                            f"({ring.empty[copy.stage].state()})")
         ring.tile_in[copy.stage] = copy.tile
         ring.readers_left[copy.stage] = ring.consumers
         copy.barrier.complete_tx(copy.nbytes)

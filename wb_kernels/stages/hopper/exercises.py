@@ -12,7 +12,6 @@ answers are in ``solutions.py`` next to this file: open it when you want them.
 
 from __future__ import annotations
 
-import random
 
 from ...exercises import Exercise, Puzzle, check_answers
 from ...reference import causal_offset
@@ -84,6 +83,7 @@ def check(answer_1, answer_2, answer_3) -> None:
 TILE_BYTES = 16384  # one 64 x 64 tile of K and one of V, 16-bit: what the copy engine delivers per slot
 # (slots, consumers): one slot (every lap is one tile), two (v1's ring), three and four with two consumers (v2's shape)
 RING_CASES = ((1, 1), (2, 1), (3, 2), (4, 2))
+READ_TICKS = 4  # steps a consumer computes on a tile, longer than a copy takes to land
 _SEEDS = range(12)
 
 
@@ -93,8 +93,10 @@ def _run_ring(producer, stages: int, consumers: int, seed: int) -> None:
     agents = {"producer": producer(ring, tiles, TILE_BYTES)}
     for c in range(consumers):
         agents[f"consumer {c}"] = br.consumer(ring, tiles)
-    # the model's scheduler (the one `simulate` runs), here with the learner's producer in place of the package's
-    result = br._run(ring, agents, random.Random(seed), copy_delay=2)
+    # the model's scheduler (the one `simulate` runs), here with the learner's producer in place of the package's,
+    # and consumers that compute on each tile for a few steps before they release its slot (as a wgmma reads shared
+    # memory): a producer that refills a slot before its release then lands a tile on one still being read
+    result = br.run_agents(ring, agents, seed=seed, copy_delay=2, read_ticks=READ_TICKS)
     expected = sorted((f"consumer {c}", t) for c in range(consumers) for t in range(tiles))
     if sorted(result.reads) != expected:
         raise br.RingError(f"the consumers read {len(result.reads)} tiles, not every one of the {tiles} tiles once each")
@@ -135,7 +137,21 @@ def _flips_every_tile(ring, tiles, tile_bytes):
         stage, phase = (stage + 1) % ring.stages, phase ^ 1
 
 
+def _waits_on_full(ring, tiles, tile_bytes):
+    """Waits on the slot's full barrier, as the consumers do (the previous lap's tile landed), not on its empty one
+    (the previous lap's tile was read and released)."""
+    stage, phase = 0, 0
+    for tile in range(tiles):
+        yield br.Wait(ring.full[stage], phase ^ 1)
+        yield br.ArriveExpectTx(ring.full[stage], tile_bytes)
+        yield br.Copy(stage, tile, tile_bytes, ring.full[stage])
+        stage += 1
+        if stage == ring.stages:
+            stage, phase = 0, phase ^ 1
+
+
 PUZZLE = Puzzle(check_ring_puzzle, "my_producer", wrong={
+    "waits on the full barrier, as the consumers do": lambda: _waits_on_full,
     "the shipped stub (the consumers' parity, no flip)": lambda: _producer_with(empty_parity_flip=False,
                                                                                 flip_on_wrap=False),
     "parity right, no flip on wrap": lambda: _producer_with(flip_on_wrap=False),
