@@ -335,8 +335,8 @@ def _run(ring: Ring, agents: dict, rng: random.Random, copy_delay: int, read_tic
         elif isinstance(instruction, ArriveExpectTx):
             instruction.barrier.arrive(instruction.nbytes)
         elif isinstance(instruction, Arrive):
-            if any(instruction.barrier is empty for empty in ring.empty):  # a consumer releases its slot
-                released = next(s for s, empty in enumerate(ring.empty) if instruction.barrier is empty)
+            released = next((s for s, empty in enumerate(ring.empty) if instruction.barrier is empty), None)
+            if released is not None:  # a consumer releases its slot
                 ring.readers_left[released] = max(0, ring.readers_left[released] - 1)
             instruction.barrier.arrive()
         elif isinstance(instruction, Copy):
