@@ -361,7 +361,7 @@ def ptxas_entries(log: str) -> list:
 
 
 _SERIALIZED_WGMMA = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions are "
-                               r"serialized due to ([^']*?) in the function '(\w+)'")
+                               r"serialized due to ([^']*?) (?:in|for) the function '(\w+)'")
 
 
 def serialized_wgmma(log: str) -> list:

@@ -555,47 +555,73 @@ __device__ __forceinline__ void issue_output(float (&o)[HEAD_DIM / 2], const uin
 // endregion
 
 // region: flash_online_softmax
-// The online softmax of one tile in base 2, on S's registers: masks by select (ragged keys, key padding, causal at
-// any offset), the running max and sum of the thread's two rows, alpha = the factor O must be scaled by; S becomes
-// P (fp32, not normalised). A row with no key so far subtracts 0: its P is 0, not NaN.
+// The online softmax of one tile in base 2, on S's registers. Masking (ragged keys, causal at any offset) is a
+// compare and a select per score on every tile, with no branch: a per-score `if (needs_mask)` compiled to a branch
+// and a convergence barrier (BSSY / BSYNC) around every score, masked tile or not (the SASS of round 4), and one
+// `if` around a masking loop made ptxas serialize v3's and v4's wgmma (C7512, "insufficient register resources").
+// Only key padding, which reads memory, is behind a (uniform) branch.
+// The max is taken on the raw scores (the scale is positive, so the order is the same) and the scale is folded into
+// the exponent's one FFMA: p = 2^(s * scale_log2 - max), the form of FlashAttention-3's softmax. Max and sum run as
+// two partial chains per row, half as long. alpha = the factor O must be scaled by; S becomes P (fp32, not
+// normalised). A row with no key so far subtracts 0: its P is 0, not NaN.
+template <int BLOCK_N>
+__device__ __forceinline__ void mask_scores(float (&s)[BLOCK_N / 2], const FlashParams& params, const uint8_t* keep,
+                                            int n0, int query0, int lane) {
+    // s[i] = S[row query0 + 8 r][key n0 + 2 (lane % 4) + column], r = (i / 2) % 2, column = 8 (i / 4) + i % 2 (a
+    // constant once unrolled). Ragged keys and the causal diagonal are one bound per row, compared with the
+    // column: a compare and a select per score, no branch, nothing else kept live.
+    int bound[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int keys_end = params.Lk;
+        if (params.causal) keys_end = min(keys_end, query0 + 8 * r + params.causal_offset + 1);
+        bound[r] = keys_end - n0 - 2 * (lane % 4);
+    }
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 8 * (i / 4) + i % 2 < bound[(i / 2) % 2] ? s[i] : -INFINITY;
+    if (keep != nullptr) {  // key padding: the two keys of a column pair are adjacent bytes, read one pair at a time
+        const uint8_t* pairs = keep + n0 + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const bool inside = n0 + 8 * j + 2 * (lane % 4) + e < params.Lk;
+                const uint8_t kept = inside ? pairs[8 * j + e] : 0;
+                s[4 * j + e] = kept != 0 ? s[4 * j + e] : -INFINITY;      // row query0
+                s[4 * j + 2 + e] = kept != 0 ? s[4 * j + 2 + e] : -INFINITY;  // row query0 + 8: the same key
+            }
+        }
+    }
+}
+
 template <int BLOCK_N>
 __device__ __forceinline__ void online_softmax(float (&s)[BLOCK_N / 2], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], const FlashParams& params, const uint8_t* keep,
                                                int n0, int query0, bool needs_mask, int lane) {
+    mask_scores<BLOCK_N>(s, params, needs_mask ? keep : nullptr, n0, query0, lane);  // no branch: see above
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int query = query0 + 8 * r;
-        float tile_max = -INFINITY;
+        float partial[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 8; ++j) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float x = s[4 * j + 2 * r + e] * params.scale_log2;
-                if (needs_mask) {
-                    const int key = n0 + 8 * j + 2 * (lane % 4) + e;
-                    const bool visible = key < params.Lk && (keep == nullptr || keep[key] != 0) &&
-                                         (!params.causal || key <= query + params.causal_offset);
-                    x = visible ? x : -INFINITY;
-                }
-                s[4 * j + 2 * r + e] = x;
-                tile_max = fmaxf(tile_max, x);
-            }
+            for (int e = 0; e < 2; ++e) partial[e] = fmaxf(partial[e], s[4 * j + 2 * r + e]);
         }
-        const float new_max = fmaxf(row_max[r], quad_max(tile_max));
+        const float new_max = fmaxf(row_max[r], quad_max(fmaxf(partial[0], partial[1])) * params.scale_log2);
         const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key so far subtracts 0
         alpha[r] = exp2f(row_max[r] - base);  // exp2(-inf) = 0 for the first tile
         row_max[r] = new_max;
-        float tile_sum = 0.0f;
+        float sum[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const float p = exp2f(s[4 * j + 2 * r + e] - base);
+                const float p = exp2f(fmaf(s[4 * j + 2 * r + e], params.scale_log2, -base));
                 s[4 * j + 2 * r + e] = p;
-                tile_sum += p;
+                sum[e] += p;
             }
         }
-        row_sum[r] = row_sum[r] * alpha[r] + tile_sum;  // each lane its part; the quad adds them at the end
+        row_sum[r] = row_sum[r] * alpha[r] + (sum[0] + sum[1]);  // each lane its part; the quad adds them at the end
     }
 }
 
