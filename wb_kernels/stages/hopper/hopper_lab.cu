@@ -555,15 +555,16 @@ __device__ __forceinline__ void issue_output(float (&o)[HEAD_DIM / 2], const uin
 // endregion
 
 // region: flash_online_softmax
-// The online softmax of one tile in base 2, on S's registers. Masking (ragged keys, causal at any offset) is a
-// compare and a select per score on every tile, with no branch: a per-score `if (needs_mask)` compiled to a branch
-// and a convergence barrier (BSSY / BSYNC) around every score, masked tile or not (the SASS of round 4), and one
-// `if` around a masking loop made ptxas serialize v3's and v4's wgmma (C7512, "insufficient register resources").
-// Only key padding, which reads memory, is behind a (uniform) branch.
-// The max is taken on the raw scores (the scale is positive, so the order is the same) and the scale is folded into
-// the exponent's one FFMA: p = 2^(s * scale_log2 - max), the form of FlashAttention-3's softmax. Max and sum run as
-// two partial chains per row, half as long. alpha = the factor O must be scaled by; S becomes P (fp32, not
-// normalised). A row with no key so far subtracts 0: its P is 0, not NaN.
+// The online softmax of one tile in base 2, on S's registers, in three pieces:
+//   mask_scores   ragged keys and the causal diagonal as one bound per row (a compare and a select per score, no
+//                 branch), key padding by one byte load per key;
+//   softmax_rows  the max on the raw scores (the scale is positive: the same order), the scale folded into the
+//                 exponent's one FFMA, p = 2^(s * scale_log2 - max) (FlashAttention-3's form); max and sum as two
+//                 partial chains per row, half as long; alpha = the factor O must be scaled by; S becomes P (fp32,
+//                 not normalised). A row with no key so far subtracts 0: its P is 0, not NaN;
+//   online_softmax  both, for a tile that needs a mask or not.
+// Round 4's code masked inside the max loop with a per-score `if`: ptxas made it a branch and a convergence barrier
+// (BSSY / BSYNC) around every score of every tile. Removing that took v2 from 352 to 529 TFLOP/s (H100, fp16, D=128).
 template <int BLOCK_N>
 __device__ __forceinline__ void mask_scores(float (&s)[BLOCK_N / 2], const FlashParams& params, const uint8_t* keep,
                                             int n0, int query0, int lane) {
@@ -595,10 +596,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[BLOCK_N / 2], const Flash
 }
 
 template <int BLOCK_N>
-__device__ __forceinline__ void online_softmax(float (&s)[BLOCK_N / 2], float (&row_max)[2], float (&row_sum)[2],
-                                               float (&alpha)[2], const FlashParams& params, const uint8_t* keep,
-                                               int n0, int query0, bool needs_mask, int lane) {
-    mask_scores<BLOCK_N>(s, params, needs_mask ? keep : nullptr, n0, query0, lane);  // no branch: see above
+__device__ __forceinline__ void softmax_rows(float (&s)[BLOCK_N / 2], float (&row_max)[2], float (&row_sum)[2],
+                                             float (&alpha)[2], float scale_log2) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float partial[2] = {-INFINITY, -INFINITY};
@@ -607,7 +606,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[BLOCK_N / 2], float (&
 #pragma unroll
             for (int e = 0; e < 2; ++e) partial[e] = fmaxf(partial[e], s[4 * j + 2 * r + e]);
         }
-        const float new_max = fmaxf(row_max[r], quad_max(fmaxf(partial[0], partial[1])) * params.scale_log2);
+        const float new_max = fmaxf(row_max[r], quad_max(fmaxf(partial[0], partial[1])) * scale_log2);
         const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with no key so far subtracts 0
         alpha[r] = exp2f(row_max[r] - base);  // exp2(-inf) = 0 for the first tile
         row_max[r] = new_max;
@@ -616,12 +615,33 @@ __device__ __forceinline__ void online_softmax(float (&s)[BLOCK_N / 2], float (&
         for (int j = 0; j < BLOCK_N / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const float p = exp2f(fmaf(s[4 * j + 2 * r + e], params.scale_log2, -base));
+                const float p = exp2f(fmaf(s[4 * j + 2 * r + e], scale_log2, -base));
                 s[4 * j + 2 * r + e] = p;
                 sum[e] += p;
             }
         }
         row_sum[r] = row_sum[r] * alpha[r] + (sum[0] + sum[1]);  // each lane its part; the quad adds them at the end
+    }
+}
+
+// MASK_BRANCH: true skips the masking of tiles that need none behind one (uniform) branch, the cheaper code for v1
+// and v2; false masks every tile branch-free (a bound no key reaches leaves the scores as they are), which v3 and
+// v4 need: with any branch around the softmax ptxas serialized their wgmma (C7512, "insufficient register
+// resources"; the compile report checks it).
+template <int BLOCK_N, bool MASK_BRANCH>
+__device__ __forceinline__ void online_softmax(float (&s)[BLOCK_N / 2], float (&row_max)[2], float (&row_sum)[2],
+                                               float (&alpha)[2], const FlashParams& params, const uint8_t* keep,
+                                               int n0, int query0, bool needs_mask, int lane) {
+    if constexpr (MASK_BRANCH) {
+        if (needs_mask) {
+            mask_scores<BLOCK_N>(s, params, keep, n0, query0, lane);
+            softmax_rows<BLOCK_N>(s, row_max, row_sum, alpha, params.scale_log2);
+        } else {
+            softmax_rows<BLOCK_N>(s, row_max, row_sum, alpha, params.scale_log2);
+        }
+    } else {
+        mask_scores<BLOCK_N>(s, params, needs_mask ? keep : nullptr, n0, query0, lane);
+        softmax_rows<BLOCK_N>(s, row_max, row_sum, alpha, params.scale_log2);
     }
 }
 
@@ -650,14 +670,14 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[BLOCK_N / 2]
 
 // Everything between the two products of a tile: the softmax on S's registers (masked where the tile needs it), O
 // rescaled, P packed for the RS wgmma.
-template <typename T, int HEAD_DIM, int BLOCK_N>
+template <typename T, int HEAD_DIM, int BLOCK_N, bool MASK_BRANCH>
 __device__ __forceinline__ void softmax_step(float (&s)[BLOCK_N / 2], uint32_t (&p)[BLOCK_N / 16][4],
                                              float (&o)[HEAD_DIM / 2], float (&row_max)[2], float (&row_sum)[2],
                                              const FlashParams& params, const uint8_t* keep, int n0, int first_row,
                                              int query0, int lane) {
     float alpha[2];
-    online_softmax<BLOCK_N>(s, row_max, row_sum, alpha, params, keep, n0, query0,
-                            tile_needs_mask<BLOCK_N>(params, keep, n0, first_row), lane);
+    online_softmax<BLOCK_N, MASK_BRANCH>(s, row_max, row_sum, alpha, params, keep, n0, query0,
+                                         tile_needs_mask<BLOCK_N>(params, keep, n0, first_row), lane);
     rescale_output<HEAD_DIM>(o, alpha);
     pack_probabilities<T, BLOCK_N>(s, p);
 }
@@ -783,7 +803,7 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
         fence_accumulators(s);
 
         uint32_t p[V1_BLOCK_N / 16][4];
-        softmax_step<T, HEAD_DIM, V1_BLOCK_N>(s, p, o, row_max, row_sum, params, keep, tile * V1_BLOCK_N, m0, query0,
+        softmax_step<T, HEAD_DIM, V1_BLOCK_N, true>(s, p, o, row_max, row_sum, params, keep, tile * V1_BLOCK_N, m0, query0,
                                               lane);
 
         fence_accumulators(o);
@@ -899,7 +919,7 @@ __device__ __forceinline__ void consume_tiles_v2(const ConsumerRows& rows, const
         fence_accumulators(s);
 
         uint32_t p[WS_BLOCK_N / 16][4];
-        softmax_step<T, HEAD_DIM, WS_BLOCK_N>(s, p, o, row_max, row_sum, params, rows.keep, tile * WS_BLOCK_N,
+        softmax_step<T, HEAD_DIM, WS_BLOCK_N, true>(s, p, o, row_max, row_sum, params, rows.keep, tile * WS_BLOCK_N,
                                               rows.first_row, rows.query0, rows.lane);
 
         fence_accumulators(o);
@@ -954,7 +974,7 @@ __device__ __forceinline__ void consume_tiles_v3(const ConsumerRows& rows, int c
     wgmma_wait_group<0>();
     fence_accumulators(s);
     uint32_t p[WS_BLOCK_N / 16][4];  // the last softmax's P, multiplied by V in the next turn
-    softmax_step<T, HEAD_DIM, WS_BLOCK_N>(s, p, o, row_max, row_sum, params, rows.keep, 0, rows.first_row, rows.query0,
+    softmax_step<T, HEAD_DIM, WS_BLOCK_N, false>(s, p, o, row_max, row_sum, params, rows.keep, 0, rows.first_row, rows.query0,
                                           rows.lane);
     int held = stage;  // the slot whose V the next turn reads
     if (++stage == STAGES) {
@@ -979,7 +999,7 @@ __device__ __forceinline__ void consume_tiles_v3(const ConsumerRows& rows, int c
         fence_accumulators(s);
         fence_accumulators(o);
         if (rows.lane == 0) mbarrier_arrive(&kv_empty[held]);  // this warp has read the previous tile's V
-        softmax_step<T, HEAD_DIM, WS_BLOCK_N>(s, p, o, row_max, row_sum, params, rows.keep, tile * WS_BLOCK_N,
+        softmax_step<T, HEAD_DIM, WS_BLOCK_N, false>(s, p, o, row_max, row_sum, params, rows.keep, tile * WS_BLOCK_N,
                                               rows.first_row, rows.query0, rows.lane);
         held = stage;
         if (++stage == STAGES) {
@@ -1031,7 +1051,7 @@ __device__ __forceinline__ void consume_tiles_v4(const ConsumerRows& rows, int c
     wgmma_wait_group<0>();
     fence_accumulators(s);
     uint32_t p[WS_BLOCK_N / 16][4];
-    softmax_step<T, HEAD_DIM, WS_BLOCK_N>(s, p, o, row_max, row_sum, params, rows.keep, 0, rows.first_row, rows.query0,
+    softmax_step<T, HEAD_DIM, WS_BLOCK_N, false>(s, p, o, row_max, row_sum, params, rows.keep, 0, rows.first_row, rows.query0,
                                           rows.lane);
     int held = stage;
     if (++stage == STAGES) {
@@ -1056,7 +1076,7 @@ __device__ __forceinline__ void consume_tiles_v4(const ConsumerRows& rows, int c
         wgmma_wait_group<1>();  // S is done; P V may still run
         fence_accumulators(s);
         float alpha[2];
-        online_softmax<WS_BLOCK_N>(s, row_max, row_sum, alpha, params, rows.keep, tile * WS_BLOCK_N, rows.query0,
+        online_softmax<WS_BLOCK_N, false>(s, row_max, row_sum, alpha, params, rows.keep, tile * WS_BLOCK_N, rows.query0,
                                    tile_needs_mask<WS_BLOCK_N>(params, rows.keep, tile * WS_BLOCK_N, rows.first_row),
                                    rows.lane);
         fence_accumulators(s);  // the softmax's results before the wait: else the compiler sinks half of it below
