@@ -31,6 +31,15 @@ Hk = 32 / group KV heads (groups 1 to 32), each at the launcher's split count fo
 which group on the second is faster at every shape (:func:`smallest_winning_group`): the value for
 ``launcher.MMA_MIN_GROUP``. (Its file is not named ``tune_*.json``: lesson 07 reads the newest of those as the
 split kernel's tuning run.)
+
+    python -m wb_kernels.stages.decode.tune --mma-sweep --json results/decode/mma_sweep_h100.json
+
+``--mma-sweep`` A/B's the tensor-core kernel's builds (:data:`MMA_VARIANTS`: the ``WB_DECODE_MMA_*`` knobs of
+flash_decode.cu, each with the package's own nvcc flags) at the MQA bar shapes and one GQA-8 shape, each at several
+numbers of splits around the launcher's, every result checked against float32 PyTorch (output and LSE; a mismatch is
+printed as MISMATCH and the exit status is 1), with SDPA's backends and the K/V copy timed in the same run. The trace
+build adds each block's SM and timestamps (:func:`summarize_trace`: the kernel's span, a block's phases, blocks per
+SM at once), which say where the time goes.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from pathlib import Path
 
 import wb_kernels  # noqa: F401  (first: chooses the backend)
 from wb_kernels import timing
+from wb_kernels.cuda_build import build_flags
 from wb_kernels.bench.decode import DECODE_TIMING
 from wb_kernels.stages.decode import build
 from wb_kernels.stages.decode.launcher import (_cuda_launch_plan, cuda_blocks_per_sm, cuda_row_chunks, cuda_split_plan,
@@ -253,6 +263,213 @@ def smallest_winning_group(rows: list):
     return answer
 
 
+@dataclass(frozen=True)
+class MmaVariant:
+    """A build of flash_decode.cu with `defines` (``WB_DECODE_MMA_*`` knobs) on top of the package's nvcc flags."""
+
+    name: str
+    defines: tuple = ()  # ((macro, value), ...)
+
+    def flags(self, base: list) -> list:
+        return list(base) + [f"-D{macro}={value}" for macro, value in self.defines]
+
+
+_EARLY, _PDL, _MERGE = ("WB_DECODE_MMA_EARLY_KV", 1), ("WB_DECODE_MMA_PDL", 1), ("WB_DECODE_MMA_MERGE", 1)
+MMA_VARIANTS = (
+    MmaVariant("base"),  # the default build, as wb.decode runs it
+    MmaVariant("trace", (("WB_DECODE_MMA_TRACE", 1),)),  # base + per-block timestamps (a diagnostic)
+    MmaVariant("early_kv", (_EARLY,)),
+    MmaVariant("pdl", (_PDL,)),
+    MmaVariant("merge", (_MERGE,)),
+    MmaVariant("pdl_merge", (_PDL, _MERGE)),
+    MmaVariant("fused1024", (("WB_DECODE_MMA_FUSED_PAIRS", 1024),)),  # the last block merges up to 1024 pairs
+    MmaVariant("stages2", (("WB_DECODE_MMA_STAGES", 2),)),  # 64 KB at D = 128: 3 blocks per SM
+    MmaVariant("stages4", (("WB_DECODE_MMA_STAGES", 4),)),  # 128 KB: 1 block per SM, 3 tiles in flight
+    MmaVariant("carveout", (("WB_DECODE_MMA_CARVEOUT", 1),)),
+    MmaVariant("early_pdl_merge", (_EARLY, _PDL, _MERGE)),
+)
+# (B, H, Hk, Lk, D), float16: the MQA bar shapes, a long MQA sequence, and GQA 8 (the mma kernel from group 5 on)
+MMA_SWEEP_SHAPES = ((8, 32, 1, 8192, 128), (1, 32, 1, 2048, 128), (1, 32, 1, 32768, 128), (8, 32, 4, 8192, 128))
+MMA_MAX_SWEEP_SPLITS = 256
+
+
+def mma_sweep_splits(L: int, launcher_splits: int) -> list:
+    """The numbers of splits timed at a shape: the launcher's, then powers of two from an eighth of it to twice it
+    (at most MMA_MAX_SWEEP_SPLITS), each as the kernel runs it (``cuda_split_plan``: whole 64-key steps), so that a
+    count rounded onto another is timed once."""
+    asked = {launcher_splits} | {1 << e for e in range(9) if launcher_splits / 8 <= 1 << e <= 2 * launcher_splits}
+    plans = {}
+    for splits in sorted(asked):
+        if splits > MMA_MAX_SWEEP_SPLITS:
+            continue
+        keys, used = cuda_split_plan(L, splits)
+        plans.setdefault(used, keys)
+    return sorted(plans.items(), key=lambda plan: plan[0])  # [(splits, keys_per_split), ...]
+
+
+def summarize_trace(records, event_ms: float | None = None) -> dict:
+    """What the trace build's per-block records (blocks x 8 int64: SM, global timer at start, first tile, loop end
+    and end, clock at start and end, tiles; flash_decode.cu's WB_DECODE_MMA_TRACE) say: the kernel's span from the
+    first block's start to the last block's end, the spread of the blocks' starts, a block's phases (medians, us),
+    the most blocks one SM held at once, and the SMs used; with `event_ms` (the call's CUDA-event time), what the
+    call spent outside the kernel's blocks (launches, the merge kernel)."""
+    import numpy as np
+
+    r = np.asarray(records, dtype=np.int64).reshape(-1, 8)
+    smid, start, first, loop, end, c0, c1, tiles = (r[:, i] for i in range(8))
+    has = tiles > 0
+    us = lambda ns: float(ns) / 1e3  # noqa: E731
+    most = 0
+    for sm in np.unique(smid):  # blocks of one SM alive at once: a sweep over its start and end times
+        events = sorted([(t, 1) for t in start[smid == sm]] + [(t, -1) for t in end[smid == sm]],
+                        key=lambda e: (e[0], e[1]))
+        alive = 0
+        for _, step in events:
+            alive += step
+            most = max(most, alive)
+    ns = np.maximum(end - start, 1)
+    summary = dict(blocks=int(len(r)), sms=int(len(np.unique(smid))), most_blocks_per_sm=int(most),
+                   span_us=us(end.max() - start.min()), start_spread_us=us(start.max() - start.min()),
+                   block_us=us(np.median(end - start)), block_max_us=us((end - start).max()),
+                   to_first_tile_us=us(np.median((first - start)[has])) if has.any() else 0.0,
+                   loop_us=us(np.median((loop - first)[has])) if has.any() else 0.0,
+                   epilogue_us=us(np.median(end - loop)), tiles=int(np.median(tiles)),
+                   sm_clock_ghz=round(float(np.median((c1 - c0) / ns)), 3))
+    if event_ms is not None:
+        summary["outside_blocks_us"] = event_ms * 1e3 - summary["span_us"]
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}
+
+
+def _mma_sdpa_baselines(q, k, v, reps: int) -> dict:
+    """SDPA's backends (each one alone; a backend that refuses the problem is left out) and the default dispatch."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qs, times = q[:, :, None], {}
+    times["sdpa"] = time_call(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True), reps)
+    for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel([backend]):
+                times[name] = time_call(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True), reps)
+        except RuntimeError as error:  # not available for this problem or build
+            print(f"   {name}: {str(error).splitlines()[0][:100]}", file=sys.stderr)
+    return times
+
+
+def measure_mma_sweep(variants, reps: int) -> tuple:
+    """Every variant's mma kernel at every shape and sweep count of splits: one row each (see the module doc)."""
+    import torch
+
+    started = time.time()
+    base_flags = build_flags()
+    jobs = {v: _build_flags_in_subprocess(v.flags(base_flags)) for v in variants}
+    extensions, failed = {}, {}
+    for variant, job in jobs.items():
+        output, _ = job.communicate()
+        if job.returncode != 0:
+            failed[variant.name] = output[-3000:]
+            print(f"BUILD FAILED {variant.name}:\n{output[-3000:]}", file=sys.stderr)
+        else:
+            extensions[variant] = build.build(build.package_source(), flags=variant.flags(base_flags))
+    print(f"built {len(extensions)} of {len(variants)} mma variants in {time.time() - started:.0f} s", file=sys.stderr)
+    device = torch.cuda.current_device()
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    rows, shapes = [], []
+    for B, H, Hk, L, D in MMA_SWEEP_SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(B * 7 + Hk + L + D)
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.float16, generator=gen)
+        k, v = (torch.randn(B, Hk, L, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        scale = D ** -0.5
+        expected = torch.nn.functional.scaled_dot_product_attention(q[:, :, None].float(), k.float(), v.float(),
+                                                                     enable_gqa=True)[:, :, 0]
+        scores = torch.einsum("bhgd,bhld->bhgl", q.float().view(B, Hk, H // Hk, D), k.float()) * scale
+        expected_lse = torch.logsumexp(scores, dim=-1).reshape(B, H)
+        del scores
+        kv_bytes = 2 * k.numel() * k.element_size()
+        target = torch.empty_like(k)
+
+        def copy():
+            target.copy_(k)
+            target.copy_(v)
+
+        baselines = {"copy": time_call(copy, reps), **_mma_sdpa_baselines(q, k, v, reps)}
+        fastest = min((n for n in baselines if n.startswith("sdpa")), key=baselines.get)
+        launcher_splits = _cuda_launch_plan(device, B, H, Hk, L, None, D, False, False, "mma")[1]
+        shape = dict(B=B, H=H, Hk=Hk, Lk=L, D=D, kv_bytes=kv_bytes)
+        shapes.append(dict(shape, baselines_ms={n: round(t, 5) for n, t in baselines.items()}, sdpa_fastest=fastest,
+                           launcher_splits=launcher_splits,
+                           blocks_per_sm=cuda_blocks_per_sm(device, False, D, H // Hk, False, "mma")))
+        print(f"B{B} H{H} Hk{Hk} Lk{L} D{D}: copy {baselines['copy'] * 1e3:.1f} us, fastest SDPA {fastest} "
+              f"{baselines[fastest] * 1e3:.1f} us; the launcher's splits {launcher_splits}", file=sys.stderr)
+        for variant, ext in extensions.items():
+            for splits, keys in mma_sweep_splits(L, launcher_splits):
+                last = {}
+
+                def call():
+                    last["result"] = ext.flash_decode_mma_forward(q, k, v, None, lens, status, keys, splits, scale)
+                    return last["result"]
+
+                out, lse = call()[:2]
+                err = float((out.float() - expected).abs().max())
+                lse_err = float((lse - expected_lse).abs().max())
+                ok = err < 2e-2 and lse_err < 1e-2 and int(status.item()) == 0
+                ms = time_call(call, reps)
+                row = dict(shape, variant=variant.name, splits=splits, keys_per_split=keys, median_ms=round(ms, 5),
+                           gbps=round(kv_bytes / (ms / 1e3) / 1e9, 1),
+                           fraction_of_copy=round(baselines["copy"] / (2 * ms), 4),
+                           vs_sdpa_fastest=round(baselines[fastest] / ms, 3), launcher_pick=splits == launcher_splits,
+                           max_err_vs_fp32=err, lse_err_vs_fp32=lse_err, ok=ok)
+                if len(last["result"]) == 3:  # the trace build: the last timed call's blocks
+                    row["trace"] = summarize_trace(last["result"][2].cpu().numpy(), ms)
+                if not ok:
+                    print(f"MISMATCH {variant.name} B{B} Hk{Hk} Lk{L} splits {splits}: max |out - fp32| {err:.3g}, "
+                          f"|lse - fp32| {lse_err:.3g}, status {int(status.item())}", file=sys.stderr)
+                    status.zero_()
+                rows.append(row)
+    return rows, shapes, failed
+
+
+def mma_sweep_table(rows: list, shapes: list) -> str:
+    """The sweep as text: a line per (shape, variant, splits), then per shape the base build at the launcher's
+    splits, the fastest point, and SDPA's fastest backend and the copy."""
+    lines = [f"{'shape':<22} {'variant':<16} {'splits':>6} {'keys':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} "
+             f"{'xSDPA':>6}  ok"]
+    for info in shapes:
+        name = f"B{info['B']} H{info['H']} Hk{info['Hk']} Lk{info['Lk']}"
+        mine = [r for r in rows if (r["B"], r["Hk"], r["Lk"], r["D"]) == (info["B"], info["Hk"], info["Lk"], info["D"])]
+        for r in mine:
+            extra = ""
+            if "trace" in r:
+                t = r["trace"]
+                extra = (f"  [span {t['span_us']:.1f} us, block {t['block_us']:.1f} (first tile {t['to_first_tile_us']:.1f}"
+                         f", loop {t['loop_us']:.1f}, end {t['epilogue_us']:.1f}), {t['most_blocks_per_sm']}/SM, "
+                         f"outside {t.get('outside_blocks_us', 0):.1f} us]")
+            lines.append(f"{name:<22} {r['variant']:<16} {r['splits']:>5}{'*' if r['launcher_pick'] else ' '} "
+                         f"{r['keys_per_split']:>6} {r['median_ms'] * 1e3:>8.1f} {r['gbps']:>7.0f} "
+                         f"{100 * r['fraction_of_copy']:>5.0f}% {r['vs_sdpa_fastest']:>6.2f}  "
+                         f"{'ok' if r['ok'] else 'MISMATCH'}{extra}")
+        good = [r for r in mine if r["ok"]]
+        base = [r for r in good if r["variant"] == "base" and r["launcher_pick"]]
+        b = info["baselines_ms"]
+        lines.append(f"  -> {name}: copy {b['copy'] * 1e3:.1f} us, {info['sdpa_fastest']} {b[info['sdpa_fastest']] * 1e3:.1f}"
+                     f" us" + (f"; base at the launcher's {base[0]['splits']} splits {base[0]['median_ms'] * 1e3:.1f} us "
+                               f"({100 * base[0]['fraction_of_copy']:.0f}% copy, {base[0]['vs_sdpa_fastest']:.2f}x)"
+                               if base else ""))
+        if good:
+            best = min(good, key=lambda r: r["median_ms"])
+            lines.append(f"     best: {best['variant']} at {best['splits']} splits: {best['median_ms'] * 1e3:.1f} us, "
+                         f"{100 * best['fraction_of_copy']:.0f}% of copy, {best['vs_sdpa_fastest']:.2f}x SDPA's fastest")
+    return "\n".join(lines)
+
+
+def _build_flags_in_subprocess(flags: list) -> subprocess.Popen:
+    code = ("import wb_kernels; from wb_kernels.stages.decode import build; "
+            f"build.build(build.package_source(), flags={flags!r})")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def sdpa_growing_cache(steps: int = 40) -> list:
     """SDPA with a cache that grows by one key per call, as in a decode loop: host-clock ms per call."""
     import torch
@@ -292,13 +509,44 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=50, help="timed calls per point (median)")
     parser.add_argument("--mma-threshold", action="store_true",
                         help="time the split and the mma kernel on groups 1-32 instead (launcher.MMA_MIN_GROUP)")
+    parser.add_argument("--mma-sweep", action="store_true",
+                        help="A/B the mma kernel's builds (MMA_VARIANTS) and split counts at the MQA bar shapes")
+    parser.add_argument("--mma-variants", default=None,
+                        help="with --mma-sweep: comma-separated names of MMA_VARIANTS (default: all)")
     args = parser.parse_args(argv)
+    if args.mma_variants is not None:
+        known = {v.name: v for v in MMA_VARIANTS}
+        unknown = [n for n in args.mma_variants.split(",") if n not in known]
+        if unknown:
+            parser.error(f"--mma-variants: unknown {unknown}; known: {sorted(known)}")
     if not wb_kernels.BACKEND.is_gpu:
         print("tune.py times the CUDA C++ kernel: it needs a CUDA GPU", file=sys.stderr)
         return 2
     import torch
 
     from wb_kernels.bench.results import environment
+
+    if args.mma_sweep:
+        variants = (MMA_VARIANTS if args.mma_variants is None
+                    else tuple(v for v in MMA_VARIANTS if v.name in args.mma_variants.split(",")))
+        reps = min(args.reps, 30)  # ~12 ms a point: the whole sweep stays within a couple of minutes
+        rows, shapes, failed = measure_mma_sweep(variants, reps)
+        print(mma_sweep_table(rows, shapes), file=sys.stderr)
+        result = dict(kind="decode_tune_mma_sweep", environment=environment(),
+                      command=" ".join(["python -m wb_kernels.stages.decode.tune"] + (argv or sys.argv[1:])),
+                      notes=dict(timing=f"bare flash_decode_mma_forward call, CUDA events, median of {reps}, a "
+                                        f"{DECODE_TIMING['hold_us']:.0f} us hold then the L2 flushed by reading",
+                                 check="output against float32 SDPA (max abs < 2e-2) and LSE against float32 "
+                                       "logsumexp (< 1e-2), no status flag",
+                                 fraction_of_copy="(K and V bytes / time) over the copy's (read + write bytes / time)",
+                                 variants={v.name: dict(v.defines) for v in variants}),
+                      failed_builds=failed, shapes=shapes, records=rows)
+        _write(result, args.json)
+        bad = [r for r in rows if not r["ok"]]
+        if bad or failed:
+            print(f"MISMATCH or failed build: {len(bad)} points, builds {sorted(failed)}", file=sys.stderr)
+            return 1
+        return 0
 
     if args.mma_threshold:
         rows = measure_mma_threshold(args.reps)
