@@ -907,6 +907,11 @@ def greedy_verdict(record: dict) -> str:
     return "near tie" if first is not None and first["near_tie"] else "suspect"
 
 
+def _variant_head(s: VariantSettings, name: str, context: int) -> dict:
+    return {"key": f"{s.config}|{s.dtype}|B1|L{context}|compile|contiguous|{s.attend}|{name}",
+            "kind": "decoder_variant", "variant": name, "context": context}
+
+
 def run_variant(model: dec.Decoder, s: VariantSettings, name: str, context: int, ceilings: dict) -> dict:
     """One variant at one context: compile the step (batch 1, a contiguous cache of context + warmup + steps keys),
     check its greedy tokens against the eager decoder with SDPA (a prompt of `context` random tokens, the same
@@ -916,11 +921,10 @@ def run_variant(model: dec.Decoder, s: VariantSettings, name: str, context: int,
 
     variant = COMPILE_VARIANTS[name]
     capacity = context + s.warmup + s.steps
-    record = {"key": f"{s.config}|{s.dtype}|B1|L{context}|compile|contiguous|{s.attend}|{name}",
-              "kind": "decoder_variant", "variant": name, "description": variant.description,
+    record = {**_variant_head(s, name, context), "description": variant.description,
               "mode": variant.mode, "options": dict(variant.options), "split_gate_up": variant.split_gate_up,
               "backend": s.backend, "config": s.config, "dtype": s.dtype, "attend": s.attend, "layout": "contiguous",
-              "batch": 1, "context": context, "capacity": capacity, "steps": s.steps, "warmup": s.warmup,
+              "batch": 1, "capacity": capacity, "steps": s.steps, "warmup": s.warmup,
               "repeats": s.repeats}
     started = time.perf_counter()
     skips_before = _cudagraph_skips()
@@ -1010,9 +1014,7 @@ def run_variants(s: VariantSettings, out_path, *, command: str | None = None, pr
             why = "the time budget of {:.0f} s was spent".format(time_budget) if left is not None and left < 10.0 \
                 else "an earlier variant stopped the run"
             out_of_time = True
-            record = {"key": f"{s.config}|{s.dtype}|B1|L{context}|compile|contiguous|{s.attend}|{name}",
-                      "kind": "decoder_variant", "variant": name, "context": context, "status": "skipped",
-                      "reason": f"not started: {why}"}
+            record = {**_variant_head(s, name, context), "status": "skipped", "reason": f"not started: {why}"}
         else:
             log(f"{name} at {context} keys: {COMPILE_VARIANTS[name].description}"
                 + (f" ({left:.0f} s of the budget left)" if left is not None else ""))
@@ -1024,8 +1026,7 @@ def run_variants(s: VariantSettings, out_path, *, command: str | None = None, pr
                 out_of_time = True
                 torch._dynamo.reset()
                 _free_memory()
-                record = {"key": f"{s.config}|{s.dtype}|B1|L{context}|compile|contiguous|{s.attend}|{name}",
-                          "kind": "decoder_variant", "variant": name, "context": context, "status": "skipped",
+                record = {**_variant_head(s, name, context), "status": "skipped",
                           "reason": f"stopped after {time.perf_counter() - variant_started:.0f} s: the time budget "
                                     f"of {time_budget:.0f} s was spent (compiling or checking; nothing timed)"}
         if record["status"] == "failed" and s.device == "cuda" and not _cuda_usable():
