@@ -35,6 +35,7 @@ eagerly (``capture=False``), which checks everything but the capture itself.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -45,7 +46,8 @@ import torch
 from . import llama_decoder as dec
 
 __all__ = ["BATCH_BUCKETS", "bucket_for", "buckets_up_to", "pad_tokens", "graph_capacity", "GraphedDecoder",
-           "CompiledDecoder", "EagerRunner", "fill_for_timing", "time_static", "wb_decode_graph_support",
+           "CompiledDecoder", "CompileVariant", "COMPILE_VARIANTS", "DEFAULT_VARIANTS", "variant_names",
+           "EagerRunner", "fill_for_timing", "time_static", "time_compiled", "wb_decode_graph_support",
            "probe_wb_decode_capture"]
 
 # nano-vllm's buckets: 1, 2, 4, 8, then every 16 up to its largest batch; powers of two here, enough for the
@@ -243,27 +245,41 @@ class CompiledDecoder:
     """The static step under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (gpt-fast's recipe): Inductor
     fuses the step and its CUDA-graph trees replay it. The weights and the cache are marked static, so a replay
     copies none of them in. One batch (the cache's); `compile_kwargs` replace the mode (the CPU tests pass
-    ``backend="eager"``, which checks that the step traces as one graph without compiling it).
+    ``backend="eager"``, which checks that the step traces as one graph without compiling it; a
+    :class:`CompileVariant` passes ``options``). `split_gate_up`: the step's MLP as two products (see
+    :meth:`Decoder.forward_step`).
 
     As gpt-fast does, each step's output is cloned before the next call: a replay overwrites its outputs.
+    ``first_step_s``: the wall time of the first step (compilation, and on a GPU its kernels' tuning), once it ran.
     """
 
     name = "compile"
 
-    def __init__(self, model: dec.Decoder, attend, *, cache: dec.KVCache, **compile_kwargs):
+    def __init__(self, model: dec.Decoder, attend, *, cache: dec.KVCache, split_gate_up: bool = False,
+                 **compile_kwargs):
         self.model, self.attend, self.cache = model, attend, cache
         self.capacity = cache.capacity
+        self.split_gate_up = bool(split_gate_up)
         for tensor in _model_and_cache_tensors(model, cache):
             torch._dynamo.mark_static_address(tensor)
         options = compile_kwargs or {"mode": "reduce-overhead"}
         self._compiled = torch.compile(self._step, fullgraph=True, **options)
         self.batch, self.host_len = None, 0
+        self.first_step_s = None
+
+    @classmethod
+    def for_variant(cls, model: dec.Decoder, attend, *, cache: dec.KVCache, variant: "CompileVariant",
+                    backend: str = "inductor") -> "CompiledDecoder":
+        """The compiled step of `variant`. `backend` other than "inductor" (the CPU tests' "eager") traces the
+        variant's step without Inductor, whose options then do not apply."""
+        kwargs = variant.compile_kwargs() if backend == "inductor" else {"backend": backend}
+        return cls(model, attend, cache=cache, split_gate_up=variant.split_gate_up, **kwargs)
 
     def _step(self, tokens: torch.Tensor) -> tuple:
         # the greedy token is picked inside the compiled graph too, as GraphedDecoder picks it inside its capture:
         # outside, PyTorch's eager argmax over a 128k vocabulary takes about 30 us of a 1.5 ms step on an H100
         logits = self.model.forward_step(tokens, self.cache, self.attend, max_seqlen=self.capacity,
-                                         equal_lengths=False)
+                                         equal_lengths=False, split_gate_up=self.split_gate_up)
         return logits, logits.argmax(-1)
 
     @torch.inference_mode()
@@ -290,8 +306,97 @@ class CompiledDecoder:
         self.host_len += 1
         if _on_cuda(self.model):
             torch.compiler.cudagraph_mark_step_begin()
+        started = time.perf_counter() if self.first_step_s is None else None
         logits, picked = self._compiled(tokens.to(self.model.device).clone())
+        if started is not None:
+            _synchronize(self.model)
+            self.first_step_s = time.perf_counter() - started
         return picked.clone() if greedy else logits.clone()
+
+
+@dataclass(frozen=True)
+class CompileVariant:
+    """One way of compiling the static step, for the bar of the decoder at its roofline (``decoder_tokens
+    --variants``): a torch.compile `mode`, or Inductor `options` (``torch.compile(options=...)``, the configuration
+    patches of that compilation alone: nothing global changes), and the step's own `split_gate_up`."""
+
+    name: str
+    description: str
+    mode: str | None = None
+    options: tuple = ()  # ((inductor config name, value), ...): a tuple, so that the variant stays hashable
+    split_gate_up: bool = False
+    compile_guess_s: float = 60.0  # a guess at its cold compilation on an H100 (the run's plan and time budget)
+
+    def __post_init__(self):
+        if (self.mode is None) == (not self.options):
+            raise ValueError(f"variant {self.name}: give a mode or options (torch.compile takes one of them)")
+
+    def compile_kwargs(self) -> dict:
+        return {"mode": self.mode} if self.mode is not None else {"options": dict(self.options)}
+
+
+# Inductor's reduce-overhead mode is these options; a variant adds to them, so that every variant replays CUDA graphs
+_CUDAGRAPHS = (("triton.cudagraphs", True),)
+# gpt-fast's settings. coordinate_descent_tuning is the one that changes the step: with it, Inductor decomposes a
+# matrix product with one row (a decode step at batch 1) into a multiply and a sum, which it generates as a Triton
+# reduction (fusing the RMSNorm before it and the residual add after it) and tunes by coordinate descent, where
+# without it the product goes to cuBLAS (torch/_inductor/decomposition.py, mm: "Our matrix vector multiplies only
+# achieve peak bandwidth with coordinate descent tuning"). The other two are torch's defaults since 2.6 or so
+# (kernel names for a profile; the compiled-graph cache on disk, which a second compilation of the same graph
+# reuses): set anyway, so that the variant is gpt-fast's whatever the torch.
+_GPT_FAST = _CUDAGRAPHS + (("coordinate_descent_tuning", True), ("triton.unique_kernel_names", True),
+                           ("fx_graph_cache", True))
+
+COMPILE_VARIANTS = {v.name: v for v in (
+    CompileVariant("reduce-overhead", "torch.compile(mode='reduce-overhead'): the committed compiled step (cuBLAS "
+                   "matrix-vector products, Inductor's fused elementwise kernels, CUDA-graph trees)",
+                   mode="reduce-overhead", compile_guess_s=25.0),
+    CompileVariant("coordinate-descent", "reduce-overhead with gpt-fast's Inductor settings: the matrix-vector "
+                   "products as Triton reductions tuned by coordinate descent, the norms and residual adds fused into "
+                   "them", options=_GPT_FAST, compile_guess_s=45.0),
+    CompileVariant("coordinate-descent-split-gate-up", "coordinate-descent, the MLP's gate and up as two products "
+                   "over views of their matrix (one kernel for both and silu(gate) * up, if Inductor fuses them)",
+                   options=_GPT_FAST, split_gate_up=True, compile_guess_s=30.0),
+    CompileVariant("coordinate-descent-pdl", "coordinate-descent with programmatic dependent launch between "
+                   "Inductor's kernels (triton.enable_pdl, Hopper: a kernel starts while its predecessor drains; an "
+                   "unknown option in older torch, then the variant fails at once)",
+                   options=_GPT_FAST + (("triton.enable_pdl", True),), compile_guess_s=45.0),
+    CompileVariant("max-autotune", "torch.compile(mode='max-autotune'): coordinate descent, CUDA graphs and "
+                   "Inductor's autotuning of its kernels' configurations (no matrix product is left at batch 1 to "
+                   "choose cuBLAS or a Triton template for): slow to compile, so last",
+                   mode="max-autotune", compile_guess_s=90.0),
+    # by name only (not in DEFAULT_VARIANTS): the two above together, should both help
+    CompileVariant("coordinate-descent-pdl-split-gate-up", "coordinate-descent-pdl with the split gate and up",
+                   options=_GPT_FAST + (("triton.enable_pdl", True),), split_gate_up=True, compile_guess_s=30.0),
+    # by name only: more compilation, less likely to move the step
+    CompileVariant("coordinate-descent-combo", "coordinate-descent with combo kernels (independent small kernels, "
+                   "such as a layer's RoPE and cache writes, launched as one)",
+                   options=_GPT_FAST + (("combo_kernels", True),), compile_guess_s=60.0),
+    CompileVariant("coordinate-descent-all-directions", "coordinate-descent searching every direction of every "
+                   "tuning knob, not only the first that improves",
+                   options=_GPT_FAST + (("coordinate_descent_check_all_directions", True),), compile_guess_s=90.0),
+)}
+# The run's order: the baseline first (the same card's number to compare with), the likeliest gain next, the slowest
+# compilation last
+DEFAULT_VARIANTS = ("reduce-overhead", "coordinate-descent", "coordinate-descent-pdl",
+                    "coordinate-descent-split-gate-up", "max-autotune")
+
+
+def variant_names(text: str) -> tuple:
+    """Variant names from a comma-separated list; "default" is :data:`DEFAULT_VARIANTS`, "all" every variant. The
+    baseline (reduce-overhead) is always first, so that each variant has the same card's baseline beside it."""
+    names = []
+    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+        expanded = {"default": DEFAULT_VARIANTS, "all": tuple(COMPILE_VARIANTS)}.get(part, (part,))
+        for name in expanded:
+            if name not in COMPILE_VARIANTS:
+                raise ValueError(f"variant {name!r}: expected default, all or names among "
+                                 f"{', '.join(COMPILE_VARIANTS)}")
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise ValueError("variants: expected at least one name")
+    return ("reduce-overhead",) + tuple(n for n in names if n != "reduce-overhead")
 
 
 # ---- timing ------------------------------------------------------------------------------------------------
@@ -377,6 +482,41 @@ def time_static(model: dec.Decoder, mode: str, attend, *, batch: int, context: i
     return {"ms_per_step": total_ms / steps, "tokens_per_s": batch * steps / (total_ms / 1e3),
             "capacity": cache.capacity, "mean_context": context + warmup + (steps + 1) / 2, "captured": captured,
             "setup_s": setup_s, "first_call_s": first_call_s}
+
+
+def time_compiled(runner: CompiledDecoder, *, context: int, steps: int, warmup: int, repeats: int = 1,
+                  seed: int = 0) -> dict:
+    """:func:`time_static`'s measurement of a compiled step that already exists (the variants' run compiles each
+    once, checks its greedy tokens, then times it here on the same cache): the cache filled by
+    :func:`fill_for_timing` to `context` keys, `warmup` untimed steps, `steps` timed ones between one pair of CUDA
+    events (the wall clock on the CPU), and again `repeats` times from `context` keys (the lengths on the GPU put
+    back), so each repeat reads the same keys. Returns ``ms_per_step`` (the median repeat), ``ms_per_step_min``,
+    ``ms_per_step_repeats``, ``tokens_per_s`` and ``mean_context`` (the keys an average timed step reads)."""
+    batch = runner.cache.cache_seqlens.shape[0]
+    if min(context, steps, repeats) < 1 or warmup < 0:
+        raise ValueError(f"context={context}, steps={steps}, repeats={repeats} must be >= 1, warmup={warmup} >= 0")
+    if context + warmup + steps > runner.capacity:
+        raise ValueError(f"context {context} + warmup {warmup} + steps {steps} exceeds the compiled step's cache "
+                         f"capacity {runner.capacity}")
+    model = runner.model
+    fill_for_timing(runner.cache, context, seed)
+    tokens = torch.randint(0, model.config.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed))
+    times = []
+    for _ in range(repeats):
+        runner.cache.cache_seqlens.fill_(context)
+        runner.resume(batch, context)
+        state = [tokens.to(model.device)]
+
+        def step():
+            state[0] = runner.step(state[0], greedy=True)
+
+        for _ in range(warmup):
+            step()
+        _synchronize(model)
+        times.append(dec.time_steps(step, steps, _on_cuda(model)) / steps)
+    median = statistics.median(times)
+    return {"ms_per_step": median, "ms_per_step_min": min(times), "ms_per_step_repeats": times,
+            "tokens_per_s": batch / (median / 1e3), "mean_context": context + warmup + (steps + 1) / 2}
 
 
 # ---- is wb.decode graph-safe? ------------------------------------------------------------------------------

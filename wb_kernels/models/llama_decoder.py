@@ -417,8 +417,17 @@ class Decoder:
         cos, sin = rope
         return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
 
-    def _mlp(self, layer: LayerWeights, x):
-        gate, up = F.linear(_rms_norm(x, layer.mlp_norm, self.config.norm_eps), layer.w_gate_up).chunk(2, dim=-1)
+    def _mlp(self, layer: LayerWeights, x, split_gate_up: bool = False):
+        normed = _rms_norm(x, layer.mlp_norm, self.config.norm_eps)
+        if split_gate_up:
+            # Two products over the row halves of the one matrix (views: no weight is copied). Compiled with
+            # Inductor's matrix-vector products as reductions (coordinate_descent_tuning), two reductions of the same
+            # shape that read the same input can become one kernel that also computes silu(gate) * up as it stores,
+            # where the one product's output must first be split in two by a later kernel.
+            ffn = self.config.ffn_dim
+            gate, up = F.linear(normed, layer.w_gate_up[:ffn]), F.linear(normed, layer.w_gate_up[ffn:])
+        else:
+            gate, up = F.linear(normed, layer.w_gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, layer.w_down)
 
     def _logits(self, x):
@@ -490,11 +499,13 @@ class Decoder:
                                  equal_lengths=cache.host_uniform)
 
     def forward_step(self, tokens: torch.Tensor, cache: KVCache, attend, *, max_seqlen: int,
-                     equal_lengths: bool) -> torch.Tensor:
+                     equal_lengths: bool, split_gate_up: bool = False) -> torch.Tensor:
         """One decode step on the device alone: what :meth:`decode_step` runs, and what a CUDA graph captures
         (``decoder_graphs``). Every position comes from ``cache.cache_seqlens`` on the device, every size from
         the host's `max_seqlen` (a graph passes the cache's capacity, the same on every replay), and nothing is
-        read back, allocated by the host or checked against a value on the GPU."""
+        read back, allocated by the host or checked against a value on the GPU. `split_gate_up`: the MLP's gate and
+        up projections as two matrix products over views of their one matrix (a variant of the compiled step,
+        ``decoder_graphs.COMPILE_VARIANTS``); the same arithmetic, up to the order of rounding."""
         c = self.config
         batch = tokens.shape[0]
         positions = cache.cache_seqlens.long()[:, None]  # (B, 1): where the new token goes, and its RoPE angle
@@ -510,7 +521,7 @@ class Decoder:
                 raise ValueError(f"attend returned {tuple(attended.shape)} {attended.dtype}; expected "
                                  f"{(batch, c.n_heads, c.head_dim)} {self.dtype}")
             x = x + F.linear(attended.reshape(batch, 1, -1), layer.wo)
-            x = x + self._mlp(layer, x)
+            x = x + self._mlp(layer, x, split_gate_up)
         return self._logits(x[:, 0, :])
 
     @torch.inference_mode()
