@@ -50,6 +50,13 @@ def test_the_version_table_is_lab_py():
     assert "v1" in launcher.VERSIONS and launcher.DEFAULT_VERSION in launcher.VERSIONS
     assert all(run is getattr(lab, f"flash_{name}") for name, run in launcher.VERSIONS.items())
     assert launcher.launcher_of() is launcher.VERSIONS[launcher.DEFAULT_VERSION]
+    # the stage's choice per head dim (the fastest on the H100 that passed the matrix: NOTES.md), any other -> default
+    assert set(launcher.DEFAULT_VERSION_BY_HEAD_DIM) == set(launcher.STAGE.head_dims)
+    assert all(name in launcher.VERSIONS for name in launcher.DEFAULT_VERSION_BY_HEAD_DIM.values())
+    assert launcher.launcher_of(None, 64) is launcher.VERSIONS[launcher.DEFAULT_VERSION_BY_HEAD_DIM[64]]
+    assert launcher.launcher_of(None, 128) is launcher.VERSIONS[launcher.DEFAULT_VERSION_BY_HEAD_DIM[128]]
+    assert launcher.launcher_of(None, 96) is launcher.VERSIONS[launcher.DEFAULT_VERSION]
+    assert launcher.launcher_of("v2", 64) is launcher.VERSIONS["v2"]  # an asked version wins
     with pytest.raises(ValueError, match=r"no version 'v9'.*v1"):
         launcher.launcher_of("v9")
 

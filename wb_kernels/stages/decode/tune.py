@@ -411,7 +411,15 @@ def measure_mma_sweep(variants, reps: int) -> tuple:
                     last["result"] = ext.flash_decode_mma_forward(q, k, v, None, lens, status, keys, splits, scale)
                     return last["result"]
 
-                out, lse = call()[:2]
+                try:
+                    out, lse = call()[:2]
+                    torch.cuda.synchronize()
+                except RuntimeError as error:  # a launch the build refuses (e.g. invalid argument): say so, go on
+                    print(f"ERROR {variant.name} B{B} Hk{Hk} Lk{L} splits {splits} keys {keys}: "
+                          f"{str(error).splitlines()[0]}", file=sys.stderr)
+                    rows.append(dict(shape, variant=variant.name, splits=splits, keys_per_split=keys, ok=False,
+                                     launcher_pick=splits == launcher_splits, error=str(error).splitlines()[0]))
+                    continue
                 err = float((out.float() - expected).abs().max())
                 lse_err = float((lse - expected_lse).abs().max())
                 ok = err < 2e-2 and lse_err < 1e-2 and int(status.item()) == 0
@@ -446,6 +454,10 @@ def mma_sweep_table(rows: list, shapes: list) -> str:
                 extra = (f"  [span {t['span_us']:.1f} us, block {t['block_us']:.1f} (first tile {t['to_first_tile_us']:.1f}"
                          f", loop {t['loop_us']:.1f}, end {t['epilogue_us']:.1f}), {t['most_blocks_per_sm']}/SM, "
                          f"outside {t.get('outside_blocks_us', 0):.1f} us]")
+            if "error" in r:
+                lines.append(f"{name:<22} {r['variant']:<16} {r['splits']:>6} {r['keys_per_split']:>6}  ERROR "
+                             f"{r['error']}")
+                continue
             lines.append(f"{name:<22} {r['variant']:<16} {r['splits']:>5}{'*' if r['launcher_pick'] else ' '} "
                          f"{r['keys_per_split']:>6} {r['median_ms'] * 1e3:>8.1f} {r['gbps']:>7.0f} "
                          f"{100 * r['fraction_of_copy']:>5.0f}% {r['vs_sdpa_fastest']:>6.2f}  "

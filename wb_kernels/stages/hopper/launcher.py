@@ -1,11 +1,11 @@
 """Stage 09: FlashAttention on Hopper by hand, TMA + mbarriers + wgmma in CUDA C++ (lesson 09_hopper).
 
 The kernels are in ``hopper_lab.cu``, built by ``build.py`` for ``sm_90a`` the first time the stage runs (cached
-afterwards); ``lab.py`` launches them. This module is what ``wb.attention(..., stage="hopper")`` runs: the version
-:data:`DEFAULT_VERSION` of :data:`VERSIONS`, on CUDA torch tensors in float16 or bfloat16 with head dim 64 or 128
-(K and V may have fewer heads: grouped-query attention, read in place; causal top-left or bottom-right). It needs a
-Hopper GPU (sm_90: H100, H200); on any other GPU the build refuses, naming ``stage="mma"``, which runs on sm_80 and
-newer.
+afterwards); ``lab.py`` launches them. This module is what ``wb.attention(..., stage="hopper")`` runs: a version of
+:data:`VERSIONS`, chosen by the head dim (:data:`DEFAULT_VERSION_BY_HEAD_DIM`), on CUDA torch tensors in float16 or
+bfloat16 with head dim 64 or 128 (K and V may have fewer heads: grouped-query attention, read in place; causal
+top-left or bottom-right). It needs a Hopper GPU (sm_90: H100, H200); on any other GPU the build refuses, naming
+``stage="mma"``, which runs on sm_80 and newer.
 """
 
 from __future__ import annotations
@@ -14,15 +14,19 @@ from . import lab
 from .. import Stage
 from ...reference import positive_scale
 
-__all__ = ["STAGE", "forward", "VERSIONS", "DEFAULT_VERSION", "GRID_Y_BLOCKS"]
+__all__ = ["STAGE", "forward", "VERSIONS", "DEFAULT_VERSION", "DEFAULT_VERSION_BY_HEAD_DIM", "launcher_of",
+           "GRID_Y_BLOCKS"]
 
 # The versions of the kernel that lab.py launches, by name, each ``(q, k, v, *, causal, key_padding_mask, scale,
 # module) -> (out, lse)`` taking a positive scale. A version joins the table by existing in lab.py as flash_<name>
-# (NOTES.md, "Versions", says what each adds); the stage runs DEFAULT_VERSION, the newest one that passed the whole
-# test matrix on an H100.
+# (NOTES.md, "Versions", says what each adds). The stage runs, per head dim, the version that was fastest on an H100
+# (hopper-bar benchmark, NOTES.md) among those that passed the whole test matrix there: v4 (a producer, two consumers
+# in ping-pong, softmax under P V) at D = 128; at D = 64 v1 (one warpgroup, two blocks an SM) at L = 4096.
+# DEFAULT_VERSION is the one for any other head dim.
 VERSIONS = {name: getattr(lab, f"flash_{name}") for name in ("v1", "v2", "v3", "v4", "v5")
             if hasattr(lab, f"flash_{name}")}
-DEFAULT_VERSION = "v1"
+DEFAULT_VERSION = "v4"
+DEFAULT_VERSION_BY_HEAD_DIM = {64: "v1", 128: "v4"}
 
 # v1 numbers its (batch, head) pairs along gridDim.y, which CUDA limits to 65,535 blocks (gridDim.x goes to
 # 2**31 - 1; issue 29 moved every other rung's pairs there). Until the kernel does the same, a larger batch runs as
@@ -33,12 +37,12 @@ GRID_Y_BLOCKS = 65_535
 def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=None, version=None):
     """Run a version of the Hopper kernel on CUDA tensors; returns ``(out, lse)`` as CUDA tensors.
 
-    `version`: a key of :data:`VERSIONS` (default :data:`DEFAULT_VERSION`). `module`: an extension from
+    `version`: a key of :data:`VERSIONS` (default: :data:`DEFAULT_VERSION_BY_HEAD_DIM` for q's head dim). `module`: an extension from
     :func:`wb_kernels.stages.hopper.build.build` (a lesson passes the one it built from its own edited source); by
     default the package's, built once per process. Any finite scale: the kernels take a positive one, which
     :func:`~wb_kernels.reference.positive_scale` makes of 0 and negative scales, as for the mma rung.
     """
-    run = launcher_of(version)
+    run = launcher_of(version, q.shape[-1])
     q, scale = positive_scale(q, scale)
     B, H = q.shape[0], q.shape[1]
     per_launch = max(1, GRID_Y_BLOCKS // H)
@@ -53,9 +57,10 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, module=
     return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
 
 
-def launcher_of(version=None):
-    """The launcher of `version` (default :data:`DEFAULT_VERSION`); a ValueError naming the versions there are."""
-    name = DEFAULT_VERSION if version is None else version
+def launcher_of(version=None, head_dim=None):
+    """The launcher of `version` (default: the one for `head_dim` in :data:`DEFAULT_VERSION_BY_HEAD_DIM`, else
+    :data:`DEFAULT_VERSION`); a ValueError naming the versions there are."""
+    name = DEFAULT_VERSION_BY_HEAD_DIM.get(head_dim, DEFAULT_VERSION) if version is None else version
     if name not in VERSIONS:
         raise ValueError(f"the hopper rung has no version {name!r}; it has {', '.join(VERSIONS)}")
     return VERSIONS[name]
