@@ -1059,18 +1059,75 @@ def variants_summary(results: dict) -> str:
                  if r.get("status") == "ok" and r["variant"] == s["variants"][0]}
     lines += [_variant_line(r, baselines.get(r["context"])) for r in results["records"]]
     for context in s["contexts"]:
-        ok = [r for r in results["records"] if r.get("status") == "ok" and r["context"] == context
-              and r["greedy_verdict"] != "suspect"]
-        if not ok:
+        best = best_variant(results, context)
+        if best is None:
             lines.append(f"L={context}: no variant timed with its tokens checked")
             continue
-        best = min(ok, key=lambda r: r["ms_per_step"])
         bar = 100 * results["roofline_bar"]
         lines.append(f"L={context}: best {best['variant']}, {best['ms_per_step']:.4g} ms/step = "
                      f"{100 * best['fraction_of_roofline']:.1f} % of the roofline (roofline {best['roofline']['step_ms']}"
                      f" ms); the bar, {bar:.0f} %, is " + ("met" if best["fraction_of_roofline"] >= ROOFLINE_BAR
                                                              else "not met"))
     return "\n".join(lines)
+
+
+def best_variant(results: dict, context: int) -> dict | None:
+    """The fastest variant timed at `context` keys whose greedy tokens were checked and not suspect (a faster step
+    that generates other tokens is not a faster decoder); None where no variant was."""
+    ok = [r for r in results["records"] if r.get("status") == "ok" and r["context"] == context
+          and r["greedy_verdict"] != "suspect"]
+    return min(ok, key=lambda r: r["ms_per_step"]) if ok else None
+
+
+def variants_readme_line(results: dict, *, source: str) -> str:
+    """The README's sentence for a variants run (`source`: the file's path in the repository), rendered from the
+    file alone: the GPU and commit, each variant's ms per step and fraction of the roofline per context (or why it
+    did not run), the greedy verdicts, the best variant and whether it meets the file's ``roofline_bar``."""
+    s, env = results["settings"], results["environment"]
+    parts = []
+    for context in s["contexts"]:
+        records = [r for r in results["records"] if r["context"] == context]
+        timed = [r for r in records if r.get("status") == "ok"]
+        rows = ", ".join(f"{r['variant']} {r['ms_per_step']:.3f} ms ({100 * r['fraction_of_roofline']:.1f} %)"
+                         if r.get("status") == "ok" else f"{r['variant']} {r['status']} ({r.get('reason')})"
+                         for r in records)
+        verdicts = sorted({r["greedy_verdict"] for r in timed})
+        greedy = (f"greedy tokens {verdicts[0]} to the eager decoder's for every variant timed" if len(verdicts) == 1
+                  else "greedy tokens against the eager decoder's: " + ", ".join(
+                      f"{r['variant']} {r['greedy_verdict']}" for r in timed))
+        best = best_variant(results, context)
+        verdict = ("no variant timed with its tokens checked" if best is None else
+                   f"best {best['variant']}" + (f", {best['vs_baseline']:.3f}x {s['variants'][0]}"
+                                                if best.get("vs_baseline") else "")
+                   + f": the bar of {100 * results['roofline_bar']:.0f} % of the roofline is "
+                   + ("met" if best["fraction_of_roofline"] >= results["roofline_bar"] else "not met"))
+        parts.append(f"{context:,} keys: {rows}; {greedy}; {verdict}")
+    return (f"The compiled step's variants (`{s['config']}`, {s['dtype']}, batch 1, attention `{s['attend']}`; ms per "
+            f"step and the fraction of the step's roofline), measured on {env.get('gpu') or env.get('device')} at "
+            f"commit {env.get('git_commit')} (`{source}`): " + "; ".join(parts) + ".")
+
+
+README_VARIANTS_START, README_VARIANTS_END = "<!-- decoder-variants:start -->", "<!-- decoder-variants:end -->"
+
+
+def update_variants_readme(results_path, readme=None) -> Path:
+    """Rewrite the README's block between :data:`README_VARIANTS_START` and :data:`README_VARIANTS_END` with
+    :func:`variants_readme_line` of the variants file `results_path` (the README's test checks that it is current)."""
+    import json
+
+    from ..bench.results import REPO_ROOT
+
+    readme = Path(readme) if readme is not None else REPO_ROOT / "README.md"
+    text = readme.read_text()
+    if README_VARIANTS_START not in text or README_VARIANTS_END not in text:
+        raise ValueError(f"{readme} has no {README_VARIANTS_START} ... {README_VARIANTS_END} block to fill")
+    source = Path(results_path).resolve()
+    source = source.relative_to(REPO_ROOT) if source.is_relative_to(REPO_ROOT) else source
+    line = variants_readme_line(json.loads(Path(results_path).read_text()), source=str(source))
+    head, rest = text.split(README_VARIANTS_START, 1)
+    tail = rest.split(README_VARIANTS_END, 1)[1]
+    readme.write_text(f"{head}{README_VARIANTS_START}\n{line}\n{README_VARIANTS_END}{tail}")
+    return readme
 
 
 def default_variants_output(smoke: bool) -> Path:
