@@ -595,6 +595,9 @@ __device__ __forceinline__ void mask_scores(float (&s)[BLOCK_N / 2], const Flash
     }
 }
 
+// endregion
+
+// region: flash_softmax_rows
 template <int BLOCK_N>
 __device__ __forceinline__ void softmax_rows(float (&s)[BLOCK_N / 2], float (&row_max)[2], float (&row_sum)[2],
                                              float (&alpha)[2], float scale_log2) {
@@ -624,6 +627,9 @@ __device__ __forceinline__ void softmax_rows(float (&s)[BLOCK_N / 2], float (&ro
     }
 }
 
+// endregion
+
+// region: flash_softmax_mask_branch
 // MASK_BRANCH: true skips the masking of tiles that need none behind one (uniform) branch, the cheaper code for v1
 // and v2; false masks every tile branch-free (a bound no key reaches leaves the scores as they are), which v3 and
 // v4 need: with any branch around the softmax ptxas serialized their wgmma (C7512, "insufficient register
