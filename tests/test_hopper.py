@@ -124,7 +124,8 @@ def test_the_source_indexes_registers_as_the_python_transcription_says():
             "const int row = 16 * warp + lane / 4 + 8 * h, column = 8 * j + 2 * (lane % 4);",
             "make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1])",
             "p[t][i] = pack_pair<T>(s[8 * t + 2 * i], s[8 * t + 2 * i + 1]);",
-            "const int key = n0 + 8 * j + 2 * (lane % 4) + e;",
+            "n0 + 8 * j + 2 * (lane % 4) + e < params.Lk",  # the key of s[4 j + 2 r + e] (key padding's read)
+            "bound[r] = keys_end - n0 - 2 * (lane % 4);",  # the same key, as a bound on column 8 j + e
             "pack_pair<T>(o[4 * j + 2 * r] * inverse, o[4 * j + 2 * r + 1] * inverse)"):
         assert expression in source, expression
 
