@@ -24,12 +24,12 @@
 //   region named_barrier_kernel   (e) two warpgroups taking turns through named barriers (v3's ping-pong)
 //   region flash_tile_steps  what every attention version does per key tile: the tile count, the mask decision, S by
 //                            SS wgmma, the online softmax, P packed as the RS operand, O += P V, the epilogue
-//   region flash_v1_kernel   v1 (ran on an H100, not yet a stage): one warpgroup per 64 query rows, K/V tiles by TMA
-//                            in a 2-slot ring (lab.flash_v1; gpu_checks "attention")
-//   region flash_ws_*        v2 and v3 (not yet run on a GPU): a producer warpgroup (TMA into a full/empty ring) and
-//                            two consumer warpgroups of 64 rows, registers split by setmaxnreg; v3's consumers take
-//                            turns on the tensor cores through named barriers (lab.flash_v2 / flash_v3; gpu_checks
-//                            "v2", "v3")
+//   region flash_v1_kernel   v1 (the stage at D = 64): one warpgroup per 64 query rows, K/V tiles by TMA in a 2-slot
+//                            ring (lab.flash_v1; gpu_checks "attention")
+//   region flash_ws_*        v2, v3 and v4 (v4: the stage at D = 128): a producer warpgroup (TMA into a full/empty
+//                            ring) and two consumer warpgroups of 64 rows, registers split by setmaxnreg; v3's
+//                            consumers take turns on the tensor cores through named barriers, v4 also runs each
+//                            tile's softmax under its own P V (lab.flash_v2 / v3 / v4; gpu_checks "v2", "v3", "v4")
 //
 // Build options: -DWB_WATCHDOG_NS=<n> makes every barrier wait trap after n nanoseconds instead of spinning for ever
 // (no printf: a printf in a kernel with wgmma makes ptxas serialize the wgmma, a C7510/C7520 note, and build.py
