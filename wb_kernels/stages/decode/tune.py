@@ -358,21 +358,47 @@ def _mma_sdpa_baselines(q, k, v, reps: int) -> dict:
 
 
 def measure_mma_sweep(variants, reps: int) -> tuple:
-    """Every variant's mma kernel at every shape and sweep count of splits: one row each (see the module doc)."""
-    import torch
+    """Every variant's mma kernel at every shape and sweep count of splits: one row each (see the module doc).
+
+    The builds compile side by side; each is then timed in a child process of its own (``--mma-sweep-child``), with
+    the baselines timed again there: with several of these extensions loaded in one process, every launch but the
+    first-loaded build's failed with "invalid argument" on the H100 (2026-11-26)."""
+    import tempfile
 
     started = time.time()
     base_flags = build_flags()
     jobs = {v: _build_flags_in_subprocess(v.flags(base_flags)) for v in variants}
-    extensions, failed = {}, {}
+    built, failed = [], {}
     for variant, job in jobs.items():
         output, _ = job.communicate()
         if job.returncode != 0:
             failed[variant.name] = output[-3000:]
             print(f"BUILD FAILED {variant.name}:\n{output[-3000:]}", file=sys.stderr)
         else:
-            extensions[variant] = build.build(build.package_source(), flags=variant.flags(base_flags))
-    print(f"built {len(extensions)} of {len(variants)} mma variants in {time.time() - started:.0f} s", file=sys.stderr)
+            built.append(variant)
+    print(f"built {len(built)} of {len(variants)} mma variants in {time.time() - started:.0f} s", file=sys.stderr)
+    rows, shapes = [], []
+    for variant in built:
+        with tempfile.TemporaryDirectory() as folder:
+            out = Path(folder) / "child.json"
+            child = subprocess.run([sys.executable, "-m", "wb_kernels.stages.decode.tune", "--mma-sweep-child",
+                                    variant.name, "--reps", str(reps), "--json", str(out)], text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            print(child.stdout[-4000:], file=sys.stderr)
+            if child.returncode != 0 or not out.exists():
+                failed[variant.name] = f"timing child exited {child.returncode}: {child.stdout[-2000:]}"
+                continue
+            part = json.loads(out.read_text())
+        rows += part["records"]
+        shapes = shapes or part["shapes"]  # the first child's baselines (each child's rows use its own)
+    return rows, shapes, failed
+
+
+def measure_mma_variant(variant, reps: int) -> tuple:
+    """One variant's rows and the shapes' baselines, in this process (the build comes from the cache)."""
+    import torch
+
+    extensions = {variant: build.build(build.package_source(), flags=variant.flags(build_flags()))}
     device = torch.cuda.current_device()
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
     rows, shapes = [], []
@@ -436,7 +462,7 @@ def measure_mma_sweep(variants, reps: int) -> tuple:
                           f"|lse - fp32| {lse_err:.3g}, status {int(status.item())}", file=sys.stderr)
                     status.zero_()
                 rows.append(row)
-    return rows, shapes, failed
+    return rows, shapes
 
 
 def mma_sweep_table(rows: list, shapes: list) -> str:
@@ -523,6 +549,7 @@ def main(argv=None) -> int:
                         help="time the split and the mma kernel on groups 1-32 instead (launcher.MMA_MIN_GROUP)")
     parser.add_argument("--mma-sweep", action="store_true",
                         help="A/B the mma kernel's builds (MMA_VARIANTS) and split counts at the MQA bar shapes")
+    parser.add_argument("--mma-sweep-child", metavar="VARIANT", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mma-variants", default=None,
                         help="with --mma-sweep: comma-separated names of MMA_VARIANTS (default: all)")
     args = parser.parse_args(argv)
@@ -537,6 +564,12 @@ def main(argv=None) -> int:
     import torch
 
     from wb_kernels.bench.results import environment
+
+    if args.mma_sweep_child is not None:  # one variant, in a process of its own (measure_mma_sweep)
+        variant = {v.name: v for v in MMA_VARIANTS}[args.mma_sweep_child]
+        rows, shapes = measure_mma_variant(variant, args.reps)
+        _write(dict(records=rows, shapes=shapes), args.json)
+        return 0
 
     if args.mma_sweep:
         variants = (MMA_VARIANTS if args.mma_variants is None
