@@ -20,7 +20,7 @@ import pytest
 
 import wb_kernels as wb
 from wb_kernels import decoding
-from wb_kernels.stages.decode import build, launcher
+from wb_kernels.stages.decode import build, launcher, tune
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_decode import check_decode, make_cache  # noqa: E402  (the decode tests' problems and wb.check's rule)
@@ -488,30 +488,11 @@ def test_the_mma_sweep_times_each_split_count_once():
     assert mma_sweep_splits(100, 4) == [(1, 128), (2, 64)]
 
 
-def test_the_trace_summary_reads_the_blocks_records():
-    """Three blocks on two SMs (global timer in ns): the kernel's span, a block's phases, two blocks at once on SM 5,
-    and what the call spent outside them."""
-    from wb_kernels.stages.decode.tune import summarize_trace
-
-    # smid, start, first tile, loop end, end, clock start, clock end, tiles
-    records = [[5, 1000, 3000, 9000, 10000, 0, 18000, 4],
-               [5, 1500, 3500, 9500, 11000, 0, 17100, 4],
-               [7, 1200, 2200, 8200, 9200, 0, 14400, 4]]
-    t = summarize_trace(records, event_ms=0.015)
-    assert (t["blocks"], t["sms"], t["most_blocks_per_sm"], t["tiles"]) == (3, 2, 2, 4)
-    assert t["span_us"] == 10.0 and t["start_spread_us"] == 0.5
-    assert t["to_first_tile_us"] == 2.0 and t["loop_us"] == 6.0 and t["epilogue_us"] == 1.0
-    assert t["block_us"] == 9.0 and t["block_max_us"] == 9.5 and t["sm_clock_ghz"] == 1.8
-    assert t["outside_blocks_us"] == 5.0
-    one_after_another = summarize_trace([[3, 0, 1, 2, 10, 0, 1, 1], [3, 10, 11, 12, 20, 0, 1, 1]])
-    assert one_after_another["most_blocks_per_sm"] == 1  # the second starts as the first ends
-
-
 def _sweep_rows():
     shape = dict(B=1, H=32, Hk=1, Lk=2048, D=128, kv_bytes=2**20)
     rows = [dict(shape, variant=name, splits=s, keys_per_split=2048 // s, median_ms=ms, gbps=1.0, fraction_of_copy=0.5,
                  vs_sdpa_fastest=0.011 / ms, launcher_pick=s == 16, max_err_vs_fp32=0.0, lse_err_vs_fp32=0.0, ok=ok)
-            for name, s, ms, ok in (("base", 16, 0.017, True), ("early_kv", 16, 0.012, True), ("pdl", 8, 0.005, False))]
+            for name, s, ms, ok in (("base", 16, 0.017, True), ("stages2", 16, 0.012, True), ("stages4", 8, 0.005, False))]
     shapes = [dict(shape, baselines_ms={"copy": 0.007, "sdpa": 0.012, "sdpa-cudnn": 0.011}, sdpa_fastest="sdpa-cudnn",
                    launcher_splits=16, blocks_per_sm=2)]
     return rows, shapes
@@ -524,7 +505,7 @@ def test_the_mma_sweep_table_names_the_best_checked_point():
     rows, shapes = _sweep_rows()
     table = mma_sweep_table(rows, shapes)
     assert "MISMATCH" in table.splitlines()[3]
-    assert "best: early_kv at 16 splits: 12.0 us" in table
+    assert "best: stages2 at 16 splits: 12.0 us" in table
     assert "base at the launcher's 16 splits 17.0 us" in table and "sdpa-cudnn 11.0 us" in table
 
 
@@ -539,32 +520,20 @@ def test_the_mma_variants_are_knobs_of_the_kernels_source():
     for variant in tune.MMA_VARIANTS:
         for macro, _ in variant.defines:
             assert f"#ifndef {macro}\n#define {macro} " in source, macro
-    assert tune.MmaVariant("x", (("WB_DECODE_MMA_PDL", 1),)).flags(["-O3"]) == ["-O3", "-DWB_DECODE_MMA_PDL=1"]
+    assert tune.MmaVariant("x", (("WB_DECODE_MMA_STAGES", 2),)).flags(["-O3"]) == ["-O3", "-DWB_DECODE_MMA_STAGES=2"]
     with pytest.raises(SystemExit):
         tune.main(["--mma-sweep", "--mma-variants", "base,no_such_variant"])
 
 
-@pytest.mark.parametrize("defines", [("WB_DECODE_MMA_EARLY_KV=1", "WB_DECODE_MMA_PDL=1", "WB_DECODE_MMA_MERGE=1"),
-                                     ("WB_DECODE_MMA_STAGES=2",)], ids=["early_pdl_merge", "stages2"])
-def test_the_mma_knobs_compile_without_spills(defines):
-    """The sweep's candidate builds for the H100 (sm_90a): the contiguous mma kernels spill nothing, and with
-    EARLY_KV every load of q is issued before q is first stored to shared memory (in the default build each store
-    waits for its load before the next load issues: two or three round trips to memory before the first tile)."""
+@pytest.mark.parametrize("variant", [v for v in tune.MMA_VARIANTS if v.defines], ids=lambda v: v.name)
+def test_the_mma_knobs_compile_without_spills(variant):
+    """The sweep's candidate builds for the H100 (sm_90a): the contiguous mma kernels spill nothing."""
     from stage_cases import tool_or_skip
 
     from wb_kernels import cuda_build
 
     tool_or_skip(cuda_build.find_nvcc, "the mma knobs' compile check")
-    flags = tuple(f"-D{d}" for d in defines)
-    cubin, log = cuda_build.compile_cubin("sm_90a", build.package_source(), build.LINE_NAME, extra_flags=flags)
+    flags = tuple(f"-D{macro}={value}" for macro, value in variant.defines)
+    _, log = cuda_build.compile_cubin("sm_90a", build.package_source(), build.LINE_NAME, extra_flags=flags)
     mma = [e for e in cuda_build.ptxas_entries(log) if "decode_mma_kernel" in e.function and e.function.endswith("Lb0EEEvNS_12DecodeParamsE")]
     assert len(mma) == 12 and all(e.spill_stores == 0 for e in mma), mma
-    if "WB_DECODE_MMA_EARLY_KV=1" in defines:
-        tool_or_skip(cuda_build.find_cuobjdump, "the SASS check")
-        name = "_ZN2wb17decode_mma_kernelI6__halfLi128ELi2ELb0EEEvNS_12DecodeParamsE"
-        order = cuda_build.sass_lines(cubin, lambda f: f == name, pattern="")
-        q_loads = [i for i, line in enumerate(order) if line.startswith(("LDG.E.128", "@!P")) and "LDG.E.128" in line]
-        first_store = next(i for i, line in enumerate(order) if "STS.128" in line)
-        first_tile = next(i for i, line in enumerate(order) if "LDGSTS" in line)
-        assert len(q_loads) == 4 and max(q_loads) < first_tile < first_store, (q_loads, first_tile, first_store)
-        assert len([e for e in cuda_build.ptxas_entries(log) if "decode_mma_merge_kernel" in e.function]) == 4

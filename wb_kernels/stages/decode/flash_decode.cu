@@ -554,60 +554,12 @@ __device__ __forceinline__ int decode_swizzled(int row, int chunk) { return row 
 #ifndef WB_DECODE_MMA_STAGES
 #define WB_DECODE_MMA_STAGES 3
 #endif
-// Tuning knobs of the mma path (tune.py --mma-sweep builds each; the defaults are the kernel measured on the H100):
-// - EARLY_KV 1: q's loads are issued first and the first tiles' cp.async before q is stored, so the block waits one
-//   memory round trip before its first tile instead of two (the length, then q, then K and V);
-// - PDL 1: the merge kernel is launched as a programmatic dependent (PTX ISA "griddepcontrol"): it is scheduled while
-//   the mma kernel's blocks write their partial results and waits for them on the GPU, not behind a kernel boundary;
-// - MERGE 1: the mma path's own merge kernel, 8 threads per 4 columns each summing every 8th split with 16-byte loads
-//   (a long sequence's 128 splits: 4 rounds of loads per thread instead of 16), where 0 launches decode_merge_kernel;
-// - CARVEOUT 1: asks for the largest shared-memory carveout, so that the occupancy the launcher counts (2 blocks per
-//   SM at D = 128) is the one the driver configures;
-// - FUSED_PAIRS: the most (query head, split) pairs whose splits the kernel's last block merges itself;
-// - TRACE 1: each block records its SM, global timer and clock at its start, first tile, loop end and end (a
-//   diagnostic build: the host returns the records as a third tensor).
-#ifndef WB_DECODE_MMA_EARLY_KV
-#define WB_DECODE_MMA_EARLY_KV 0
-#endif
-#ifndef WB_DECODE_MMA_PDL
-#define WB_DECODE_MMA_PDL 0
-#endif
-#ifndef WB_DECODE_MMA_MERGE
-#define WB_DECODE_MMA_MERGE 0
-#endif
-#ifndef WB_DECODE_MMA_CARVEOUT
-#define WB_DECODE_MMA_CARVEOUT 0
-#endif
-#ifndef WB_DECODE_MMA_FUSED_PAIRS
-#define WB_DECODE_MMA_FUSED_PAIRS 256
-#endif
-#ifndef WB_DECODE_MMA_TRACE
-#define WB_DECODE_MMA_TRACE 0
-#endif
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define WB_DECODE_MMA_GRIDDEP WB_DECODE_MMA_PDL  // griddepcontrol is sm_90's
-#else
-#define WB_DECODE_MMA_GRIDDEP 0
-#endif
-constexpr int kMmaTraceWords = 8;  // per block: smid, 4 global-timer stamps, 2 clocks, tiles
 constexpr int kMmaWarps = 4;
 constexpr int kMmaKeys = 64;
 constexpr int kMmaStages = WB_DECODE_MMA_STAGES;
 constexpr int kMmaMaxGroup = 64;  // 4 row tiles; larger groups take the split kernel
 template <typename T, int D>
 constexpr int mma_dynamic_smem_bytes() { return kMmaStages * 2 * kMmaKeys * D * (int)sizeof(T); }
-
-// The trace's record of a block (WB_DECODE_MMA_TRACE): past the workspace's counters, 8-byte aligned
-__device__ __forceinline__ unsigned long long* mma_trace_records(const DecodeParams& p) {
-    const size_t floats = (size_t)p.num_splits * p.B * p.H + p.B * p.Hk;  // past part_lse: the LSEs, the counters
-    const uintptr_t at = reinterpret_cast<uintptr_t>(p.part_lse + floats);
-    return reinterpret_cast<unsigned long long*>((at + 7) & ~uintptr_t{7});
-}
-__device__ __forceinline__ unsigned long long mma_global_timer() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 
 // --- mma_decode_setup
 template <typename T, int D, int M_TILES, bool PAGED>
@@ -636,34 +588,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
     const int group = p.H / p.Hk, head0 = kv_head * group;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row_tile = warp % M_TILES, slice = warp / M_TILES;
-#if WB_DECODE_MMA_TRACE
-    const unsigned long long trace_start = mma_global_timer(), clock_start = clock64();
-    unsigned long long trace_first = 0;
-#endif
-
-#if WB_DECODE_MMA_EARLY_KV
-    // q is (B, H, D), contiguous (the host's copy); rows past the group are zeros
-    auto load_q = [&](int e) {
-        const int r = e / CHUNKS, c = e % CHUNKS;
-        return r < group ? *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + ((size_t)b * p.H + head0 + r) * D + c * 8)
-                         : make_uint4(0, 0, 0, 0);
-    };
-    auto store_q = [&](const uint4& raw, int e) {  // swizzled into s_q, and whether the row's query is finite
-        const int r = e / CHUNKS, c = e % CHUNKS;
-        float x[8];
-        to_float8<T>(raw, x);
-        bool bad = false;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) bad |= !is_finite(x[i]);
-        if (bad) s_q_bad[r] = 1;
-        *reinterpret_cast<uint4*>(s_q + decode_swizzled<D>(r, c)) = raw;
-    };
-    // q's loads first: they do not wait for the length, and are stored after the first tiles' cp.async are issued
-    static_assert(ROWS * CHUNKS % THREADS == 0, "whole passes over q");
-    uint4 q_raw[ROWS * CHUNKS / THREADS];
-#pragma unroll
-    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) q_raw[i] = load_q(threadIdx.x + i * THREADS);
-#endif
 
     // lengths as the split kernel takes them: clamped to the cache and flagged; the last split reads every key past
     // the others'
@@ -679,8 +603,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
 
     for (int r = threadIdx.x; r < ROWS; r += THREADS) s_q_bad[r] = 0;
     __syncthreads();
-#if !WB_DECODE_MMA_EARLY_KV
-    // (the loop as measured on the H100, written out: through load_q and store_q ptxas orders it differently)
     for (int e = threadIdx.x; e < ROWS * CHUNKS; e += THREADS) {  // q is (B, H, D), contiguous (the host's copy)
         const int r = e / CHUNKS, c = e % CHUNKS;
         uint4 raw = make_uint4(0, 0, 0, 0);
@@ -694,7 +616,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
         if (bad) s_q_bad[r] = 1;
         *reinterpret_cast<uint4*>(s_q + decode_swizzled<D>(r, c)) = raw;
     }
-#endif
 
     // --- mma_decode_tile_loads
     // Keys through the strides (and the block table when PAGED), as the split kernel reads them; thread i copies
@@ -735,10 +656,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
         if (t < tiles) load_tile(t, start + t * kMmaKeys);
         decode_cp_async_commit();
     }
-#if WB_DECODE_MMA_EARLY_KV
-#pragma unroll
-    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) store_q(q_raw[i], threadIdx.x + i * THREADS);
-#endif
     __syncthreads();  // s_q and s_q_bad are written
 
     // Q's A fragments, once: matrix i = lane / 8 of an ldmatrix.x4 covers rows (i % 2) * 8 .. +7, chunk 2 ks + i / 2.
@@ -761,9 +678,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
     for (int tile = 0; tile < tiles; ++tile) {
         decode_cp_async_wait<kMmaStages - 2>();
         __syncthreads();  // this tile has landed for every thread; every warp is done with the stage loaded next
-#if WB_DECODE_MMA_TRACE
-        if (tile == 0) trace_first = mma_global_timer();
-#endif
         const int next = tile + kMmaStages - 1;
         if (next < tiles) load_tile(next % kMmaStages, start + next * kMmaKeys);
         decode_cp_async_commit();
@@ -841,14 +755,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
         }
     }
     decode_cp_async_wait<0>();
-#if WB_DECODE_MMA_TRACE
-    const unsigned long long trace_loop = mma_global_timer();
-#endif
-#if WB_DECODE_MMA_GRIDDEP
-    // the merge kernel may be scheduled once every block is here; it waits (griddepcontrol.wait) for this grid's
-    // completion and memory before it reads a partial result
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
     // every warp is done with the stages (reused below); one flag for the block's clamped table entries
     if (__syncthreads_or(bad_page) && threadIdx.x == 0) atomicOr(p.status, 4);
 
@@ -895,18 +801,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
             p.part_lse[row] = poisoned ? __int_as_float(0x7fc00000)
                                        : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
     }
-#if WB_DECODE_MMA_TRACE
-    if (threadIdx.x == 0) {
-        unsigned smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-        unsigned long long* record = mma_trace_records(p) + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * kMmaTraceWords;
-        const unsigned long long values[kMmaTraceWords] = {smid, trace_start, trace_first, trace_loop,
-                                                           mma_global_timer(), clock_start, (unsigned long long)clock64(),
-                                                           (unsigned long long)tiles};
-#pragma unroll
-        for (int i = 0; i < kMmaTraceWords; ++i) record[i] = values[i];
-    }
-#endif
 
     // the fused merge, as the split kernel's (one counter per (sequence, KV head): gridDim.z is 1)
     if (p.counters == nullptr) return;
@@ -917,86 +811,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
     if (!s_last) return;
     merge_splits<T, D, ROWS>(p.part_out, p.part_lse, static_cast<T*>(p.out), p.lse, p.B * p.H, b * p.H + head0, group,
                              p.num_splits, reinterpret_cast<float*>(s_dynamic));
-}
-
-// --- mma_decode_merge_kernel
-// The mma path's second kernel, where its blocks do not merge: one block per query row. Built as the default, it is
-// merge_splits as decode_merge_kernel runs it (which the default launch uses); WB_DECODE_MMA_PDL makes it wait for the
-// mma kernel on the GPU (griddepcontrol.wait: every block of it done, its writes visible), and WB_DECODE_MMA_MERGE
-// sums the splits with kMmaMergeLanes threads per 4 columns, each every kMmaMergeLanes-th split, 16 bytes a load.
-constexpr int kMmaMergeLanes = 8;
-template <typename T, int D>
-__global__ void __launch_bounds__(D / 4 * kMmaMergeLanes) decode_mma_merge_kernel(const float* part_out,
-                                                                                 const float* part_lse, T* out,
-                                                                                 float* lse, int rows, int num_splits) {
-    extern __shared__ float s_weight[];  // [num_splits]
-#if WB_DECODE_MMA_GRIDDEP
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-#if !WB_DECODE_MMA_MERGE
-    merge_splits<T, D, 1>(part_out, part_lse, out, lse, rows, blockIdx.x, 1, num_splits, s_weight);
-#else
-    constexpr int COLUMNS = D / 4;  // float4 columns
-    __shared__ float4 s_part[kMmaMergeLanes][COLUMNS];
-    __shared__ float s_top, s_total;
-    __shared__ int s_poisoned;
-    const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int s = threadIdx.x; s < num_splits; s += blockDim.x) s_weight[s] = __ldcg(part_lse + (size_t)s * rows + row);
-    __syncthreads();
-    if (warp == 0) {  // the largest LSE, and whether any split is NaN (as merge_splits)
-        float top = kNegBig;
-        bool poisoned = false;
-        for (int s = lane; s < num_splits; s += 32) {
-            top = fmaxf(top, s_weight[s]);
-            poisoned |= is_nan(s_weight[s]);
-        }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
-        poisoned = __any_sync(0xffffffffu, poisoned);
-        if (lane == 0) {
-            s_top = top;
-            s_poisoned = poisoned;
-        }
-    }
-    __syncthreads();
-    const float top = s_top;
-    for (int s = threadIdx.x; s < num_splits; s += blockDim.x)  // an empty split weighs 0
-        s_weight[s] = s_weight[s] <= kNegHalf ? 0.f : __expf(s_weight[s] - top);
-    __syncthreads();
-    if (warp == 0) {
-        float total = 0.f;
-        for (int s = lane; s < num_splits; s += 32) total += s_weight[s];
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-        if (lane == 0) s_total = total;
-    }
-    const int column = threadIdx.x % COLUMNS, part = threadIdx.x / COLUMNS;
-    float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int s = part; s < num_splits; s += kMmaMergeLanes) {  // an empty split's output is 0
-        const float weight = s_weight[s];
-        const float4 x = __ldcg(reinterpret_cast<const float4*>(part_out + ((size_t)s * rows + row) * D) + column);
-        value.x += weight * x.x;
-        value.y += weight * x.y;
-        value.z += weight * x.z;
-        value.w += weight * x.w;
-    }
-    s_part[part][column] = value;
-    __syncthreads();
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        if (s_poisoned) {
-            out[(size_t)row * D + d] = from_float<T>(__int_as_float(0x7fc00000));
-            if (d == 0) lse[row] = __int_as_float(0x7fc00000);
-            continue;
-        }
-        float sum = 0.f;
-#pragma unroll
-        for (int q = 0; q < kMmaMergeLanes; ++q) sum += reinterpret_cast<const float*>(s_part[q])[d];
-        const float total = s_total;
-        out[(size_t)row * D + d] = from_float<T>(total > 0.f ? sum / total : 0.f);
-        if (d == 0) lse[row] = total > 0.f ? top + logf(total) : -INFINITY;
-    }
-#endif
 }
 
 
@@ -1033,12 +847,6 @@ WB_INSTANTIATE_MERGE(__nv_bfloat16, 64) WB_INSTANTIATE_MERGE(__nv_bfloat16, 128)
 #define WB_INSTANTIATE_MMA_TILES(T, D) WB_INSTANTIATE_MMA(T, D, 1) WB_INSTANTIATE_MMA(T, D, 2) WB_INSTANTIATE_MMA(T, D, 4)
 WB_INSTANTIATE_MMA_TILES(__half, 64) WB_INSTANTIATE_MMA_TILES(__half, 128)
 WB_INSTANTIATE_MMA_TILES(__nv_bfloat16, 64) WB_INSTANTIATE_MMA_TILES(__nv_bfloat16, 128)
-#if WB_DECODE_MMA_PDL || WB_DECODE_MMA_MERGE  // the default build launches decode_merge_kernel
-#define WB_INSTANTIATE_MMA_MERGE(T, D) \
-    template __global__ void wb::decode_mma_merge_kernel<T, D>(const float*, const float*, T*, float*, int, int);
-WB_INSTANTIATE_MMA_MERGE(__half, 64) WB_INSTANTIATE_MMA_MERGE(__half, 128)
-WB_INSTANTIATE_MMA_MERGE(__nv_bfloat16, 64) WB_INSTANTIATE_MMA_MERGE(__nv_bfloat16, 128)
-#endif
 #else
 // region: launch_split_kernel
 // c10's headers rather than ATen/cuda/CUDAContext.h (which pulls in cuBLAS): the whole file then compiles against a
@@ -1258,9 +1066,6 @@ void allow_mma_shared_memory() {
     if (bit != 0 && (done.load() & bit)) return;
     C10_CUDA_CHECK(cudaFuncSetAttribute(decode_mma_kernel<T, D, M_TILES, PAGED>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, mma_dynamic_smem_bytes<T, D>()));
-    if (WB_DECODE_MMA_CARVEOUT)
-        C10_CUDA_CHECK(cudaFuncSetAttribute(decode_mma_kernel<T, D, M_TILES, PAGED>,
-                                            cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
     done.fetch_or(bit);
 }
 
@@ -1280,28 +1085,10 @@ void launch_mma(const DecodeParams& params, cudaStream_t stream) {
     else if (tiles == 2) paged ? launch_mma_variant<T, D, 2, true>(params, stream) : launch_mma_variant<T, D, 2, false>(params, stream);
     else paged ? launch_mma_variant<T, D, 4, true>(params, stream) : launch_mma_variant<T, D, 4, false>(params, stream);
     if (params.counters != nullptr) return;  // merged by the kernel's last blocks
-    if (!WB_DECODE_MMA_PDL && !WB_DECODE_MMA_MERGE) {  // the default build: the split kernel's merge kernel
-        decode_merge_kernel<T, D><<<params.B * params.H, D, params.num_splits * sizeof(float), stream>>>(
-            params.part_out, params.part_lse, static_cast<T*>(params.out), params.lse, params.B * params.H,
-            params.num_splits);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
-    }
-#if WB_DECODE_MMA_PDL || WB_DECODE_MMA_MERGE
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(params.B * params.H);
-    config.blockDim = dim3(WB_DECODE_MMA_MERGE ? D / 4 * kMmaMergeLanes : D);
-    config.dynamicSmemBytes = params.num_splits * sizeof(float);
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // may start before the mma kernel ends
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attribute;
-    config.numAttrs = WB_DECODE_MMA_PDL ? 1 : 0;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, decode_mma_merge_kernel<T, D>, static_cast<const float*>(params.part_out),
-                                      static_cast<const float*>(params.part_lse), static_cast<T*>(params.out),
-                                      params.lse, params.B * params.H, params.num_splits));
-#endif
+    decode_merge_kernel<T, D><<<params.B * params.H, D, params.num_splits * sizeof(float), stream>>>(
+        params.part_out, params.part_lse, static_cast<T*>(params.out), params.lse, params.B * params.H,
+        params.num_splits);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T, int D, int M_TILES>
@@ -1376,10 +1163,7 @@ std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tens
     auto lse = torch::empty({B, H}, q.options().dtype(torch::kFloat32));
     const int64_t group = H / Hk, counters = B * Hk;  // one counter per (sequence, KV head)
     const int64_t part_floats = num_splits * B * H * (D + 1);
-    // WB_DECODE_MMA_TRACE: each block's record past the counters (8-byte aligned: mma_trace_records)
-    const int64_t trace_at = (part_floats + counters + 1) / 2 * 2, trace_floats = WB_DECODE_MMA_TRACE ? 2 * wb::kMmaTraceWords * B * Hk * num_splits : 0;
-    auto workspace = torch::empty({trace_floats ? trace_at + trace_floats : part_floats + counters},
-                                  q.options().dtype(torch::kFloat32));
+    auto workspace = torch::empty({part_floats + counters}, q.options().dtype(torch::kFloat32));
 
     wb::DecodeParams params;
     params.q = q.data_ptr();
@@ -1410,7 +1194,7 @@ std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tens
     // ... and where the one block that merges does no more than the split kernel's does (4 rows x 64 splits): the
     // last block of a group reads group x splits x D floats alone, 1 MB for MQA's 32 heads at 64 splits, D = 128, which
     // one block reads far slower than the second kernel's B x H blocks do (on an H100, MQA B1 Lk32768 took 97 us fused)
-    constexpr int64_t kMostFusedRowSplits = WB_DECODE_MMA_FUSED_PAIRS;  // 4 x 64 by default
+    constexpr int64_t kMostFusedRowSplits = 4 * 64;
     params.counters = nullptr;
     if (WB_DECODE_FUSED_MERGE && group * num_splits <= weights && group * num_splits <= kMostFusedRowSplits)
         params.counters = wb::merge_counters(workspace, part_floats * sizeof(float), counters, stream);
@@ -1421,8 +1205,6 @@ std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tens
         if (D == 64) wb::launch_mma<__nv_bfloat16, 64>(params, stream);
         else wb::launch_mma<__nv_bfloat16, 128>(params, stream);
     }
-    if (trace_floats)  // (blocks, 8) int64, block x * splits + split: see the kernel's WB_DECODE_MMA_TRACE
-        return {out, lse, workspace.narrow(0, trace_at, trace_floats).view(torch::kInt64).view({B * Hk * num_splits, wb::kMmaTraceWords})};
     return {out, lse};
 }
 #endif  // WB_KERNEL_ONLY

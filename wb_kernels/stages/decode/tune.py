@@ -34,12 +34,11 @@ split kernel's tuning run.)
 
     python -m wb_kernels.stages.decode.tune --mma-sweep --json results/decode/mma_sweep_h100.json
 
-``--mma-sweep`` A/B's the tensor-core kernel's builds (:data:`MMA_VARIANTS`: the ``WB_DECODE_MMA_*`` knobs of
-flash_decode.cu, each with the package's own nvcc flags) at the MQA bar shapes and one GQA-8 shape, each at several
-numbers of splits around the launcher's, every result checked against float32 PyTorch (output and LSE; a mismatch is
-printed as MISMATCH and the exit status is 1), with SDPA's backends and the K/V copy timed in the same run. The trace
-build adds each block's SM and timestamps (:func:`summarize_trace`: the kernel's span, a block's phases, blocks per
-SM at once), which say where the time goes.
+``--mma-sweep`` A/B's the tensor-core kernel's builds (:data:`MMA_VARIANTS`: the default and its number of
+``cp.async`` stages, ``WB_DECODE_MMA_STAGES``, each with the package's own nvcc flags) at the MQA bar shapes and one
+GQA-8 shape, each at several numbers of splits around the launcher's, every result checked against float32 PyTorch
+(output and LSE; a mismatch is printed as MISMATCH and the exit status is 1), with SDPA's backends and the K/V copy
+timed in the same run.
 """
 
 from __future__ import annotations
@@ -274,19 +273,10 @@ class MmaVariant:
         return list(base) + [f"-D{macro}={value}" for macro, value in self.defines]
 
 
-_EARLY, _PDL, _MERGE = ("WB_DECODE_MMA_EARLY_KV", 1), ("WB_DECODE_MMA_PDL", 1), ("WB_DECODE_MMA_MERGE", 1)
 MMA_VARIANTS = (
     MmaVariant("base"),  # the default build, as wb.decode runs it
-    MmaVariant("trace", (("WB_DECODE_MMA_TRACE", 1),)),  # base + per-block timestamps (a diagnostic)
-    MmaVariant("early_kv", (_EARLY,)),
-    MmaVariant("pdl", (_PDL,)),
-    MmaVariant("merge", (_MERGE,)),
-    MmaVariant("pdl_merge", (_PDL, _MERGE)),
-    MmaVariant("fused1024", (("WB_DECODE_MMA_FUSED_PAIRS", 1024),)),  # the last block merges up to 1024 pairs
     MmaVariant("stages2", (("WB_DECODE_MMA_STAGES", 2),)),  # 64 KB at D = 128: 3 blocks per SM
     MmaVariant("stages4", (("WB_DECODE_MMA_STAGES", 4),)),  # 128 KB: 1 block per SM, 3 tiles in flight
-    MmaVariant("carveout", (("WB_DECODE_MMA_CARVEOUT", 1),)),
-    MmaVariant("early_pdl_merge", (_EARLY, _PDL, _MERGE)),
 )
 # (B, H, Hk, Lk, D), float16: the MQA bar shapes, a long MQA sequence, and GQA 8 (the mma kernel from group 5 on)
 MMA_SWEEP_SHAPES = ((8, 32, 1, 8192, 128), (1, 32, 1, 2048, 128), (1, 32, 1, 32768, 128), (8, 32, 4, 8192, 128))
@@ -305,39 +295,6 @@ def mma_sweep_splits(L: int, launcher_splits: int) -> list:
         keys, used = cuda_split_plan(L, splits)
         plans.setdefault(used, keys)
     return sorted(plans.items(), key=lambda plan: plan[0])  # [(splits, keys_per_split), ...]
-
-
-def summarize_trace(records, event_ms: float | None = None) -> dict:
-    """What the trace build's per-block records (blocks x 8 int64: SM, global timer at start, first tile, loop end
-    and end, clock at start and end, tiles; flash_decode.cu's WB_DECODE_MMA_TRACE) say: the kernel's span from the
-    first block's start to the last block's end, the spread of the blocks' starts, a block's phases (medians, us),
-    the most blocks one SM held at once, and the SMs used; with `event_ms` (the call's CUDA-event time), what the
-    call spent outside the kernel's blocks (launches, the merge kernel)."""
-    import numpy as np
-
-    r = np.asarray(records, dtype=np.int64).reshape(-1, 8)
-    smid, start, first, loop, end, c0, c1, tiles = (r[:, i] for i in range(8))
-    has = tiles > 0
-    us = lambda ns: float(ns) / 1e3  # noqa: E731
-    most = 0
-    for sm in np.unique(smid):  # blocks of one SM alive at once: a sweep over its start and end times
-        events = sorted([(t, 1) for t in start[smid == sm]] + [(t, -1) for t in end[smid == sm]],
-                        key=lambda e: (e[0], e[1]))
-        alive = 0
-        for _, step in events:
-            alive += step
-            most = max(most, alive)
-    ns = np.maximum(end - start, 1)
-    summary = dict(blocks=int(len(r)), sms=int(len(np.unique(smid))), most_blocks_per_sm=int(most),
-                   span_us=us(end.max() - start.min()), start_spread_us=us(start.max() - start.min()),
-                   block_us=us(np.median(end - start)), block_max_us=us((end - start).max()),
-                   to_first_tile_us=us(np.median((first - start)[has])) if has.any() else 0.0,
-                   loop_us=us(np.median((loop - first)[has])) if has.any() else 0.0,
-                   epilogue_us=us(np.median(end - loop)), tiles=int(np.median(tiles)),
-                   sm_clock_ghz=round(float(np.median((c1 - c0) / ns)), 3))
-    if event_ms is not None:
-        summary["outside_blocks_us"] = event_ms * 1e3 - summary["span_us"]
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}
 
 
 def _mma_sdpa_baselines(q, k, v, reps: int) -> dict:
@@ -456,8 +413,6 @@ def measure_mma_variant(variant, reps: int) -> tuple:
                            fraction_of_copy=round(baselines["copy"] / (2 * ms), 4),
                            vs_sdpa_fastest=round(baselines[fastest] / ms, 3), launcher_pick=splits == launcher_splits,
                            max_err_vs_fp32=err, lse_err_vs_fp32=lse_err, ok=ok)
-                if len(last["result"]) == 3:  # the trace build: the last timed call's blocks
-                    row["trace"] = summarize_trace(last["result"][2].cpu().numpy(), ms)
                 if not ok:
                     print(f"MISMATCH {variant.name} B{B} Hk{Hk} Lk{L} splits {splits}: max |out - fp32| {err:.3g}, "
                           f"|lse - fp32| {lse_err:.3g}, status {int(status.item())}", file=sys.stderr)
@@ -475,12 +430,6 @@ def mma_sweep_table(rows: list, shapes: list) -> str:
         name = f"B{info['B']} H{info['H']} Hk{info['Hk']} Lk{info['Lk']}"
         mine = [r for r in rows if (r["B"], r["Hk"], r["Lk"], r["D"]) == (info["B"], info["Hk"], info["Lk"], info["D"])]
         for r in mine:
-            extra = ""
-            if "trace" in r:
-                t = r["trace"]
-                extra = (f"  [span {t['span_us']:.1f} us, block {t['block_us']:.1f} (first tile {t['to_first_tile_us']:.1f}"
-                         f", loop {t['loop_us']:.1f}, end {t['epilogue_us']:.1f}), {t['most_blocks_per_sm']}/SM, "
-                         f"outside {t.get('outside_blocks_us', 0):.1f} us]")
             if "error" in r:
                 lines.append(f"{name:<22} {r['variant']:<16} {r['splits']:>6} {r['keys_per_split']:>6}  ERROR "
                              f"{r['error']}")
@@ -488,7 +437,7 @@ def mma_sweep_table(rows: list, shapes: list) -> str:
             lines.append(f"{name:<22} {r['variant']:<16} {r['splits']:>5}{'*' if r['launcher_pick'] else ' '} "
                          f"{r['keys_per_split']:>6} {r['median_ms'] * 1e3:>8.1f} {r['gbps']:>7.0f} "
                          f"{100 * r['fraction_of_copy']:>5.0f}% {r['vs_sdpa_fastest']:>6.2f}  "
-                         f"{'ok' if r['ok'] else 'MISMATCH'}{extra}")
+                         f"{'ok' if r['ok'] else 'MISMATCH'}")
         good = [r for r in mine if r["ok"]]
         base = [r for r in good if r["variant"] == "base" and r["launcher_pick"]]
         b = info["baselines_ms"]
