@@ -352,7 +352,22 @@ def test_gpu_mma_kernel_in_a_cuda_graph_replays_other_lengths():
 # fragment layouts (wb_kernels/stages/mma/fragments.py). A wrong address or register in the kernel's formulas, as
 # copied here, gives a wrong answer against float64; the GPU tests check the kernel itself.
 
-WARPS, TILE_KEYS = 4, 64  # kMmaWarps, kMmaKeys
+WARPS = 8  # WB_DECODE_MMA_WARPS
+
+
+def mma_shape(tiles_m, warps=WARPS):
+    """flash_decode.cu's MmaShape: (slices, keys per tile, keys per warp) for `tiles_m` row tiles."""
+    slices = warps // tiles_m
+    keys = max(slices * 16, 64)
+    return slices, keys, keys // slices
+
+
+def test_the_model_has_the_kernels_shape():
+    """The model's warps and tile rule are the ones flash_decode.cu's MmaShape states."""
+    source = build.package_source()
+    assert f"#define WB_DECODE_MMA_WARPS {WARPS}\n" in source
+    assert "static constexpr int KEYS = SLICES * 16 > 64 ? SLICES * 16 : 64;" in source
+    assert [mma_shape(t) for t in (1, 2, 4)] == [(8, 128, 16), (4, 64, 16), (2, 64, 32)]
 
 
 def _swizzled(row, chunk, D):  # decode_swizzled
@@ -380,26 +395,27 @@ def _quad(values, combine):  # two xor shuffles within groups of four lanes: (32
     return np.repeat(combine(grouped, axis=1), 4)
 
 
-def mma_block_model(q, k, v, scale_log2):
+def mma_block_model(q, k, v, scale_log2, warps=WARPS):
     """One block's split: q (group, D) and the split's keys k, v (n, D), already rounded to 16 bits; returns the
-    split's (out (group, D), lse in log2 units (group,)) as the kernel's epilogue computes them."""
+    split's (out (group, D), lse in log2 units (group,)) as the kernel's epilogue computes them, with `warps` warps
+    (WB_DECODE_MMA_WARPS)."""
     from wb_kernels.stages.mma.fragments import ldmatrix, mma_m16n8k16
 
     group, D = q.shape
     tiles_m = 1 if group <= 16 else 2 if group <= 32 else 4
-    rows, slices = 16 * tiles_m, WARPS // tiles_m
-    warp_keys = TILE_KEYS // slices
+    rows = 16 * tiles_m
+    slices, tile_keys, warp_keys = mma_shape(tiles_m, warps)
     s_q = _store_tile(q, D, rows)
     lane = np.arange(32)
     state = {}
-    for warp in range(WARPS):
+    for warp in range(warps):
         row_tile, slice_ = warp % tiles_m, warp // tiles_m
         q_frag = [ldmatrix(s_q, _lanes_address(row_tile * 16 + (lane // 8 % 2) * 8 + lane % 8, 2 * ks + lane // 16,
                                                D)) for ks in range(D // 16)]
         o = np.zeros((D // 8, 32, 4))
         m_run, l_run = np.full((2, 32), -np.inf), np.zeros((2, 32))
-        for t0 in range(0, len(k), TILE_KEYS):
-            k_tile, v_tile = (_store_tile(x[t0:t0 + TILE_KEYS], D, TILE_KEYS) for x in (k, v))
+        for t0 in range(0, len(k), tile_keys):
+            k_tile, v_tile = (_store_tile(x[t0:t0 + tile_keys], D, tile_keys) for x in (k, v))
             warp_key0 = slice_ * warp_keys
             s = np.zeros((warp_keys // 8, 32, 4))
             for ks in range(D // 16):
@@ -451,16 +467,17 @@ def mma_block_model(q, k, v, scale_log2):
     return out[:group], lse[:group]
 
 
-@pytest.mark.parametrize("group, D, keys", [(1, 64, 0), (5, 64, 1), (16, 64, 64), (24, 64, 130), (32, 128, 77),
-                                            (40, 64, 200), (64, 64, 129)])
-def test_the_kernels_lanes_compute_attention(group, D, keys):
-    """The NumPy lanes of one block (row tiles 1, 2 and 4; one and several tiles of keys, ragged; no key) against
-    float64 attention of the same rounded inputs."""
+@pytest.mark.parametrize("warps", [8, 4])
+@pytest.mark.parametrize("group, D, keys", [(1, 64, 0), (5, 64, 1), (16, 64, 64), (16, 64, 300), (24, 64, 130),
+                                            (32, 128, 77), (40, 64, 200), (64, 64, 129)])
+def test_the_kernels_lanes_compute_attention(group, D, keys, warps):
+    """The NumPy lanes of one block (row tiles 1, 2 and 4; one and several tiles of keys, ragged; no key; the
+    default 8 warps and the 4 of WB_DECODE_MMA_WARPS=4) against float64 attention of the same rounded inputs."""
     rng = np.random.default_rng(group + D + keys)
     q, k, v = (rng.standard_normal(shape).astype(np.float16).astype(np.float64)
                for shape in ((group, D), (keys, D), (keys, D)))
     scale_log2 = D ** -0.5 * np.log2(np.e)
-    out, lse = mma_block_model(q, k, v, scale_log2)
+    out, lse = mma_block_model(q, k, v, scale_log2, warps)
     if keys == 0:
         assert np.all(out == 0) and np.all(lse == -1e30)
         return
@@ -520,7 +537,7 @@ def test_the_mma_variants_are_knobs_of_the_kernels_source():
     for variant in tune.MMA_VARIANTS:
         for macro, _ in variant.defines:
             assert f"#ifndef {macro}\n#define {macro} " in source, macro
-    assert tune.MmaVariant("x", (("WB_DECODE_MMA_STAGES", 2),)).flags(["-O3"]) == ["-O3", "-DWB_DECODE_MMA_STAGES=2"]
+    assert tune.MmaVariant("x", (("WB_DECODE_MMA_WARPS", 4),)).flags(["-O3"]) == ["-O3", "-DWB_DECODE_MMA_WARPS=4"]
     with pytest.raises(SystemExit):
         tune.main(["--mma-sweep", "--mma-variants", "base,no_such_variant"])
 

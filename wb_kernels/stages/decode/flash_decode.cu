@@ -546,41 +546,55 @@ template <int D>
 __device__ __forceinline__ int decode_swizzled(int row, int chunk) { return row * D + ((chunk ^ (row & 7)) << 3); }
 
 // --- mma_decode_shape
-// Block: kMmaWarps warps; tiles of kMmaKeys keys (build.KEYS_PER_STEP, so a split is whole tiles but for the last)
-// stream through kMmaStages shared-memory stages. Warp w takes row tile w % M_TILES and, of each key tile, the keys
-// of slice w / M_TILES: with one row tile the 4 warps split a tile's 64 keys 4 ways, with 4 row tiles each warp
-// computes all 64 keys for its 16 rows. Shared memory: the stages (dynamic, opted in above 48 KB), reused after the
-// loop for the slices' outputs and the fused merge's weights.
-#ifndef WB_DECODE_MMA_STAGES
-#define WB_DECODE_MMA_STAGES 3
+// Block: WARPS warps; tiles of KEYS keys stream through STAGES shared-memory stages. Warp w takes row tile
+// w % M_TILES and, of each key tile, the keys of slice w / M_TILES: SLICES = WARPS / M_TILES warps share a row tile,
+// each on its own WARP_KEYS = KEYS / SLICES keys (at least 16: one k step of P V). Shared memory: the stages (dynamic,
+// opted in above 48 KB), reused after the loop for the slices' outputs and the fused merge's weights.
+// Why 8 warps (the H100's ncu, MQA B8 Lk8192 at one block per SM, 2026-11-26): with 4 warps each scheduler held one
+// warp, which issued an instruction every 4.8 cycles, and the SMs sat waiting on that one warp's latency (DRAM at
+// 41 % of its peak); 8 warps halve each warp's share of a tile and give each scheduler a second warp. With one row
+// tile, 8 slices of 16 keys make 128-key tiles (two stages fit where three of 64 keys did).
+#ifndef WB_DECODE_MMA_WARPS
+#define WB_DECODE_MMA_WARPS 8
 #endif
-constexpr int kMmaWarps = 4;
-constexpr int kMmaKeys = 64;
-constexpr int kMmaStages = WB_DECODE_MMA_STAGES;
 constexpr int kMmaMaxGroup = 64;  // 4 row tiles; larger groups take the split kernel
-template <typename T, int D>
-constexpr int mma_dynamic_smem_bytes() { return kMmaStages * 2 * kMmaKeys * D * (int)sizeof(T); }
+template <int M_TILES>
+struct MmaShape {
+    static constexpr int WARPS = WB_DECODE_MMA_WARPS;
+    static constexpr int SLICES = WARPS / M_TILES;
+    static constexpr int KEYS = SLICES * 16 > 64 ? SLICES * 16 : 64;
+    static constexpr int STAGES = KEYS > 64 ? 2 : 3;
+    static constexpr int WARP_KEYS = KEYS / SLICES;
+};
+template <typename T, int D, int M_TILES>
+constexpr int mma_dynamic_smem_bytes() {
+    return MmaShape<M_TILES>::STAGES * 2 * MmaShape<M_TILES>::KEYS * D * (int)sizeof(T);
+}
 
 // --- mma_decode_setup
 template <typename T, int D, int M_TILES, bool PAGED>
-__global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const DecodeParams p) {
-    constexpr int THREADS = kMmaWarps * 32;
+__global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kernel(const DecodeParams p) {
+    using Shape = MmaShape<M_TILES>;
+    constexpr int THREADS = Shape::WARPS * 32, KEYS = Shape::KEYS, STAGES = Shape::STAGES;
     constexpr int ROWS = 16 * M_TILES;  // the group, padded to whole row tiles
-    constexpr int SLICES = kMmaWarps / M_TILES;  // warps per row tile, each on its own keys of every tile
-    constexpr int WARP_KEYS = kMmaKeys / SLICES;
+    constexpr int SLICES = Shape::SLICES;  // warps per row tile, each on its own keys of every tile
+    constexpr int WARP_KEYS = Shape::WARP_KEYS;
     constexpr int N_TILES = WARP_KEYS / 8;  // S tiles of 16 rows x 8 keys per warp and key tile
     constexpr int PV_STEPS = WARP_KEYS / 16;  // k steps of O += P V
     constexpr int K_STEPS = D / 16;  // k steps of S = Q K^T
     constexpr int D_TILES = D / 8;  // O tiles of 16 rows x 8 columns
     constexpr int CHUNKS = D / 8;  // 16-byte chunks per key
     constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // keys one pass of cp.async covers: 16 at D = 64, 8 at D = 128
-    constexpr int TILE = kMmaKeys * D;  // elements of one K or V tile
-    static_assert(kMmaWarps % M_TILES == 0 && WARP_KEYS % 16 == 0, "whole k steps of P V per warp");
-    static_assert(ROWS_PER_PASS % 8 == 0 && kMmaKeys % ROWS_PER_PASS == 0, "whole passes of whole swizzle periods");
-    static_assert(SLICES * ROWS * D <= kMmaStages * 2 * TILE * (int)sizeof(T) / 4, "the slices' outputs fit");
+    constexpr int TILE = KEYS * D;  // elements of one K or V tile
+    // the slices' outputs, rows D + 8 floats apart: a warp's float2 stores (8 rows x 4 column pairs) then fall on
+    // 32 different banks per half warp (at D floats apart every row starts on bank 0: a 7-way conflict in ncu)
+    constexpr int O_STRIDE = D + 8;
+    static_assert(Shape::WARPS % M_TILES == 0 && WARP_KEYS % 16 == 0, "whole k steps of P V per warp");
+    static_assert(ROWS_PER_PASS % 8 == 0 && KEYS % ROWS_PER_PASS == 0, "whole passes of whole swizzle periods");
+    static_assert(SLICES * ROWS * O_STRIDE <= STAGES * 2 * TILE * (int)sizeof(T) / 4, "the slices' outputs fit");
 
     extern __shared__ __align__(16) unsigned char s_dynamic[];
-    T* s_kv = reinterpret_cast<T*>(s_dynamic);  // [stage][K, V][kMmaKeys][D], swizzled
+    T* s_kv = reinterpret_cast<T*>(s_dynamic);  // [stage][K, V][KEYS][D], swizzled
     __shared__ __align__(16) T s_q[ROWS * D];  // the group's query rows, swizzled, zero past the group
     __shared__ int s_q_bad[ROWS];  // the row's query holds a NaN or an Inf
 
@@ -601,22 +615,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
         if (flags) atomicOr(p.status, flags);
     }
 
-    for (int r = threadIdx.x; r < ROWS; r += THREADS) s_q_bad[r] = 0;
-    __syncthreads();
-    for (int e = threadIdx.x; e < ROWS * CHUNKS; e += THREADS) {  // q is (B, H, D), contiguous (the host's copy)
-        const int r = e / CHUNKS, c = e % CHUNKS;
-        uint4 raw = make_uint4(0, 0, 0, 0);
-        if (r < group)
-            raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + ((size_t)b * p.H + head0 + r) * D + c * 8);
-        float x[8];
-        to_float8<T>(raw, x);
-        bool bad = false;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) bad |= !is_finite(x[i]);
-        if (bad) s_q_bad[r] = 1;
-        *reinterpret_cast<uint4*>(s_q + decode_swizzled<D>(r, c)) = raw;
-    }
-
     // --- mma_decode_tile_loads
     // Keys through the strides (and the block table when PAGED), as the split kernel reads them; thread i copies
     // chunk i % CHUNKS of keys i / CHUNKS + j * ROWS_PER_PASS, consecutive threads on consecutive 16 bytes of a key.
@@ -630,7 +628,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
     auto load_tile = [&](int stage, int key0) {
         T* k_dst = s_kv + stage * 2 * TILE;
 #pragma unroll
-        for (int j = 0; j < kMmaKeys / ROWS_PER_PASS; ++j) {
+        for (int j = 0; j < KEYS / ROWS_PER_PASS; ++j) {
             const int row = first_row + j * ROWS_PER_PASS, key = key0 + row;
             const bool in_bounds = key < stop;
             size_t offset = 0;
@@ -648,13 +646,29 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
             decode_cp_async_16(k_dst + TILE + dst, v_head + offset, in_bounds);
         }
     };
-    const int tiles = stop > start ? (stop - start + kMmaKeys - 1) / kMmaKeys : 0;
-    // cp.async groups in issue order, one per tile (empty past the last): waiting until at most kMmaStages - 2 are
+    const int tiles = stop > start ? (stop - start + KEYS - 1) / KEYS : 0;
+    // cp.async groups in issue order, one per tile (empty past the last): waiting until at most STAGES - 2 are
     // pending means this tile has landed
 #pragma unroll
-    for (int t = 0; t < kMmaStages - 1; ++t) {
-        if (t < tiles) load_tile(t, start + t * kMmaKeys);
+    for (int t = 0; t < STAGES - 1; ++t) {
+        if (t < tiles) load_tile(t, start + t * KEYS);
         decode_cp_async_commit();
+    }
+    // q after the first tiles are asked for: its round trip to memory overlaps theirs instead of preceding it
+    for (int r = threadIdx.x; r < ROWS; r += THREADS) s_q_bad[r] = 0;
+    __syncthreads();
+    for (int e = threadIdx.x; e < ROWS * CHUNKS; e += THREADS) {  // q is (B, H, D), contiguous (the host's copy)
+        const int r = e / CHUNKS, c = e % CHUNKS;
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        if (r < group)
+            raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + ((size_t)b * p.H + head0 + r) * D + c * 8);
+        float x[8];
+        to_float8<T>(raw, x);
+        bool bad = false;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) bad |= !is_finite(x[i]);
+        if (bad) s_q_bad[r] = 1;
+        *reinterpret_cast<uint4*>(s_q + decode_swizzled<D>(r, c)) = raw;
     }
     __syncthreads();  // s_q and s_q_bad are written
 
@@ -676,12 +690,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
 
     // --- mma_decode_scores
     for (int tile = 0; tile < tiles; ++tile) {
-        decode_cp_async_wait<kMmaStages - 2>();
+        decode_cp_async_wait<STAGES - 2>();
         __syncthreads();  // this tile has landed for every thread; every warp is done with the stage loaded next
-        const int next = tile + kMmaStages - 1;
-        if (next < tiles) load_tile(next % kMmaStages, start + next * kMmaKeys);
+        const int next = tile + STAGES - 1;
+        if (next < tiles) load_tile(next % STAGES, start + next * KEYS);
         decode_cp_async_commit();
-        const uint32_t k_tile = kv_base + (tile % kMmaStages) * 2 * TILE * 2, v_tile = k_tile + TILE * 2;
+        const uint32_t k_tile = kv_base + (tile % STAGES) * 2 * TILE * 2, v_tile = k_tile + TILE * 2;
 
         // S = Q K^T for the warp's 16 rows and WARP_KEYS keys; K's B operands: matrix i covers keys
         // 16 np + (i / 2) * 8 .., chunk 2 ks + i % 2
@@ -704,8 +718,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
         // there must not leak). Lane l holds rows l / 4 (registers 0, 1) and l / 4 + 8 (2, 3), keys 2 (l % 4) and
         // +1 of each 8-key tile; a row's maximum takes two shuffles within its four lanes. A row that has seen no key
         // keeps m = -inf and subtracts 0 instead (no inf - inf).
-        const int key0 = start + tile * kMmaKeys + warp_key0;
-        const bool ragged = start + (tile + 1) * kMmaKeys > stop;
+        const int key0 = start + tile * KEYS + warp_key0;
+        const bool ragged = start + (tile + 1) * KEYS > stop;
 #pragma unroll
         for (int n = 0; n < N_TILES; ++n)
 #pragma unroll
@@ -764,7 +778,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
     // keys) are merged through shared memory, then the block writes its split's normalised output and LSE as the
     // split kernel does, so the same merge follows.
     __shared__ float s_m[SLICES][ROWS], s_l[SLICES][ROWS];
-    float* s_o = reinterpret_cast<float*>(s_dynamic);  // [SLICES][ROWS][D]
+    float* s_o = reinterpret_cast<float*>(s_dynamic);  // [SLICES][ROWS][O_STRIDE]
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
@@ -775,10 +789,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
             s_l[slice][row] = l_run[h];
         }
 #pragma unroll
-        for (int d = 0; d < D_TILES; ++d) {
-            s_o[(slice * ROWS + row) * D + 8 * d + 2 * (lane % 4)] = o[d][2 * h];
-            s_o[(slice * ROWS + row) * D + 8 * d + 2 * (lane % 4) + 1] = o[d][2 * h + 1];
-        }
+        for (int d = 0; d < D_TILES; ++d)
+            *reinterpret_cast<float2*>(s_o + (slice * ROWS + row) * O_STRIDE + 8 * d + 2 * (lane % 4)) =
+                make_float2(o[d][2 * h], o[d][2 * h + 1]);
     }
     __syncthreads();
     for (int e = threadIdx.x; e < group * D; e += THREADS) {
@@ -791,7 +804,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) decode_mma_kernel(const Decode
         for (int w = 0; w < SLICES; ++w) {
             const float weight = exp2f(s_m[w][r] - top);
             total += s_l[w][r] * weight;
-            value += s_o[(w * ROWS + r) * D + d] * weight;
+            value += s_o[(w * ROWS + r) * O_STRIDE + d] * weight;
         }
         const size_t row = ((size_t)split * p.B + b) * p.H + head0 + r;
         const bool poisoned = is_nan(total) || (s_q_bad[r] && stop > start);  // as in the split kernel
@@ -1065,7 +1078,8 @@ void allow_mma_shared_memory() {
     const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
     if (bit != 0 && (done.load() & bit)) return;
     C10_CUDA_CHECK(cudaFuncSetAttribute(decode_mma_kernel<T, D, M_TILES, PAGED>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, mma_dynamic_smem_bytes<T, D>()));
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        mma_dynamic_smem_bytes<T, D, M_TILES>()));
     done.fetch_or(bit);
 }
 
@@ -1073,7 +1087,8 @@ template <typename T, int D, int M_TILES, bool PAGED>
 void launch_mma_variant(const DecodeParams& params, cudaStream_t stream) {
     allow_mma_shared_memory<T, D, M_TILES, PAGED>();
     const dim3 grid(params.B * params.Hk, params.num_splits, 1);
-    decode_mma_kernel<T, D, M_TILES, PAGED><<<grid, kMmaWarps * 32, mma_dynamic_smem_bytes<T, D>(), stream>>>(params);
+    decode_mma_kernel<T, D, M_TILES, PAGED><<<grid, MmaShape<M_TILES>::WARPS * 32, mma_dynamic_smem_bytes<T, D, M_TILES>(),
+                                               stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1097,11 +1112,13 @@ int mma_occupancy_of(bool paged) {
     if (paged) {
         allow_mma_shared_memory<T, D, M_TILES, true>();
         C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, decode_mma_kernel<T, D, M_TILES, true>, kMmaWarps * 32, mma_dynamic_smem_bytes<T, D>()));
+            &blocks, decode_mma_kernel<T, D, M_TILES, true>, MmaShape<M_TILES>::WARPS * 32,
+            mma_dynamic_smem_bytes<T, D, M_TILES>()));
     } else {
         allow_mma_shared_memory<T, D, M_TILES, false>();
         C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, decode_mma_kernel<T, D, M_TILES, false>, kMmaWarps * 32, mma_dynamic_smem_bytes<T, D>()));
+            &blocks, decode_mma_kernel<T, D, M_TILES, false>, MmaShape<M_TILES>::WARPS * 32,
+            mma_dynamic_smem_bytes<T, D, M_TILES>()));
     }
     return blocks;
 }
@@ -1111,6 +1128,15 @@ int mma_occupancy(int64_t group, bool paged) {
     const int tiles = mma_row_tiles(group);
     return tiles == 1 ? mma_occupancy_of<T, D, 1>(paged) : tiles == 2 ? mma_occupancy_of<T, D, 2>(paged)
                                                                       : mma_occupancy_of<T, D, 4>(paged);
+}
+
+// the stages' shared memory of the kernel for a group (2-byte types: float16 and bfloat16 alike)
+inline int64_t mma_smem_bytes(int64_t D, int64_t group) {
+    const int tiles = mma_row_tiles(group);
+    if (D == 64) return tiles == 1 ? mma_dynamic_smem_bytes<__half, 64, 1>() : tiles == 2 ? mma_dynamic_smem_bytes<__half, 64, 2>()
+                                                                                         : mma_dynamic_smem_bytes<__half, 64, 4>();
+    return tiles == 1 ? mma_dynamic_smem_bytes<__half, 128, 1>() : tiles == 2 ? mma_dynamic_smem_bytes<__half, 128, 2>()
+                                                                               : mma_dynamic_smem_bytes<__half, 128, 4>();
 }
 
 }  // namespace wb
@@ -1189,8 +1215,7 @@ std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tens
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     // fused merge where the stages' shared memory holds the group's weights for every split (else a second kernel)
-    const int64_t weights = is_half ? (D == 64 ? wb::mma_dynamic_smem_bytes<__half, 64>() : wb::mma_dynamic_smem_bytes<__half, 128>()) / 4
-                                    : (D == 64 ? wb::mma_dynamic_smem_bytes<__nv_bfloat16, 64>() : wb::mma_dynamic_smem_bytes<__nv_bfloat16, 128>()) / 4;
+    const int64_t weights = wb::mma_smem_bytes(D, group) / 4;
     // ... and where the one block that merges does no more than the split kernel's does (4 rows x 64 splits): the
     // last block of a group reads group x splits x D floats alone, 1 MB for MQA's 32 heads at 64 splits, D = 128, which
     // one block reads far slower than the second kernel's B x H blocks do (on an H100, MQA B1 Lk32768 took 97 us fused)

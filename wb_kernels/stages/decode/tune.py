@@ -34,8 +34,8 @@ split kernel's tuning run.)
 
     python -m wb_kernels.stages.decode.tune --mma-sweep --json results/decode/mma_sweep_h100.json
 
-``--mma-sweep`` A/B's the tensor-core kernel's builds (:data:`MMA_VARIANTS`: the default and its number of
-``cp.async`` stages, ``WB_DECODE_MMA_STAGES``, each with the package's own nvcc flags) at the MQA bar shapes and one
+``--mma-sweep`` A/B's the tensor-core kernel's builds (:data:`MMA_VARIANTS`: the default and its number of warps
+per block, ``WB_DECODE_MMA_WARPS``, each with the package's own nvcc flags) at the MQA bar shapes and one
 GQA-8 shape, each at several numbers of splits around the launcher's, every result checked against float32 PyTorch
 (output and LSE; a mismatch is printed as MISMATCH and the exit status is 1), with SDPA's backends and the K/V copy
 timed in the same run.
@@ -274,9 +274,8 @@ class MmaVariant:
 
 
 MMA_VARIANTS = (
-    MmaVariant("base"),  # the default build, as wb.decode runs it
-    MmaVariant("stages2", (("WB_DECODE_MMA_STAGES", 2),)),  # 64 KB at D = 128: 3 blocks per SM
-    MmaVariant("stages4", (("WB_DECODE_MMA_STAGES", 4),)),  # 128 KB: 1 block per SM, 3 tiles in flight
+    MmaVariant("base"),  # the default build, as wb.decode runs it: 8 warps a block
+    MmaVariant("warps4", (("WB_DECODE_MMA_WARPS", 4),)),  # the kernel before 2026-11-26: 4 warps, 64-key tiles
 )
 # (B, H, Hk, Lk, D), float16: the MQA bar shapes, a long MQA sequence, and GQA 8 (the mma kernel from group 5 on)
 MMA_SWEEP_SHAPES = ((8, 32, 1, 8192, 128), (1, 32, 1, 2048, 128), (1, 32, 1, 32768, 128), (8, 32, 4, 8192, 128))
