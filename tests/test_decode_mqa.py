@@ -232,6 +232,27 @@ def test_gpu_mma_kernel_matches_the_reference(case, dtype, which_entry):
     _check(q_, kc_, vc_, lens, wb.decode(q_, kc_, vc_, lens_, num_splits=num_splits))
 
 
+@gpu_only
+def test_gpu_a_second_build_in_one_process_launches_its_own_mma_kernel():
+    """The package's build runs first (its mma kernel opts in to more than 48 KB of shared memory, and remembers
+    it), then a build of the same file with other flags (the sweep's warps4): the second must opt in for its own
+    kernel. Before the flag moved into an unnamed namespace, the one flag served both builds and every launch of the
+    second failed with "invalid argument" (the tuning sweeps of 2026-11-26)."""
+    import torch
+
+    from wb_kernels.cuda_build import build_flags
+
+    B, H, Hk, D, lens = 2, 32, 1, 128, [700, 129]
+    q, (kp, vp, table), (kc, vc), lens = make_cache(B, H, Hk, D, lens, page_size=16, seed=5)
+    q_, kc_, vc_, lens_ = _cuda(q, kc, vc, lens, dtype="float16")
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for ext in (build.extension(), build.build(build.package_source(),
+                                               flags=build_flags() + ["-DWB_DECODE_MMA_WARPS=4"])):
+        out = ext.flash_decode_mma_forward(q_, kc_, vc_, None, lens_, status, 256, 3, D ** -0.5)[0]
+        _check(q_, kc_, vc_, lens, out)
+    assert int(status.item()) == 0
+
+
 def torch_tensor(mask):
     import torch
 

@@ -769,6 +769,11 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
         }
     }
     decode_cp_async_wait<0>();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // the merge kernel (launched as a programmatic dependent: PTX ISA, "griddepcontrol") may now be scheduled beside
+    // this grid's epilogues; it waits for the whole grid and its memory before it reads a partial result
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     // every warp is done with the stages (reused below); one flag for the block's clamped table entries
     if (__syncthreads_or(bad_page) && threadIdx.x == 0) atomicOr(p.status, 4);
 
@@ -826,6 +831,84 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
                              p.num_splits, reinterpret_cast<float*>(s_dynamic));
 }
 
+// --- mma_decode_merge_kernel
+// The mma path's second kernel, where its blocks do not merge (more (query head, split) pairs than one block merges
+// quickly): one block per query row, merge_splits's arithmetic with the sums spread wider. kMmaMergeLanes threads
+// share each 4 columns, each summing every kMmaMergeLanes-th split with 16-byte loads, so a long sequence's 128
+// splits cost 16 rounds of loads per thread, not 128 (on the H100, MQA B1 Lk32768: the row-per-thread merge took
+// 8 us of a 25 us call). Launched as a programmatic dependent of the mma kernel on sm_90 (the host's launch_mma): it
+// is scheduled while the mma kernel's blocks finish, and griddepcontrol.wait holds it until their writes are visible.
+constexpr int kMmaMergeLanes = 8;
+template <typename T, int D>
+__global__ void __launch_bounds__(D / 4 * kMmaMergeLanes) decode_mma_merge_kernel(const float* part_out,
+                                                                                 const float* part_lse, T* out,
+                                                                                 float* lse, int rows, int num_splits) {
+    extern __shared__ float s_weight[];  // [num_splits]
+    constexpr int COLUMNS = D / 4;  // float4 columns
+    __shared__ float4 s_part[kMmaMergeLanes][COLUMNS];
+    __shared__ float s_top, s_total;
+    __shared__ int s_poisoned;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int s = threadIdx.x; s < num_splits; s += blockDim.x) s_weight[s] = __ldcg(part_lse + (size_t)s * rows + row);
+    __syncthreads();
+    if (warp == 0) {  // the largest LSE, and whether any split is NaN (as merge_splits)
+        float top = kNegBig;
+        bool poisoned = false;
+        for (int s = lane; s < num_splits; s += 32) {
+            top = fmaxf(top, s_weight[s]);
+            poisoned |= is_nan(s_weight[s]);
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+        poisoned = __any_sync(0xffffffffu, poisoned);
+        if (lane == 0) {
+            s_top = top;
+            s_poisoned = poisoned;
+        }
+    }
+    __syncthreads();
+    const float top = s_top;
+    for (int s = threadIdx.x; s < num_splits; s += blockDim.x)  // an empty split weighs 0
+        s_weight[s] = s_weight[s] <= kNegHalf ? 0.f : __expf(s_weight[s] - top);
+    __syncthreads();
+    if (warp == 0) {
+        float total = 0.f;
+        for (int s = lane; s < num_splits; s += 32) total += s_weight[s];
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+        if (lane == 0) s_total = total;
+    }
+    const int column = threadIdx.x % COLUMNS, part = threadIdx.x / COLUMNS;
+    float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = part; s < num_splits; s += kMmaMergeLanes) {  // an empty split's output is 0
+        const float weight = s_weight[s];
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(part_out + ((size_t)s * rows + row) * D) + column);
+        value.x += weight * x.x;
+        value.y += weight * x.y;
+        value.z += weight * x.z;
+        value.w += weight * x.w;
+    }
+    s_part[part][column] = value;
+    __syncthreads();  // also: s_total is written
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        if (s_poisoned) {
+            out[(size_t)row * D + d] = from_float<T>(__int_as_float(0x7fc00000));
+            if (d == 0) lse[row] = __int_as_float(0x7fc00000);
+            continue;
+        }
+        float sum = 0.f;
+#pragma unroll
+        for (int q = 0; q < kMmaMergeLanes; ++q) sum += reinterpret_cast<const float*>(&s_part[q][0])[d];
+        const float total = s_total;
+        out[(size_t)row * D + d] = from_float<T>(total > 0.f ? sum / total : 0.f);
+        if (d == 0) lse[row] = total > 0.f ? top + logf(total) : -INFINITY;
+    }
+}
+
 
 }  // namespace wb
 
@@ -853,6 +936,10 @@ WB_FOR_EACH_DECODE_VARIANT(WB_INSTANTIATE_SPLIT)
     template __global__ void wb::decode_merge_kernel<T, D>(const float*, const float*, T*, float*, int, int);
 WB_INSTANTIATE_MERGE(__half, 64) WB_INSTANTIATE_MERGE(__half, 128)
 WB_INSTANTIATE_MERGE(__nv_bfloat16, 64) WB_INSTANTIATE_MERGE(__nv_bfloat16, 128)
+#define WB_INSTANTIATE_MMA_MERGE(T, D) \
+    template __global__ void wb::decode_mma_merge_kernel<T, D>(const float*, const float*, T*, float*, int, int);
+WB_INSTANTIATE_MMA_MERGE(__half, 64) WB_INSTANTIATE_MMA_MERGE(__half, 128)
+WB_INSTANTIATE_MMA_MERGE(__nv_bfloat16, 64) WB_INSTANTIATE_MMA_MERGE(__nv_bfloat16, 128)
 // the tensor-core kernel for large groups: 1, 2 and 4 row tiles
 #define WB_INSTANTIATE_MMA(T, D, M) \
     template __global__ void wb::decode_mma_kernel<T, D, M, true>(const wb::DecodeParams); \
@@ -1070,9 +1157,31 @@ namespace wb {
 inline int mma_row_tiles(int64_t group) { return group <= 16 ? 1 : group <= 32 ? 2 : 4; }
 
 // Above 48 KB of dynamic shared memory a kernel must opt in, once per device (the attribute is the context's).
+// The flag that remembers it lives in an unnamed namespace: a function-local static of a template (or inline)
+// function with external linkage is one object for the whole process (g++ emits it as a "unique" symbol, merged
+// across shared libraries), so a second build of this file (a tuning variant, a lesson's edited source) loaded next
+// to the package's would find the flag set by the package's kernel and launch its own without the opt-in: "invalid
+// argument" (every -D build of the H100 sweeps of 2026-11-26 failed so, until this change).
+namespace {
+// Programmatic dependent launch (the merge kernel after the mma kernel) needs sm_90; asked once per device
+bool programmatic_launch_supported() {
+    static std::atomic<uint64_t> known{0}, capable{0};  // a bit per device index below 64; this build's own
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    if (device >= 64) return false;
+    const uint64_t bit = uint64_t{1} << device;
+    if (!(known.load() & bit)) {
+        int major = 0;
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+        if (major >= 9) capable.fetch_or(bit);
+        known.fetch_or(bit);
+    }
+    return capable.load() & bit;
+}
+
 template <typename T, int D, int M_TILES, bool PAGED>
 void allow_mma_shared_memory() {
-    static std::atomic<uint64_t> done{0};  // a bit per device index below 64
+    static std::atomic<uint64_t> done{0};  // a bit per device index below 64; this build's own
     int device = 0;
     C10_CUDA_CHECK(cudaGetDevice(&device));
     const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
@@ -1082,6 +1191,7 @@ void allow_mma_shared_memory() {
                                         mma_dynamic_smem_bytes<T, D, M_TILES>()));
     done.fetch_or(bit);
 }
+}  // namespace
 
 template <typename T, int D, int M_TILES, bool PAGED>
 void launch_mma_variant(const DecodeParams& params, cudaStream_t stream) {
@@ -1100,10 +1210,19 @@ void launch_mma(const DecodeParams& params, cudaStream_t stream) {
     else if (tiles == 2) paged ? launch_mma_variant<T, D, 2, true>(params, stream) : launch_mma_variant<T, D, 2, false>(params, stream);
     else paged ? launch_mma_variant<T, D, 4, true>(params, stream) : launch_mma_variant<T, D, 4, false>(params, stream);
     if (params.counters != nullptr) return;  // merged by the kernel's last blocks
-    decode_merge_kernel<T, D><<<params.B * params.H, D, params.num_splits * sizeof(float), stream>>>(
-        params.part_out, params.part_lse, static_cast<T*>(params.out), params.lse, params.B * params.H,
-        params.num_splits);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(params.B * params.H);
+    config.blockDim = dim3(D / 4 * kMmaMergeLanes);
+    config.dynamicSmemBytes = params.num_splits * sizeof(float);
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // may start before the mma kernel ends
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = programmatic_launch_supported() ? 1 : 0;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, decode_mma_merge_kernel<T, D>, static_cast<const float*>(params.part_out),
+                                      static_cast<const float*>(params.part_lse), static_cast<T*>(params.out),
+                                      params.lse, params.B * params.H, params.num_splits));
 }
 
 template <typename T, int D, int M_TILES>
