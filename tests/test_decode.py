@@ -800,6 +800,12 @@ def test_kernel_bytes_rows_read_mqa_once_with_the_tensor_core_kernel_and_eight_t
         assert split.kv_requested == 8 * mma.kv_requested == 8 * mma.kv_unique == 8 * 2 * B * 1 * {8: 8192, 1: 2048}[B] * 128 * 2
     # every split the mma plan picks is at least two 64-key tiles, and the split plan's one trip of its block
     assert 2048 // by[1, "mma"]["splits"] >= launcher.MMA_MIN_KEYS_PER_SPLIT
+    # at the H100's occupancy of each kernel (the mma kernel's 8 warps: one block per SM), batch 8 gives the mma
+    # kernel 16 splits: 128 blocks, one wave; batch 1 with 2k keys 32 splits of one 64-key tile each
+    rows = slider.kernel_bytes_rows([(8, 8192), (1, 2048)], num_sms=132, blocks_per_sm={"split": 2, "mma": 1})
+    by = {(r["B"], r["kernel"]): r for r in rows}
+    assert by[8, "split"]["splits"] == 4 and by[8, "mma"]["splits"] == 16 and by[8, "mma"]["bytes"].blocks == 128
+    assert by[1, "mma"]["splits"] == 32 and launcher.MMA_MIN_KEYS_PER_SPLIT == 64
 
 
 def test_the_lesson_shows_every_cuda_region_in_file_order_each_function_before_its_caller():

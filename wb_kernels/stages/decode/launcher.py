@@ -207,7 +207,9 @@ def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
 # WB_DECODE_MMA_MIN_GROUP environment variable or this attribute change it; the launch plans remember the kernel).
 MMA_MIN_GROUP = int(os.environ.get("WB_DECODE_MMA_MIN_GROUP", "5"))
 MMA_MAX_GROUP = 64  # 4 row tiles of 16: flash_decode.cu's kMmaMaxGroup
-MMA_MIN_KEYS_PER_SPLIT = 128  # the mma kernel's splits: at least two 64-key tiles
+# the mma kernel's splits: at least one 64-key tile. (Two tiles until 2026-11-26; the H100's sweep of the 8-warp
+# kernel, results/decode/mma_sweep_h100.json: MQA B1 Lk2048 ran 32 splits of 64 keys faster than 16 of 128)
+MMA_MIN_KEYS_PER_SPLIT = 64
 # The split kernel's: one trip of its block round the loop (KEYS_PER_STEP keys), not the NumPy model's 256: a short
 # cache (a decoder's B = 1 step at 1k keys, 8 KV heads) otherwise gets 4 splits, 32 blocks on 132 SMs, and its time
 # is the latency of 4 trips in a row (8.5 us a layer in the H100's profile of the decoder's step); the cost model
@@ -230,8 +232,8 @@ def cuda_blocks_per_sm(device_index: int, bf16: bool, D: int, group: int, paged:
     """Blocks of the CUDA kernel `kernel` (:func:`cuda_kernel_for`) for (dtype, D, group size, paged or contiguous
     cache) that one SM of GPU `device_index` holds at once: the CUDA runtime's occupancy calculation from the kernel's
     registers, shared memory and threads. The split kernel (compile report): 2 for groups of 4 and more at 128
-    registers a thread; 3 for groups of 2 and 4 without grouping on a contiguous cache, 2 and 4 paged. The mma kernel:
-    its shared-memory stages bound it (96 KB at D = 128: 2; 48 KB at D = 64: 3 or 4). Asked once."""
+    registers a thread; 3 for groups of 2 and 4 without grouping on a contiguous cache, 2 and 4 paged. The mma kernel
+    (8 warps): its registers bound it, 1 at D = 128 (about 160 a thread) and 2 at D = 64. Asked once."""
     import torch
 
     with torch.cuda.device(device_index):

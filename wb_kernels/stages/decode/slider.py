@@ -23,7 +23,7 @@ __all__ = ["attention_cost", "committed_gpu", "draw_roofline", "split_weights", 
            "cache_memory", "draw_cache_memory", "draw_page_pool", "committed_tune_results",
            "describe_tune_run", "committed_decoder_results", "decoder_table", "describe_decoder_run",
            "NO_DECODER_RUN", "draw_fused_merge", "implied_block_overhead_keys", "decode_bench_rows", "copy_bandwidths",
-           "committed_decode_bar_results", "BEFORE_PAGED_FIX", "kernel_bytes_rows", "decoder_speedups", "CUDA_ROWS_PER_BLOCK", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
+           "committed_decode_bar_results", "BEFORE_PAGED_FIX", "PAGED_FIX", "kernel_bytes_rows", "decoder_speedups", "CUDA_ROWS_PER_BLOCK", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
            "WORKLOAD_KV_HEADS", "WORKLOAD_LENGTHS"]
 
 SLIDER_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -549,6 +549,7 @@ def decode_bench_rows(results: dict, *, D: int, dtype: str = "float16", layout: 
 
 # the decode-bar run after the graph-safe rewrite and before the paged kernel's fix (lesson 07's paged regression)
 BEFORE_PAGED_FIX = "bench_decode_bar_h100_444ad36.json"
+PAGED_FIX = "bench_decode_bar_h100_45dad40.json"  # the run after the paged fix (lesson 07 compares the three)
 
 
 def committed_decode_bar_results(folder=None):
@@ -569,12 +570,13 @@ def committed_decode_bar_results(folder=None):
     return max(found)[2] if found else None
 
 
-def kernel_bytes_rows(shapes, *, num_sms: int, blocks_per_sm: int = 2, H: int = 32, Hk: int = 1, D: int = 128,
+def kernel_bytes_rows(shapes, *, num_sms: int, blocks_per_sm=2, H: int = 32, Hk: int = 1, D: int = 128,
                       itemsize: int = 2) -> list:
     """What each CUDA kernel would ask of memory at the shapes (B, Lk): for the split kernel (up to 4 query heads a
     block) and the tensor-core kernel (the whole group a block), the splits the launcher's rule picks at
-    `blocks_per_sm` (the GPU's occupancy of that kernel, which the launcher asks the CUDA runtime for; here given) and
-    :func:`launcher.decode_bytes` at those splits. One dict per (shape, kernel)."""
+    `blocks_per_sm` (the GPU's occupancy of the kernel, which the launcher asks the CUDA runtime for; here given: one
+    number for both kernels, or ``{"split": n, "mma": m}``) and :func:`launcher.decode_bytes` at those splits. One
+    dict per (shape, kernel)."""
     from . import build, launcher
 
     rules = {"split": {"row_chunks": launcher.cuda_row_chunks(H // Hk),
@@ -584,7 +586,8 @@ def kernel_bytes_rows(shapes, *, num_sms: int, blocks_per_sm: int = 2, H: int = 
     rows = []
     for B, Lk in shapes:
         for kernel, rule in rules.items():
-            asked = choose_num_splits(B, Hk, Lk, num_sms, blocks_per_sm=blocks_per_sm, keys_step=build.KEYS_PER_STEP,
+            occupancy = blocks_per_sm[kernel] if isinstance(blocks_per_sm, dict) else blocks_per_sm
+            asked = choose_num_splits(B, Hk, Lk, num_sms, blocks_per_sm=occupancy, keys_step=build.KEYS_PER_STEP,
                                       **rule)
             splits = launcher.cuda_split_plan(Lk, asked)[1]
             rows.append({"B": B, "Lk": Lk, "kernel": kernel, "splits": splits,
