@@ -317,9 +317,10 @@ def measure_mma_sweep(variants, reps: int) -> tuple:
     """Every variant's mma kernel at every shape and sweep count of splits: one row each (see the module doc).
 
     The builds compile side by side; each is then timed in a child process of its own (``--mma-sweep-child``), with
-    the baselines timed again there, so that no build shares a process with another. (On the H100, 2026-11-26, every
-    knob build's launches failed with "invalid argument" in one process with the others and alone in its own; the
-    default build ran in both: NOTES.md.)"""
+    the baselines timed again there, so that no build shares a process with another. (Until 2026-11-26 every knob
+    build's launches failed with "invalid argument": the child asked the package's build for its occupancy first, and
+    the kernel's shared-memory opt-in flag was one object for the whole process, so the knob build skipped its own
+    opt-in. The flag is each build's own now: NOTES.md.)"""
     import tempfile
 
     started = time.time()
