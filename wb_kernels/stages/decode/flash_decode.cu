@@ -584,7 +584,7 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
     constexpr int K_STEPS = D / 16;  // k steps of S = Q K^T
     constexpr int D_TILES = D / 8;  // O tiles of 16 rows x 8 columns
     constexpr int CHUNKS = D / 8;  // 16-byte chunks per key
-    constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // keys one pass of cp.async covers: 16 at D = 64, 8 at D = 128
+    constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // keys a pass of cp.async covers: 32 at D = 64, 16 at D = 128
     constexpr int TILE = KEYS * D;  // elements of one K or V tile
     // the slices' outputs, rows D + 8 floats apart: a warp's float2 stores (8 rows x 4 column pairs) then fall on
     // 32 different banks per half warp (at D floats apart every row starts on bank 0: a 7-way conflict in ncu)
@@ -1149,8 +1149,9 @@ std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k
 #include <atomic>
 
 // The tensor-core kernel for a group's query heads in one block (decode_mma_kernel), chosen by the launcher
-// (launcher.cuda_kernel_for: groups from MMA_MIN_GROUP to 64 query heads per KV head). Same inputs, workspace, status
-// word and merge as flash_decode_forward; one fused-merge counter per (sequence, KV head).
+// (launcher.cuda_kernel_for: groups from MMA_MIN_GROUP to 64 query heads per KV head). Same inputs, workspace and
+// status word as flash_decode_forward; its last blocks merge (one counter per (sequence, KV head)) where a group's
+// splits are few, else its own merge kernel (decode_mma_merge_kernel) follows as a programmatic dependent.
 namespace wb {
 
 // row tiles of 16 query heads for a group: 1, 2 or 4 (the warps split evenly)
@@ -1299,8 +1300,9 @@ std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tens
                       "flash_decode_mma: block_table (B, pages >= 1) and seq_lens (B,)");
     TORCH_CHECK_VALUE(paged || k_pages.size(0) == B, "flash_decode_mma: a contiguous cache has B = q's batch sequences");
     TORCH_CHECK_VALUE(status.scalar_type() == torch::kInt32 && status.numel() >= 1, "flash_decode_mma: status: one int32");
-    TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 12288 && keys_per_split >= 1,
-                      "flash_decode_mma: need 1 to 12288 splits and keys_per_split >= 1");
+    // at most 8192 splits: the merge kernel's weights (a float each) and its 4 KB of column sums within 48 KB
+    TORCH_CHECK_VALUE(num_splits >= 1 && num_splits <= 8192 && keys_per_split >= 1,
+                      "flash_decode_mma: need 1 to 8192 splits and keys_per_split >= 1");
     TORCH_CHECK_VALUE((paged ? table.size(1) * k_pages.size(2) : k_pages.size(2)) <= INT32_MAX,
                       "flash_decode_mma: at most 2^31 - 1 keys per sequence");
     const c10::cuda::CUDAGuard guard(q.device());
