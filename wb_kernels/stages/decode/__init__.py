@@ -14,7 +14,6 @@ Files:
   the merge's weights, splits and blocks per workload against the SMs, a paged cache against contiguous ones);
 - ``tune.py``: builds, checks and times the CUDA kernels' launch settings and split counts on a GPU (``--mma-sweep``:
   the tensor-core kernel's builds A/B'd in one run);
-- ``profile.py``: Nsight Compute's view of the tensor-core kernel (bytes from DRAM, issue rate) on a GPU with ncu;
 - ``exercises.py`` and ``solutions.py``: the lesson's exercises and its puzzle (the merge), their worked answers;
 - ``NOTES.md``: the versions, each with its prediction and measurement;
 - the decode entry point itself is ``wb.decode`` (``wb_kernels/decoding.py``).
