@@ -563,19 +563,56 @@ struct MmaShape {
     static constexpr int WARPS = WB_DECODE_MMA_WARPS;
     static constexpr int SLICES = WARPS / M_TILES;
     static constexpr int KEYS = SLICES * 16 > 64 ? SLICES * 16 : 64;
-    static constexpr int STAGES = KEYS > 64 ? 2 : 3;
     static constexpr int WARP_KEYS = KEYS / SLICES;
+};
+// Stages of the tile pipeline: 2 of 128-key tiles or 3 of 64 (96 or 128 KB at D = 128), unless WB_DECODE_MMA_SMEM_KB
+// (a tuning knob: tune.py's MMA_VARIANTS) gives them that many kilobytes (2 to 8 stages), to try more tiles in flight
+#ifndef WB_DECODE_MMA_EARLY_DEPENDENTS
+#define WB_DECODE_MMA_EARLY_DEPENDENTS 0
+#endif
+#ifndef WB_DECODE_MMA_SMEM_KB
+#define WB_DECODE_MMA_SMEM_KB 0
+#endif
+template <typename T, int D, int M_TILES>
+struct MmaStages {
+    static constexpr int STAGE_BYTES = 2 * MmaShape<M_TILES>::KEYS * D * (int)sizeof(T);
+    static constexpr int ASKED = WB_DECODE_MMA_SMEM_KB * 1024 / STAGE_BYTES;
+    static constexpr int VALUE = WB_DECODE_MMA_SMEM_KB == 0 ? (MmaShape<M_TILES>::KEYS > 64 ? 2 : 3)
+                                                            : ASKED < 2 ? 2 : ASKED > 8 ? 8 : ASKED;
 };
 template <typename T, int D, int M_TILES>
 constexpr int mma_dynamic_smem_bytes() {
-    return MmaShape<M_TILES>::STAGES * 2 * MmaShape<M_TILES>::KEYS * D * (int)sizeof(T);
+    return MmaStages<T, D, M_TILES>::VALUE * MmaStages<T, D, M_TILES>::STAGE_BYTES;
 }
+
+// WB_DECODE_MMA_TRACE (a profiling build, never the package's): thread 0 of each block stamps its progress into the
+// status tensor past its first 4 words, 16 words of 64 bits per block (blockIdx.y * gridDim.x + blockIdx.x): words
+// 0-6 %globaltimer (ns) at the phases below, 7 the SM, 8-14 clock64 at the same phases. The caller passes a status
+// tensor that large; bench-free, so that a block's life (start, first tile, loop, epilogue) can be read off one call.
+#ifdef WB_DECODE_MMA_TRACE
+#define WB_MMA_TRACE(PHASE)                                                                                          \
+    if (threadIdx.x == 0) {                                                                                          \
+        unsigned long long* slot = reinterpret_cast<unsigned long long*>(p.status + 4) +                             \
+                                   16 * ((size_t)blockIdx.y * gridDim.x + blockIdx.x);                               \
+        unsigned long long now;                                                                                      \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));                                                       \
+        slot[PHASE] = now;                                                                                           \
+        slot[8 + PHASE] = clock64();                                                                                 \
+        if (PHASE == 0) {                                                                                            \
+            unsigned sm;                                                                                             \
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));                                                           \
+            slot[7] = sm;                                                                                            \
+        }                                                                                                            \
+    }
+#else
+#define WB_MMA_TRACE(PHASE)
+#endif
 
 // --- mma_decode_setup
 template <typename T, int D, int M_TILES, bool PAGED>
 __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kernel(const DecodeParams p) {
     using Shape = MmaShape<M_TILES>;
-    constexpr int THREADS = Shape::WARPS * 32, KEYS = Shape::KEYS, STAGES = Shape::STAGES;
+    constexpr int THREADS = Shape::WARPS * 32, KEYS = Shape::KEYS, STAGES = MmaStages<T, D, M_TILES>::VALUE;
     constexpr int ROWS = 16 * M_TILES;  // the group, padded to whole row tiles
     constexpr int SLICES = Shape::SLICES;  // warps per row tile, each on its own keys of every tile
     constexpr int WARP_KEYS = Shape::WARP_KEYS;
@@ -602,6 +639,12 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
     const int group = p.H / p.Hk, head0 = kv_head * group;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row_tile = warp % M_TILES, slice = warp / M_TILES;
+    WB_MMA_TRACE(0);  // (a profiling build's stamps: see WB_DECODE_MMA_TRACE)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // WB_DECODE_MMA_EARLY_DEPENDENTS (a tuning knob): let the merge kernel's blocks be scheduled from the start, so
+    // that its launch is over before this grid ends (they wait in griddepcontrol.wait, holding a few registers)
+    if (WB_DECODE_MMA_EARLY_DEPENDENTS) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
     // lengths as the split kernel takes them: clamped to the cache and flagged; the last split reads every key past
     // the others'
@@ -654,6 +697,7 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
         if (t < tiles) load_tile(t, start + t * KEYS);
         decode_cp_async_commit();
     }
+    WB_MMA_TRACE(1);
     // q after the first tiles are asked for: its round trip to memory overlaps theirs instead of preceding it
     for (int r = threadIdx.x; r < ROWS; r += THREADS) s_q_bad[r] = 0;
     __syncthreads();
@@ -671,6 +715,7 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
         *reinterpret_cast<uint4*>(s_q + decode_swizzled<D>(r, c)) = raw;
     }
     __syncthreads();  // s_q and s_q_bad are written
+    WB_MMA_TRACE(2);
 
     // Q's A fragments, once: matrix i = lane / 8 of an ldmatrix.x4 covers rows (i % 2) * 8 .. +7, chunk 2 ks + i / 2.
     // Every address's row % 8 is lane % 8 (tiles start at multiples of 8), which is the swizzle term.
@@ -692,6 +737,9 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
     for (int tile = 0; tile < tiles; ++tile) {
         decode_cp_async_wait<STAGES - 2>();
         __syncthreads();  // this tile has landed for every thread; every warp is done with the stage loaded next
+#ifdef WB_DECODE_MMA_TRACE
+        if (tile == 0) WB_MMA_TRACE(3);
+#endif
         const int next = tile + STAGES - 1;
         if (next < tiles) load_tile(next % STAGES, start + next * KEYS);
         decode_cp_async_commit();
@@ -769,10 +817,11 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
         }
     }
     decode_cp_async_wait<0>();
+    WB_MMA_TRACE(4);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // the merge kernel (launched as a programmatic dependent: PTX ISA, "griddepcontrol") may now be scheduled beside
     // this grid's epilogues; it waits for the whole grid and its memory before it reads a partial result
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (!WB_DECODE_MMA_EARLY_DEPENDENTS) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     // every warp is done with the stages (reused below); one flag for the block's clamped table entries
     if (__syncthreads_or(bad_page) && threadIdx.x == 0) atomicOr(p.status, 4);
@@ -799,27 +848,44 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
                 make_float2(o[d][2 * h], o[d][2 * h + 1]);
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < group * D; e += THREADS) {
-        const int r = e / D, d = e % D;
+    // Per row, once: the slices' weights (each slice's exp2(m - top), over the row's total, so that the columns below
+    // need one multiply-add per slice) and the split's LSE. Done per column until 2026-11-27, the weights cost
+    // 4 exp2f per output value: 3.6 us of a block's 17 us at MQA B8 Lk8192 (the trace build's stamps, H100).
+    __shared__ float s_weight[SLICES][ROWS];
+    for (int r = threadIdx.x; r < group; r += THREADS) {
         float top = kNegBig;
 #pragma unroll
         for (int w = 0; w < SLICES; ++w) top = fmaxf(top, s_m[w][r]);
-        float total = 0.f, value = 0.f;
+        float total = 0.f;
 #pragma unroll
-        for (int w = 0; w < SLICES; ++w) {
-            const float weight = exp2f(s_m[w][r] - top);
-            total += s_l[w][r] * weight;
-            value += s_o[(w * ROWS + r) * O_STRIDE + d] * weight;
-        }
-        const size_t row = ((size_t)split * p.B + b) * p.H + head0 + r;
+        for (int w = 0; w < SLICES; ++w) total += s_l[w][r] * exp2f(s_m[w][r] - top);
         const bool poisoned = is_nan(total) || (s_q_bad[r] && stop > start);  // as in the split kernel
         const bool seen = total > 0.f;
-        p.part_out[row * D + d] = poisoned ? __int_as_float(0x7fc00000) : seen ? value / total : 0.f;
-        if (d == 0)
-            p.part_lse[row] = poisoned ? __int_as_float(0x7fc00000)
-                                       : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
+        const float nan = __int_as_float(0x7fc00000);
+#pragma unroll
+        for (int w = 0; w < SLICES; ++w)  // a poisoned row's weights are NaN, an unseen row's 0 (its outputs then 0)
+            s_weight[w][r] = poisoned ? nan : seen ? exp2f(s_m[w][r] - top) / total : 0.f;
+        p.part_lse[((size_t)split * p.B + b) * p.H + head0 + r] =
+            poisoned ? nan : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < group * (D / 4); e += THREADS) {  // 4 columns a thread: 16-byte loads and stores
+        const int r = e / (D / 4), c = 4 * (e % (D / 4));
+        float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < SLICES; ++w) {
+            const float weight = s_weight[w][r];
+            const float4 x = *reinterpret_cast<const float4*>(s_o + (w * ROWS + r) * O_STRIDE + c);
+            value.x += weight * x.x;  // (a row that saw no key: O and the weights are 0)
+            value.y += weight * x.y;
+            value.z += weight * x.z;
+            value.w += weight * x.w;
+        }
+        const size_t row = ((size_t)split * p.B + b) * p.H + head0 + r;
+        *reinterpret_cast<float4*>(p.part_out + row * D + c) = value;
     }
 
+    WB_MMA_TRACE(5);
     // the fused merge, as the split kernel's (one counter per (sequence, KV head): gridDim.z is 1)
     if (p.counters == nullptr) return;
     __syncthreads();  // also: every thread is done with s_o, which the merge reuses for the splits' weights

@@ -276,6 +276,11 @@ class MmaVariant:
 MMA_VARIANTS = (
     MmaVariant("base"),  # the default build, as wb.decode runs it: 8 warps a block
     MmaVariant("warps4", (("WB_DECODE_MMA_WARPS", 4),)),  # the kernel before 2026-11-26: 4 warps, 64-key tiles
+    # more tiles in flight: 128 KB of stages (MQA's 64-key tiles: 4), 192 KB (6 of them; one row tile: 3 of 128 keys)
+    MmaVariant("smem128", (("WB_DECODE_MMA_SMEM_KB", 128),)),
+    MmaVariant("smem192", (("WB_DECODE_MMA_SMEM_KB", 192),)),
+    # the merge kernel's blocks scheduled from the mma kernel's start (griddepcontrol.launch_dependents first)
+    MmaVariant("early_merge", (("WB_DECODE_MMA_EARLY_DEPENDENTS", 1),)),
 )
 # (B, H, Hk, Lk, D), float16: the MQA bar shapes, a long MQA sequence, and GQA 8 (the mma kernel from group 5 on)
 MMA_SWEEP_SHAPES = ((8, 32, 1, 8192, 128), (1, 32, 1, 2048, 128), (1, 32, 1, 32768, 128), (8, 32, 4, 8192, 128))
