@@ -575,3 +575,21 @@ def test_the_mma_knobs_compile_without_spills(variant):
     _, log = cuda_build.compile_cubin("sm_90a", build.package_source(), build.LINE_NAME, extra_flags=flags)
     mma = [e for e in cuda_build.ptxas_entries(log) if "decode_mma_kernel" in e.function and e.function.endswith("Lb0EEEvNS_12DecodeParamsE")]
     assert len(mma) == 12 and all(e.spill_stores == 0 for e in mma), mma
+
+
+def test_the_trace_build_compiles_and_stamps_within_its_status_words():
+    """tune.py --mma-trace's build (WB_DECODE_MMA_TRACE): the kernels compile for the H100 without spills, and the
+    stamps' layout (16 words of 64 bits a block after 4 int32 words) is the one tune.py allocates and reads."""
+    from stage_cases import tool_or_skip
+
+    from wb_kernels import cuda_build
+    from wb_kernels.stages.decode import tune
+
+    tool_or_skip(cuda_build.find_nvcc, "the trace build's compile check")
+    _, log = cuda_build.compile_cubin("sm_90a", build.package_source(), build.LINE_NAME,
+                                      extra_flags=("-DWB_DECODE_MMA_TRACE",))
+    mma = [e for e in cuda_build.ptxas_entries(log) if "decode_mma_kernel" in e.function]
+    assert len(mma) == 24 and all(e.spill_stores == 0 for e in mma)
+    source = build.package_source()
+    assert "reinterpret_cast<unsigned long long*>(p.status + 4)" in source and "16 * ((size_t)blockIdx.y" in source
+    assert "4 + 32 * blocks" in Path(tune.__file__).read_text() and len(tune.TRACE_PHASES) == 7

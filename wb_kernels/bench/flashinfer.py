@@ -16,7 +16,8 @@ problem, its ``plan`` (the work split, the kernels built on first use: 10-20 s e
   (FlashAttention-3's, Hopper's warp-specialised TMA/wgmma kernels);
 - decode (:func:`decode_prepare`, :class:`PagedDecode`): ``BatchDecodeWithPagedKVCacheWrapper`` on the paged cache
   (num_pages, Hk, page_size, D), FlashInfer's "HND" layout, the same pools ``wb.decode`` reads, with CUDA-core decode
-  kernels or, ``use_tensor_cores=True``, its tensor-core (prefill) kernels.
+  kernels or, ``use_tensor_cores=True``, its tensor-core (prefill) kernels; :class:`GraphPagedDecode`, the same
+  in a CUDA graph, as vLLM's and SGLang's FlashInfer backends run it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-__all__ = ["problem", "fa3_problem", "WORKSPACE_BYTES", "prefill_prepare", "decode_prepare", "PagedDecode"]
+__all__ = ["problem", "fa3_problem", "WORKSPACE_BYTES", "prefill_prepare", "decode_prepare", "PagedDecode",
+           "GraphPagedDecode"]
 
 WORKSPACE_BYTES = 128 * 2**20  # the size FlashInfer's documentation recommends for a wrapper's workspace
 
@@ -147,6 +149,71 @@ class PagedDecode:
     def run(self, q, k_pages, v_pages):
         """q (B, H, D) -> (B, H, D) in q's dtype."""
         return self.wrapper.run(q, (k_pages, v_pages))
+
+
+class GraphPagedDecode:
+    """FlashInfer's batch decode for a CUDA graph, as serving engines capture it: one wrapper per batch size, made
+    with ``use_cuda_graph=True`` and fixed index buffers (the batch size and the buffers' addresses are then fixed);
+    the graph captures :meth:`run` only, and the host plans before every replay (:meth:`plan`, outside the capture).
+    FlashInfer's documentation: in CUDA-graph mode the plan's launch configuration does not depend on the lengths
+    (so one captured run serves every plan of the same batch), and ``plan`` cannot be captured.
+
+    ``plan`` takes every sequence's length from the host; the offsets and last-page lengths go in as CPU tensors and
+    the page list stays on the GPU, so planning never waits for the GPU. FlashInfer stages a plan's data in one
+    pinned buffer, which the next plan overwrites: each plan therefore first waits until the GPU has taken the
+    previous one (an event recorded after it), so the host runs at most one step ahead of the GPU.
+    """
+
+    def __init__(self, device, *, batch: int, max_pages: int, use_tensor_cores: bool = False):
+        import flashinfer
+        import torch
+
+        self.batch, self.max_pages = batch, max_pages
+        self.buffers = (torch.zeros(batch + 1, dtype=torch.int32, device=device),
+                        torch.zeros(max_pages, dtype=torch.int32, device=device),
+                        torch.zeros(batch, dtype=torch.int32, device=device))
+        # a workspace of its own: a plan writes its schedule there, which a captured run reads at every replay
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "HND", use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+            paged_kv_indptr_buffer=self.buffers[0], paged_kv_indices_buffer=self.buffers[1],
+            paged_kv_last_page_len_buffer=self.buffers[2])
+        self.out = None  # the output every run writes (a fixed address, which the graph's later kernels read)
+        self._taken = None  # an event after the last plan: the GPU has copied its data once it has passed it
+
+    def plan(self, block_table, lengths, *, num_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype):
+        """Plan for `lengths` (host ints, one per row of `block_table`: this wrapper's batch)."""
+        import torch
+
+        if len(lengths) != self.batch or block_table.shape[0] != self.batch:
+            raise ValueError(f"GraphPagedDecode: planned for {self.batch} sequences, got {len(lengths)} lengths and a "
+                             f"table of {block_table.shape[0]} rows")
+        pages = [-(-n // page_size) for n in lengths]
+        if sum(pages) > self.max_pages or max(pages) > block_table.shape[1]:
+            raise ValueError(f"GraphPagedDecode: lengths {max(lengths)} need more pages than the table or the "
+                             f"buffer ({self.max_pages}) hold")
+        indptr = torch.tensor([0] + list(_running_sum(pages)), dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages)], dtype=torch.int32)
+        if len(set(pages)) == 1:  # every sequence as long: a slice of the table, no host round trip
+            indices = block_table[:, :pages[0]].reshape(-1).to(torch.int32)
+        else:
+            used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < \
+                torch.tensor(pages, device=block_table.device)[:, None]
+            indices = block_table[used].to(torch.int32)
+        if self._taken is not None:
+            self._taken.synchronize()
+        self.wrapper.plan(indptr, indices, last, num_heads, kv_heads, head_dim, page_size, q_data_type=dtype,
+                          kv_data_type=dtype)
+        self._taken = torch.cuda.Event()
+        self._taken.record()
+
+    def run(self, q, k_pages, v_pages):
+        """q (B, H, D) -> (B, H, D) in q's dtype, into the same output tensor every time (capturable)."""
+        import torch
+
+        if self.out is None:
+            self.out = torch.empty_like(q)
+        return self.wrapper.run(q, (k_pages, v_pages), out=self.out)
 
 
 def _running_sum(values):

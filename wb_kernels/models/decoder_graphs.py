@@ -213,6 +213,11 @@ class GraphedDecoder:
         if tokens is not None:
             self.tokens[:self.batch].copy_(tokens)
         self.host_len += 1
+        before_replay = getattr(self.attend, "before_replay", None)
+        if self.captured and before_replay is not None:
+            # an attention planned on the host (FlashInfer's): told each sequence's length, as serving engines do
+            # (a bucket's spare rows are planned as long as the batch's: their outputs are dropped)
+            before_replay(bucket, self.host_len)
         return self._run(bucket)[:self.batch]
 
     @torch.inference_mode()

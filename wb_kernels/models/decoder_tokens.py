@@ -18,7 +18,8 @@ On a GPU, by default, in float16:
 2. **The roofline sweep** (``LLAMA_1B``, batch 1, 8 and 64, contexts 1k, 8k and 32k): the step without its host
    overhead (:mod:`.decoder_graphs`), on a static cache filled with random keys and values: one CUDA graph per batch
    with SDPA and with ``wb.decode`` (while ``wb.decode`` is not graph-safe, its rows say so and why), on both
-   layouts; then ``torch.compile(mode="reduce-overhead")`` with SDPA at batch 1 and 1k keys (each cell compiles the
+   layouts, and with FlashInfer on the paged one (``FlashInferGraphAttend``: its run captured, planned on the host
+   before every replay, as vLLM's and SGLang's FlashInfer backends do); then ``torch.compile(mode="reduce-overhead")`` with SDPA at batch 1 and 1k keys (each cell compiles the
    step: the slowest rows, so they come last). The greedy check of each mode against the eager decoder with SDPA,
    and of each graph against the same step uncaptured (which must give the very same tokens).
 
@@ -112,8 +113,8 @@ SMOKE_SETTINGS = Settings(configs=("tiny",), dtype="float32", device="cpu", batc
 # and torch.compile(mode="reduce-overhead") with SDPA and wb.decode (where compile_cells say): Inductor fuses the
 # step's elementwise operators (norms, RoPE, SiLU) into a few kernels, which a hand-captured graph replays one by one
 SWEEP_CONTENDERS = (("graph", "contiguous", "sdpa"), ("graph", "paged", "sdpa"), ("graph", "contiguous", "wb"),
-                    ("graph", "paged", "wb"), ("compile", "contiguous", "sdpa"), ("compile", "contiguous", "wb"),
-                    ("compile", "paged", "wb"))
+                    ("graph", "paged", "wb"), ("graph", "paged", "flashinfer"), ("compile", "contiguous", "sdpa"),
+                    ("compile", "contiguous", "wb"), ("compile", "paged", "wb"))
 
 NOTES = {
     "modes": "eager: the decoder as it is, every step launched from Python (time_decode: a real prefill of the "
@@ -137,7 +138,9 @@ NOTES = {
                "CUDA C++ kernel of flash_decode.cu), with the host's longest length as max_seqlen; flashinfer: "
                "llama_decoder.FlashInferAttend, FlashInfer's BatchDecodeWithPagedKVCacheWrapper (the attention vLLM and "
                "SGLang serve with) on the paged cache only, planned once per step and reused by every layer, as "
-               "serving engines do; where flashinfer is not installed its rows say so",
+               "serving engines do (in a graph: llama_decoder.FlashInferGraphAttend, a wrapper made with "
+               "use_cuda_graph=True whose run is captured, planned on the host before every replay with the length "
+               "every sequence has then); where flashinfer is not installed its rows say so",
     "layouts": "contiguous: (B, Hk, capacity, D) per layer; paged: pools of page_size keys, the pages of the "
                "sequences handed out in a shuffled order",
     "vs_sdpa": "this row's tokens_per_s over SDPA's on the same model, batch, context and layout (>1: faster); "
@@ -434,7 +437,10 @@ def _row(config_name, settings, model, batch, context, layout, attend_name, ceil
 
 
 def graph_attend(attend_name: str, settings: Settings):
-    """The attention a graph or a compiled step calls: SDPA as it is; wb.decode with the settings' split count."""
+    """The attention a graph or a compiled step calls: SDPA as it is; wb.decode with the settings' split count;
+    FlashInfer's graph form (a new one per runner: it holds that runner's wrappers and their plans)."""
+    if attend_name == "flashinfer":
+        return dec.FlashInferGraphAttend()
     if attend_name == "wb" and settings.num_splits is not None:
         return functools.partial(dec.wb_attend, num_splits=settings.num_splits)
     return ATTENDS[attend_name]
@@ -457,7 +463,8 @@ def _sweep_row(config_name, settings, model, batch, context, mode, layout, atten
     """A row of the roofline sweep: :func:`~.decoder_graphs.time_static` on a random static cache."""
     config = CONFIGS[config_name]
     row = _row_head(config_name, settings, batch, context, mode, layout, attend_name)
-    why = (_fits(config, settings, batch, context, layout == "paged" and attend_name == "sdpa", prefill=False)
+    why = (_attend_problem(attend_name, settings)
+           or _fits(config, settings, batch, context, layout == "paged" and attend_name == "sdpa", prefill=False)
            or _graph_problem(mode, attend_name, settings))
     if why is not None:
         return {**row, "status": "skipped", "reason": why}
@@ -498,8 +505,8 @@ def add_ratios(results: dict) -> dict:
             wanted += (("vs_graph_sdpa", "graph", r["layout"], "sdpa"),)
         if mode != "eager":
             wanted += (("vs_eager", "eager", r["layout"], r["attend"]),)
-        if mode == "eager" and r["attend"] == "wb" and r["layout"] == "paged":
-            wanted += (("vs_flashinfer", "eager", "paged", "flashinfer"),)
+        if mode in ("eager", "graph") and r["attend"] == "wb" and r["layout"] == "paged":
+            wanted += (("vs_flashinfer", mode, "paged", "flashinfer"),)
         for field, other_mode, layout, attend in wanted:
             other = ok.get(f"{base}|{other_mode}|{layout}|{attend}")
             if other is not None:

@@ -289,6 +289,52 @@ class FlashInferAttend:
         return self._decode.run(q.contiguous(), k_cache, v_cache)
 
 
+class FlashInferGraphAttend:
+    """FlashInfer's paged decode inside :class:`~.decoder_graphs.GraphedDecoder`'s CUDA graphs, as vLLM's and
+    SGLang's FlashInfer backends run it (``wb_kernels.bench.flashinfer.GraphPagedDecode``: one wrapper per batch
+    size with fixed buffers; the graph captures its ``run``, the host plans before every replay).
+
+    An eager call (the warm-up steps before a capture, or a runner that does not capture) plans from the lengths on
+    the GPU (a synchronisation, outside any capture), then runs. Inside a capture it only runs. Before each replay
+    the runner calls :meth:`before_replay` with the length every sequence then has (the host knows it: each step
+    adds one key), and this plans for it.
+    """
+
+    def __init__(self, *, use_tensor_cores: bool = False):
+        self.use_tensor_cores = use_tensor_cores
+        self._decodes = {}  # batch -> (GraphPagedDecode, its problem: the block table and the plan's sizes)
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqlen=None, equal_lengths=False):
+        from ..bench import flashinfer
+
+        if block_table is None:
+            raise ValueError("FlashInferGraphAttend reads a paged cache (its batch decode takes pages and a block "
+                             "table); this cache is contiguous")
+        batch, n_heads, head_dim = q.shape
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if batch not in self._decodes:
+            if capturing:
+                raise ValueError("FlashInferGraphAttend: run an eager step of this batch before capturing it (the "
+                                 "first call makes FlashInfer's wrapper and plans)")
+            why = flashinfer.problem()
+            if why is not None:
+                raise RuntimeError(why)
+            decode = flashinfer.GraphPagedDecode(q.device, batch=batch, max_pages=block_table.numel(),
+                                                 use_tensor_cores=self.use_tensor_cores)
+            sizes = dict(num_heads=n_heads, kv_heads=k_cache.shape[1], head_dim=head_dim, page_size=k_cache.shape[2],
+                         dtype=q.dtype)
+            self._decodes[batch] = (decode, block_table, sizes)
+        decode, table, sizes = self._decodes[batch]
+        if not capturing:
+            decode.plan(table, cache_seqlens.tolist(), **sizes)
+        return decode.run(q.contiguous(), k_cache, v_cache)
+
+    def before_replay(self, batch: int, length: int) -> None:
+        """Plan the next replay of `batch` sequences, each `length` keys long (the new key included)."""
+        decode, table, sizes = self._decodes[batch]
+        decode.plan(table, [length] * batch, **sizes)
+
+
 def float64_attend(q, k_cache, v_cache, cache_seqlens, block_table=None, *, max_seqlen=None, equal_lengths=False):
     """Decode attention in float64, written out in plain torch: the reference for the tests.
 

@@ -567,8 +567,8 @@ struct MmaShape {
 };
 // Stages of the tile pipeline: 2 of 128-key tiles or 3 of 64 (96 or 128 KB at D = 128), unless WB_DECODE_MMA_SMEM_KB
 // (a tuning knob: tune.py's MMA_VARIANTS) gives them that many kilobytes (2 to 8 stages), to try more tiles in flight
-#ifndef WB_DECODE_MMA_EARLY_DEPENDENTS
-#define WB_DECODE_MMA_EARLY_DEPENDENTS 0
+#ifndef WB_DECODE_MMA_FUSED_ROW_SPLITS
+#define WB_DECODE_MMA_FUSED_ROW_SPLITS 256  // (query head, split) pairs up to which the last block merges (host)
 #endif
 #ifndef WB_DECODE_MMA_SMEM_KB
 #define WB_DECODE_MMA_SMEM_KB 0
@@ -587,8 +587,9 @@ constexpr int mma_dynamic_smem_bytes() {
 
 // WB_DECODE_MMA_TRACE (a profiling build, never the package's): thread 0 of each block stamps its progress into the
 // status tensor past its first 4 words, 16 words of 64 bits per block (blockIdx.y * gridDim.x + blockIdx.x): words
-// 0-6 %globaltimer (ns) at the phases below, 7 the SM, 8-14 clock64 at the same phases. The caller passes a status
-// tensor that large; bench-free, so that a block's life (start, first tile, loop, epilogue) can be read off one call.
+// 0-6 %globaltimer (ns) at the phases below (6: the fused merge done, in the block that merged), 7 the SM, 8-14
+// clock64 at the same phases. The caller passes a status tensor that large (tune.py --mma-trace), so that a block's
+// life (start, first tile, loop, epilogue) can be read off one call.
 #ifdef WB_DECODE_MMA_TRACE
 #define WB_MMA_TRACE(PHASE)                                                                                          \
     if (threadIdx.x == 0) {                                                                                          \
@@ -607,6 +608,89 @@ constexpr int mma_dynamic_smem_bytes() {
 #else
 #define WB_MMA_TRACE(PHASE)
 #endif
+
+// --- mma_decode_fused_merge
+// The mma path's fused merge: the block that finished a group's last split merges every split's partial results
+// for the group's rows (merge_splits' arithmetic: weights from the LSEs, NaN poisoning, an empty split weighs 0),
+// with its loads spread for one block of THREADS: each thread owns up to ITEMS (row, 4 columns) items and walks the
+// splits for all of them at once, 16-byte loads, several splits unrolled, so that a few dozen loads are in flight
+// per thread instead of one per split (merge_splits' column loop, which made one block too slow to merge MQA's 32
+// rows past a few splits: the second kernel took over there).
+template <typename T, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void mma_fused_merge(const DecodeParams& p, int row0, int rows, float* s_weight) {
+    constexpr int COLUMNS = D / 4, ITEMS = (ROWS * COLUMNS + THREADS - 1) / THREADS;
+    constexpr int UNROLL = ITEMS >= 8 ? 2 : 4;  // splits a trip: about 16 loads in flight a thread, no spills
+    __shared__ float s_top[ROWS], s_total[ROWS];
+    __shared__ int s_poisoned[ROWS];
+    const int total_rows = p.B * p.H, splits = p.num_splits;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int e = threadIdx.x; e < rows * splits; e += THREADS)
+        s_weight[e] = __ldcg(p.part_lse + (size_t)(e % splits) * total_rows + row0 + e / splits);
+    __syncthreads();
+    for (int r = warp; r < rows; r += THREADS / 32) {  // a warp per row: its largest LSE, NaN, weights, their sum
+        float* weight = s_weight + r * splits;
+        float top = kNegBig;
+        bool poisoned = false;
+        for (int s = lane; s < splits; s += 32) {
+            top = fmaxf(top, weight[s]);  // fmaxf passes over a NaN; poisoned catches it
+            poisoned |= is_nan(weight[s]);
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+        poisoned = __any_sync(0xffffffffu, poisoned);
+        float total = 0.f;
+        for (int s = lane; s < splits; s += 32) {  // each lane rewrites only the entries it read
+            weight[s] = weight[s] <= kNegHalf ? 0.f : __expf(weight[s] - top);
+            total += weight[s];
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+        if (lane == 0) {
+            s_top[r] = top;
+            s_total[r] = total;
+            s_poisoned[r] = poisoned;
+        }
+    }
+    __syncthreads();
+    float4 value[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) value[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll UNROLL
+    for (int s = 0; s < splits; ++s) {
+        const float4* split = reinterpret_cast<const float4*>(p.part_out + ((size_t)s * total_rows + row0) * D);
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const int e = threadIdx.x + i * THREADS;
+            if (e < rows * COLUMNS) {
+                const float weight = s_weight[(e / COLUMNS) * splits + s];
+                const float4 x = __ldcg(split + e);  // row e / COLUMNS, columns 4 (e % COLUMNS) ..: rows are D apart
+                value[i].x += weight * x.x;
+                value[i].y += weight * x.y;
+                value[i].z += weight * x.z;
+                value[i].w += weight * x.w;
+            }
+        }
+    }
+    T* out = static_cast<T*>(p.out);
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int e = threadIdx.x + i * THREADS;
+        if (e >= rows * COLUMNS) continue;
+        const int r = e / COLUMNS, c = 4 * (e % COLUMNS);
+        const size_t row = (size_t)row0 + r;
+        const float total = s_total[r];
+        const float nan = __int_as_float(0x7fc00000);
+        const float4 v = s_poisoned[r] ? make_float4(nan, nan, nan, nan)
+                         : total > 0.f ? make_float4(value[i].x / total, value[i].y / total, value[i].z / total,
+                                                     value[i].w / total)
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+        out[row * D + c] = from_float<T>(v.x);
+        out[row * D + c + 1] = from_float<T>(v.y);
+        out[row * D + c + 2] = from_float<T>(v.z);
+        out[row * D + c + 3] = from_float<T>(v.w);
+        if (c == 0) p.lse[row] = s_poisoned[r] ? nan : total > 0.f ? s_top[r] + logf(total) : -INFINITY;
+    }
+}
 
 // --- mma_decode_setup
 template <typename T, int D, int M_TILES, bool PAGED>
@@ -640,11 +724,6 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row_tile = warp % M_TILES, slice = warp / M_TILES;
     WB_MMA_TRACE(0);  // (a profiling build's stamps: see WB_DECODE_MMA_TRACE)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // WB_DECODE_MMA_EARLY_DEPENDENTS (a tuning knob): let the merge kernel's blocks be scheduled from the start, so
-    // that its launch is over before this grid ends (they wait in griddepcontrol.wait, holding a few registers)
-    if (WB_DECODE_MMA_EARLY_DEPENDENTS) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 
     // lengths as the split kernel takes them: clamped to the cache and flagged; the last split reads every key past
     // the others'
@@ -821,7 +900,7 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // the merge kernel (launched as a programmatic dependent: PTX ISA, "griddepcontrol") may now be scheduled beside
     // this grid's epilogues; it waits for the whole grid and its memory before it reads a partial result
-    if (!WB_DECODE_MMA_EARLY_DEPENDENTS) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     // every warp is done with the stages (reused below); one flag for the block's clamped table entries
     if (__syncthreads_or(bad_page) && threadIdx.x == 0) atomicOr(p.status, 4);
@@ -893,8 +972,8 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
     if (threadIdx.x == 0) s_last = count_finished(p.counters + blockIdx.x) == p.num_splits - 1;
     __syncthreads();
     if (!s_last) return;
-    merge_splits<T, D, ROWS>(p.part_out, p.part_lse, static_cast<T*>(p.out), p.lse, p.B * p.H, b * p.H + head0, group,
-                             p.num_splits, reinterpret_cast<float*>(s_dynamic));
+    mma_fused_merge<T, D, ROWS, THREADS>(p, b * p.H + head0, group, reinterpret_cast<float*>(s_dynamic));
+    WB_MMA_TRACE(6);
 }
 
 // --- mma_decode_merge_kernel
@@ -1406,7 +1485,7 @@ std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tens
     // ... and where the one block that merges does no more than the split kernel's does (4 rows x 64 splits): the
     // last block of a group reads group x splits x D floats alone, 1 MB for MQA's 32 heads at 64 splits, D = 128, which
     // one block reads far slower than the second kernel's B x H blocks do (on an H100, MQA B1 Lk32768 took 97 us fused)
-    constexpr int64_t kMostFusedRowSplits = 4 * 64;
+    constexpr int64_t kMostFusedRowSplits = WB_DECODE_MMA_FUSED_ROW_SPLITS;
     params.counters = nullptr;
     if (WB_DECODE_FUSED_MERGE && group * num_splits <= weights && group * num_splits <= kMostFusedRowSplits)
         params.counters = wb::merge_counters(workspace, part_floats * sizeof(float), counters, stream);

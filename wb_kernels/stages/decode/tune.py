@@ -34,6 +34,15 @@ split kernel's tuning run.)
 
     python -m wb_kernels.stages.decode.tune --mma-sweep --json results/decode/mma_sweep_h100.json
 
+    python -m wb_kernels.stages.decode.tune --mma-trace --json results/decode/mma_trace_h100.json
+
+``--mma-trace`` builds the tensor-core kernel with ``WB_DECODE_MMA_TRACE`` (thread 0 of every block stamps
+``%globaltimer`` and ``clock64`` at six points of its life into the status tensor: entry, first loads issued, q in
+shared memory, first tile landed, loop done, partial result written) and calls it once per shape (:data:`TRACE_SHAPES`)
+after a clean L2: where a block's time goes, which neither the benchmark (one number per call) nor ncu (counters
+averaged over the kernel) shows. Cycles are each block's own (``clock64`` from its entry); times are from the first
+block's entry, at the timer's resolution (about 0.26 us on the H100).
+
 ``--mma-sweep`` A/B's the tensor-core kernel's builds (:data:`MMA_VARIANTS`: the default and its number of warps
 per block, ``WB_DECODE_MMA_WARPS``, each with the package's own nvcc flags) at the MQA bar shapes and one
 GQA-8 shape, each at several numbers of splits around the launcher's, every result checked against float32 PyTorch
@@ -276,11 +285,10 @@ class MmaVariant:
 MMA_VARIANTS = (
     MmaVariant("base"),  # the default build, as wb.decode runs it: 8 warps a block
     MmaVariant("warps4", (("WB_DECODE_MMA_WARPS", 4),)),  # the kernel before 2026-11-26: 4 warps, 64-key tiles
-    # more tiles in flight: 128 KB of stages (MQA's 64-key tiles: 4), 192 KB (6 of them; one row tile: 3 of 128 keys)
-    MmaVariant("smem128", (("WB_DECODE_MMA_SMEM_KB", 128),)),
+    # more tiles in flight: 192 KB of stages (MQA's 64-key tiles: 6 of them; one row tile: 3 of 128 keys)
     MmaVariant("smem192", (("WB_DECODE_MMA_SMEM_KB", 192),)),
-    # the merge kernel's blocks scheduled from the mma kernel's start (griddepcontrol.launch_dependents first)
-    MmaVariant("early_merge", (("WB_DECODE_MMA_EARLY_DEPENDENTS", 1),)),
+    # the last block merges up to 1024 (query head, split) pairs instead of 256 (MQA's 32 heads: 32 splits, not 8)
+    MmaVariant("fused1024", (("WB_DECODE_MMA_FUSED_ROW_SPLITS", 1024),)),
 )
 # (B, H, Hk, Lk, D), float16: the MQA bar shapes, a long MQA sequence, and GQA 8 (the mma kernel from group 5 on)
 MMA_SWEEP_SHAPES = ((8, 32, 1, 8192, 128), (1, 32, 1, 2048, 128), (1, 32, 1, 32768, 128), (8, 32, 4, 8192, 128))
@@ -495,6 +503,63 @@ def sdpa_growing_cache(steps: int = 40) -> list:
     return out
 
 
+TRACE_PHASES = ("entry", "loads_issued", "q_ready", "first_tile", "loop_end", "written", "merged")
+# (B, H, Hk, Lk, D, splits or None for the launcher's), float16 contiguous: the MQA bar shapes, a long MQA sequence
+TRACE_SHAPES = ((8, 32, 1, 8192, 128, None), (1, 32, 1, 2048, 128, None), (1, 32, 1, 32768, 128, None),
+                (8, 32, 4, 8192, 128, None))
+
+
+def _spread(values) -> list:
+    ordered = sorted(float(v) for v in values)
+    return [round(ordered[0], 2), round(ordered[len(ordered) // 2], 2), round(ordered[-1], 2)]
+
+
+def measure_mma_trace(variant=None, reps: int = 5) -> list:
+    """Each TRACE_SHAPES point: the trace build's stamps of its last call, as min / median / max over the blocks
+    (`variant`: an MMA_VARIANTS build's knobs on top of the trace's)."""
+    import torch
+
+    flags = (variant or MMA_VARIANTS[0]).flags(build_flags()) + ["-DWB_DECODE_MMA_TRACE"]
+    ext = build.build(build.package_source(), flags=flags)
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    rows = []
+    for B, H, Hk, L, D, asked in TRACE_SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(B * 7 + Hk + L + D)
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.float16, generator=gen)
+        k, v = (torch.randn(B, Hk, L, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        keys, splits = _cuda_launch_plan(torch.cuda.current_device(), B, H, Hk, L, asked, D, False, False, "mma")[:2]
+        blocks = B * Hk * splits
+        status = torch.zeros(4 + 32 * blocks, dtype=torch.int32, device="cuda")  # the flags, then 16 int64 a block
+        for _ in range(reps):
+            flush.sum()
+            status.zero_()
+            ext.flash_decode_mma_forward(q, k, v, None, lens, status, keys, splits, D ** -0.5)
+            torch.cuda.synchronize()
+        stamps = status[4:].view(torch.int64).view(blocks, 16).cpu().double()
+        times, cycles = stamps[:, :7], stamps[:, 8:15]
+        from_first = (times - times[:, :1].min()) / 1e3
+        own = cycles - cycles[:, :1]
+        merging = stamps[:, 6] > 0  # "merged": only the blocks that ran the fused merge stamp it
+        ghz = float(((cycles[:, 5] - cycles[:, 0]) / (times[:, 5] - times[:, 0]).clamp(min=1)).median())
+        row = dict(B=B, H=H, Hk=Hk, Lk=L, D=D, splits=splits, keys_per_split=keys, blocks=blocks,
+                   tiles_per_block=-(-keys // (128 if H // Hk <= 16 else 64)), sm_ghz=round(ghz, 3),
+                   sms_used=len(set(stamps[:, 7].long().tolist())), status=int(status[0]),
+                   merging_blocks=int(merging.sum()),
+                   span_us=round(float(from_first[:, 6 if merging.any() else 5].max()), 2),
+                   us_from_first_entry={p: _spread(from_first[merging if i == 6 else slice(None), i])
+                                        for i, p in enumerate(TRACE_PHASES) if i < 6 or merging.any()},
+                   cycles_from_own_entry={p: _spread(own[merging if i == 6 else slice(None), i])
+                                          for i, p in enumerate(TRACE_PHASES) if i < 6 or merging.any()})
+        rows.append(row)
+        print(f"B{B} H{H} Hk{Hk} Lk{L} D{D}, {splits} splits of {keys} keys: span {row['span_us']} us at "
+              f"{row['sm_ghz']} GHz on {row['sms_used']} SMs", file=sys.stderr)
+        for p in row["cycles_from_own_entry"]:
+            print(f"   {p:13s} cycles from the block's entry (min/median/max) {row['cycles_from_own_entry'][p]}; "
+                  f"us from the first block's entry {row['us_from_first_entry'][p]}", file=sys.stderr)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=None, help="where to write the results (default: print only)")
@@ -505,8 +570,11 @@ def main(argv=None) -> int:
     parser.add_argument("--mma-sweep", action="store_true",
                         help="A/B the mma kernel's builds (MMA_VARIANTS) and split counts at the MQA bar shapes")
     parser.add_argument("--mma-sweep-child", metavar="VARIANT", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--mma-trace", action="store_true",
+                        help="the mma kernel's per-block timeline (a WB_DECODE_MMA_TRACE build) at TRACE_SHAPES")
     parser.add_argument("--mma-variants", default=None,
-                        help="with --mma-sweep: comma-separated names of MMA_VARIANTS (default: all)")
+                        help="with --mma-sweep: comma-separated names of MMA_VARIANTS (default: all); with "
+                             "--mma-trace: the builds to trace (default: base)")
     args = parser.parse_args(argv)
     if args.mma_variants is not None:
         known = {v.name: v for v in MMA_VARIANTS}
@@ -524,6 +592,22 @@ def main(argv=None) -> int:
         variant = {v.name: v for v in MMA_VARIANTS}[args.mma_sweep_child]
         rows, shapes = measure_mma_variant(variant, args.reps)
         _write(dict(records=rows, shapes=shapes), args.json)
+        return 0
+
+    if args.mma_trace:
+        chosen = (args.mma_variants or "base").split(",")
+        rows = [dict(row, variant=name) for name in chosen
+                for row in measure_mma_trace({v.name: v for v in MMA_VARIANTS}[name])]
+        result = dict(kind="decode_mma_trace", environment=environment(),
+                      command=" ".join(["python -m wb_kernels.stages.decode.tune"] + (argv or sys.argv[1:])),
+                      notes=dict(stamps="thread 0 of each block: %globaltimer (ns) and clock64 at " +
+                                        ", ".join(TRACE_PHASES) + " (flash_decode.cu, WB_DECODE_MMA_TRACE)",
+                                 call="the 5th of 5 calls of flash_decode_mma_forward at the launcher's splits, "
+                                      "each after the L2 was flushed by reading 256 MB; the merge kernel that "
+                                      "follows is not stamped",
+                                 spread="[min, median, max] over the grid's blocks"),
+                      records=rows)
+        _write(result, args.json)
         return 0
 
     if args.mma_sweep:
