@@ -58,7 +58,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
       || { echo "wheel install failed"; exit 1; }
     touch /tmp/site/.wb_installed
   fi
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}  # (a caller's own paths, e.g. a contender's, stay)
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi

@@ -180,7 +180,7 @@ def test_the_gpu_plan_runs_every_row_once_with_the_compiled_rows_last(capsys):
     assert cells == {(b, c) for b in (1, 8, 64) for c in (1024, 8192, 32768)}
     assert tokens.main(["--plan"]) == 0  # on any machine: nothing runs
     printed = capsys.readouterr().out.splitlines()
-    assert printed[-1].startswith(f"{len(staged)} rows, 11 greedy checks; about ")
+    assert printed[-1].startswith(f"{len(staged)} rows, 12 greedy checks; about ")
     assert printed[-2] == "greedy check llama_1b: wb, contiguous, compile against sdpa, contiguous (eager)"
 
 

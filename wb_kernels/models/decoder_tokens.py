@@ -518,7 +518,7 @@ def add_ratios(results: dict) -> dict:
 # paged one; then the sweep's modes (mode, layout, attend), each against the same eager SDPA
 GREEDY_OTHERS = (("wb", "contiguous"), ("wb", "paged"), ("flashinfer", "paged"))
 GREEDY_MODES = (("graph", "contiguous", "sdpa"), ("graph", "contiguous", "wb"), ("graph", "paged", "wb"),
-                ("compile", "contiguous", "sdpa"), ("compile", "contiguous", "wb"))
+                ("graph", "paged", "flashinfer"), ("compile", "contiguous", "sdpa"), ("compile", "contiguous", "wb"))
 
 
 def _greedy_prompt(config_name, settings, model) -> torch.Tensor:
@@ -582,7 +582,7 @@ def greedy_mode(config_name, settings, model, mode: str, layout: str, attend_nam
     that holds it. The compiled step is checked with the batch and cache of the first compiled cell when the prompts
     fit it (:func:`compile_check_shape`): the same shapes, so Inductor's cache serves the compilation again."""
     record = _greedy_record(config_name, settings, f"{attend_name}, {layout}, {mode}", layout)
-    why = _graph_problem(mode, attend_name, settings)
+    why = _attend_problem(attend_name, settings) or _graph_problem(mode, attend_name, settings)
     if why is not None:
         return {**record, "status": "skipped", "reason": why}
     prompt = _greedy_prompt(config_name, settings, model)
@@ -601,7 +601,9 @@ def greedy_mode(config_name, settings, model, mode: str, layout: str, attend_nam
             record["captured"] = other.captured
             if other.captured:
                 # the graph against the same step run eagerly: the same kernels, so the very same tokens
-                same_step = GraphedDecoder(model, attend, max_batch=settings.greedy_batch, capacity=capacity,
+                # (an attention of its own: FlashInfer's graph form holds one runner's wrappers and plans)
+                same_step = GraphedDecoder(model, graph_attend(attend_name, settings),
+                                           max_batch=settings.greedy_batch, capacity=capacity,
                                            paged=layout == "paged", page_size=settings.page_size, capture=False)
                 uncaptured = compare_runners(same_step, other, prompt, settings.greedy_tokens, model.dtype)
                 record["vs_uncaptured"] = {"identical": uncaptured["identical"],

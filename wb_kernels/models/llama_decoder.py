@@ -325,6 +325,9 @@ class FlashInferGraphAttend:
                          dtype=q.dtype)
             self._decodes[batch] = (decode, block_table, sizes)
         decode, table, sizes = self._decodes[batch]
+        if block_table.data_ptr() != table.data_ptr():
+            raise ValueError("FlashInferGraphAttend serves one runner's cache: its wrappers hold that cache's block "
+                             "table and plans; give each GraphedDecoder an attention of its own")
         if not capturing:
             decode.plan(table, cache_seqlens.tolist(), **sizes)
         return decode.run(q.contiguous(), k_cache, v_cache)
