@@ -202,8 +202,10 @@ class GraphPagedDecode:
             indices = block_table[used].to(torch.int32)
         if self._taken is not None:
             self._taken.synchronize()
-        self.wrapper.plan(indptr, indices, last, num_heads, kv_heads, head_dim, page_size, q_data_type=dtype,
-                          kv_data_type=dtype)
+        # the buffers may be inference tensors (made by a capture under inference_mode): update them in that mode
+        with torch.inference_mode():
+            self.wrapper.plan(indptr, indices, last, num_heads, kv_heads, head_dim, page_size, q_data_type=dtype,
+                              kv_data_type=dtype)
         self._taken = torch.cuda.Event()
         self._taken.record()
 
