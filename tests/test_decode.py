@@ -268,9 +268,13 @@ def test_cuda_kernel_compiles_without_spills():
         assert {(r.dtype, r.head_dim, r.rows, r.paged) for r in report if r.kernel == "mma"} == {
             (dt, D, rows, paged) for dt in dtypes for D in (64, 128) for rows in (16, 32, 64) for paged in (0, 1)}
         for r in report:
-            # none on the H100's sm_90; ptxas for sm_80 caps the 4-row bf16 kernel at 128 registers and spills a
-            # word, which is allowed (the test of lesson 06's kernel allows up to 16 bytes the same way)
-            assert r.spill_stores <= (0 if arch == "sm_90" else 16), r
+            # none on the H100's sm_90 but the paged 4-row split kernel's, asked for two blocks per SM
+            # (WB_PAGED_FOUR_ROW_BLOCKS): 20 bytes, which cost less than the second block gains there (decode NOTES,
+            # version 15); ptxas for sm_80 caps the 4-row bf16 kernel at 128 registers and spills a word, which is
+            # allowed (the test of lesson 06's kernel allows up to 16 bytes the same way)
+            # (the report does not tell the split kernel's paged build apart: every 4-row one gets the allowance)
+            allowed = 24 if (r.kernel, r.rows) == ("split", 4) else 0 if arch == "sm_90" else 16
+            assert r.spill_stores <= allowed, r
             # the split kernel: at most 168 registers, 3 blocks of 128 threads per SM, enough loads in flight for
             # HBM; the mma kernel's occupancy is its shared-memory stages' (2 blocks per SM at D = 128), so up to 255
             assert r.registers <= (168 if r.kernel != "mma" else 255), r

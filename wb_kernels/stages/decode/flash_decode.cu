@@ -78,16 +78,16 @@ __device__ __forceinline__ int count_finished(int* counter) {
 // Blocks per SM the split kernel asks the compiler to fit: the contiguous one (PAGED false) 4, 3 and 2 at 1, 2 and 4
 // rows (64, 80 and 128 registers, no spills on sm_90; sm_80 would spill at 2 rows), the occupancy the kernel had
 // before it read strides; left alone, ptxas gives it up to 80, 103 and 128. The paged one is left alone (0: no
-// minimum) unless WB_PAGED_FOUR_ROW_BLOCKS asks for its 4-row blocks: built on the H100 host, its 4-row loop took more
-// than 128 registers, one block per SM where the contiguous one has two (the occupancy query at 605b48b); capped at
-// 128, nvcc 13.0 spills it at bf16 D = 64 (20 stores): which costs less is the GPU's to say (decode NOTES).
+// minimum) but for its 4-row blocks (WB_PAGED_FOUR_ROW_BLOCKS): left alone, that loop takes 150-161 registers, one
+// block per SM where the contiguous one has two; asked for two, nvcc spills 20 bytes a thread, and on the H100 the
+// two blocks won by about a sixth at the paged GQA-8 shapes (2026-11-27, decode NOTES, version 15).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr int kContiguousTwoRowBlocks = 0;
 #else
 constexpr int kContiguousTwoRowBlocks = 3;
 #endif
 #ifndef WB_PAGED_FOUR_ROW_BLOCKS
-#define WB_PAGED_FOUR_ROW_BLOCKS 0
+#define WB_PAGED_FOUR_ROW_BLOCKS 2
 #endif
 template <int ROWS, bool PAGED>
 constexpr int kMinBlocks = PAGED ? (ROWS == 4 ? WB_PAGED_FOUR_ROW_BLOCKS : 0)
