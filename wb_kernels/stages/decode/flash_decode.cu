@@ -565,11 +565,14 @@ struct MmaShape {
     static constexpr int KEYS = SLICES * 16 > 64 ? SLICES * 16 : 64;
     static constexpr int WARP_KEYS = KEYS / SLICES;
 };
-// Stages of the tile pipeline: 2 of 128-key tiles or 3 of 64 (96 or 128 KB at D = 128), unless WB_DECODE_MMA_SMEM_KB
-// (a tuning knob: tune.py's MMA_VARIANTS) gives them that many kilobytes (2 to 8 stages), to try more tiles in flight
+// (Query head, split) pairs up to which the last block of a group merges them (the host's choice; past it the merge
+// kernel does): one block reads them alone, at the latency of a memory still busy with the other blocks' streams, and
+// at 1024 pairs (tune.py's fused1024) MQA was slower at every shape (decode NOTES, 2026-11-27)
 #ifndef WB_DECODE_MMA_FUSED_ROW_SPLITS
-#define WB_DECODE_MMA_FUSED_ROW_SPLITS 256  // (query head, split) pairs up to which the last block merges (host)
+#define WB_DECODE_MMA_FUSED_ROW_SPLITS 256
 #endif
+// Stages of the tile pipeline: 2 of 128-key tiles or 3 of 64 (128 or 96 KB at D = 128), unless WB_DECODE_MMA_SMEM_KB
+// (a tuning knob: tune.py's MMA_VARIANTS) gives them that many kilobytes (2 to 8 stages), to try more tiles in flight
 #ifndef WB_DECODE_MMA_SMEM_KB
 #define WB_DECODE_MMA_SMEM_KB 0
 #endif
@@ -613,9 +616,9 @@ constexpr int mma_dynamic_smem_bytes() {
 // The mma path's fused merge: the block that finished a group's last split merges every split's partial results
 // for the group's rows (merge_splits' arithmetic: weights from the LSEs, NaN poisoning, an empty split weighs 0),
 // with its loads spread for one block of THREADS: each thread owns up to ITEMS (row, 4 columns) items and walks the
-// splits for all of them at once, 16-byte loads, several splits unrolled, so that a few dozen loads are in flight
-// per thread instead of one per split (merge_splits' column loop, which made one block too slow to merge MQA's 32
-// rows past a few splits: the second kernel took over there).
+// splits for all of them at once, 16-byte loads, several splits unrolled, so that about 16 loads are in flight per
+// thread instead of one per split (merge_splits' column loop). Still one block: where the pairs are many, the second
+// kernel merges instead (WB_DECODE_MMA_FUSED_ROW_SPLITS).
 template <typename T, int D, int ROWS, int THREADS>
 __device__ __forceinline__ void mma_fused_merge(const DecodeParams& p, int row0, int rows, float* s_weight) {
     constexpr int COLUMNS = D / 4, ITEMS = (ROWS * COLUMNS + THREADS - 1) / THREADS;
