@@ -385,3 +385,18 @@ def test_flashinfer_in_a_graph_refuses_a_contiguous_cache():
     q = torch.zeros(1, 4, 64)
     with pytest.raises(ValueError, match="paged cache"):
         dec.FlashInferGraphAttend()(q, torch.zeros(1, 2, 16, 64), torch.zeros(1, 2, 16, 64), torch.tensor([3]))
+
+
+def test_flashinfers_page_lists_pack_each_sequences_pages_in_order():
+    """What both FlashInfer plans are given: offsets and last-page lengths on the host, the pages packed in order,
+    the same whether the lengths are equal (a slice of the table) or not (a mask)."""
+    from wb_kernels.bench.flashinfer import page_lists
+
+    table = torch.tensor([[7, 3, 9, 1], [2, 8, 5, 6]], dtype=torch.int32)
+    indptr, indices, last = page_lists(table, [33, 16], 16)
+    assert indptr.tolist() == [0, 3, 4] and indices.tolist() == [7, 3, 9, 2] and last.tolist() == [1, 16]
+    indptr, indices, last = page_lists(table, [20, 32], 16)
+    assert indptr.tolist() == [0, 2, 4] and indices.tolist() == [7, 3, 2, 8] and last.tolist() == [4, 16]
+    assert indptr.device.type == last.device.type == "cpu" and indices.dtype == torch.int32
+    _, indices, last = page_lists(table, [0, 0], 16)  # empty sequences: no page
+    assert indices.numel() == 0 and last.tolist() == [0, 0]

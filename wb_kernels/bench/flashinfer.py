@@ -26,7 +26,7 @@ import functools
 from typing import Optional
 
 __all__ = ["problem", "fa3_problem", "WORKSPACE_BYTES", "prefill_prepare", "decode_prepare", "PagedDecode",
-           "GraphPagedDecode"]
+           "GraphPagedDecode", "page_lists"]
 
 WORKSPACE_BYTES = 128 * 2**20  # the size FlashInfer's documentation recommends for a wrapper's workspace
 
@@ -134,16 +134,10 @@ class PagedDecode:
         key = (block_table, tuple(lengths), num_heads, kv_heads, head_dim, page_size, dtype)
         if self.planned is not None and key[0] is self.planned[0] and key[1:] == self.planned[1:]:
             return
-        pages = [-(-n // page_size) for n in lengths]
+        indptr, indices, last = page_lists(block_table, lengths, page_size)
         device = block_table.device
-        indptr = torch.tensor([0] + list(_running_sum(pages)), dtype=torch.int32, device=device)
-        width = block_table.shape[1]
-        used = torch.arange(width, device=device)[None, :] < torch.tensor(pages, device=device)[:, None]
-        indices = block_table[used].to(torch.int32).contiguous()  # each sequence's pages in order, packed
-        last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages)], dtype=torch.int32,
-                            device=device)
-        self.wrapper.plan(indptr, indices, last, num_heads, kv_heads, head_dim, page_size, q_data_type=dtype,
-                          kv_data_type=dtype)
+        self.wrapper.plan(indptr.to(device), indices, last.to(device), num_heads, kv_heads, head_dim, page_size,
+                          q_data_type=dtype, kv_data_type=dtype)
         self.planned = key
 
     def run(self, q, k_pages, v_pages):
@@ -192,14 +186,7 @@ class GraphPagedDecode:
         if sum(pages) > self.max_pages or max(pages) > block_table.shape[1]:
             raise ValueError(f"GraphPagedDecode: lengths {max(lengths)} need more pages than the table or the "
                              f"buffer ({self.max_pages}) hold")
-        indptr = torch.tensor([0] + list(_running_sum(pages)), dtype=torch.int32)
-        last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages)], dtype=torch.int32)
-        if len(set(pages)) == 1:  # every sequence as long: a slice of the table, no host round trip
-            indices = block_table[:, :pages[0]].reshape(-1).to(torch.int32)
-        else:
-            used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < \
-                torch.tensor(pages, device=block_table.device)[:, None]
-            indices = block_table[used].to(torch.int32)
+        indptr, indices, last = page_lists(block_table, lengths, page_size)
         if self._taken is not None:
             self._taken.synchronize()
         # the buffers may be inference tensors (made by a capture under inference_mode): update them in that mode
@@ -216,6 +203,24 @@ class GraphPagedDecode:
         if self.out is None:
             self.out = torch.empty_like(q)
         return self.wrapper.run(q, (k_pages, v_pages), out=self.out)
+
+
+def page_lists(block_table, lengths, page_size: int) -> tuple:
+    """FlashInfer's description of a paged batch: ``(indptr, indices, last_page_len)``, int32. indptr (B + 1,) and the
+    last pages' lengths (B,) on the host, from `lengths` (host ints); indices, each sequence's pages in order, packed,
+    on the table's device (a slice of the table when every sequence has as many pages: no copy from the host)."""
+    import torch
+
+    pages = [-(-n // page_size) for n in lengths]
+    indptr = torch.tensor([0] + list(_running_sum(pages)), dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages)], dtype=torch.int32)
+    if len(set(pages)) == 1:
+        indices = block_table[:, :pages[0]].reshape(-1).to(torch.int32).contiguous()
+    else:
+        device = block_table.device
+        used = torch.arange(block_table.shape[1], device=device)[None, :] < torch.tensor(pages, device=device)[:, None]
+        indices = block_table[used].to(torch.int32).contiguous()
+    return indptr, indices, last
 
 
 def _running_sum(values):

@@ -19,9 +19,10 @@ On a GPU, by default, in float16:
    overhead (:mod:`.decoder_graphs`), on a static cache filled with random keys and values: one CUDA graph per batch
    with SDPA and with ``wb.decode`` (while ``wb.decode`` is not graph-safe, its rows say so and why), on both
    layouts, and with FlashInfer on the paged one (``FlashInferGraphAttend``: its run captured, planned on the host
-   before every replay, as vLLM's and SGLang's FlashInfer backends do); then ``torch.compile(mode="reduce-overhead")`` with SDPA at batch 1 and 1k keys (each cell compiles the
-   step: the slowest rows, so they come last). The greedy check of each mode against the eager decoder with SDPA,
-   and of each graph against the same step uncaptured (which must give the very same tokens).
+   before every replay, as vLLM's and SGLang's FlashInfer backends do); then ``torch.compile(mode="reduce-overhead")``
+   with SDPA at batch 1 and 1k keys (each cell compiles the step: the slowest rows, so they come last). The greedy
+   check of each mode against the eager decoder with SDPA, and of each graph against the same step uncaptured (which
+   must give the very same tokens).
 
 Every row records tokens/s, ms per step, the bytes a step must read (every weight once, and the KV cache at the mean
 context of its timed steps) and the fraction of the step's roofline reached (:func:`~.llama_decoder.

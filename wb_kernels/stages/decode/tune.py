@@ -37,8 +37,9 @@ split kernel's tuning run.)
     python -m wb_kernels.stages.decode.tune --mma-trace --json results/decode/mma_trace_h100.json
 
 ``--mma-trace`` builds the tensor-core kernel with ``WB_DECODE_MMA_TRACE`` (thread 0 of every block stamps
-``%globaltimer`` and ``clock64`` at six points of its life into the status tensor: entry, first loads issued, q in
-shared memory, first tile landed, loop done, partial result written) and calls it once per shape (:data:`TRACE_SHAPES`)
+``%globaltimer`` and ``clock64`` at points of its life into the status tensor: entry, first loads issued, q in
+shared memory, first tile landed, loop done, partial result written, and in a block that runs the fused merge, that
+merge done) and calls it once per shape (:data:`TRACE_SHAPES`)
 after a clean L2: where a block's time goes, which neither the benchmark (one number per call) nor ncu (counters
 averaged over the kernel) shows. Cycles are each block's own (``clock64`` from its entry); times are from the first
 block's entry, at the timer's resolution (about 0.26 us on the H100).
@@ -543,7 +544,7 @@ def measure_mma_trace(variant=None, reps: int = 5) -> list:
         merging = stamps[:, 6] > 0  # "merged": only the blocks that ran the fused merge stamp it
         ghz = float(((cycles[:, 5] - cycles[:, 0]) / (times[:, 5] - times[:, 0]).clamp(min=1)).median())
         row = dict(B=B, H=H, Hk=Hk, Lk=L, D=D, splits=splits, keys_per_split=keys, blocks=blocks,
-                   tiles_per_block=-(-keys // (128 if H // Hk <= 16 else 64)), sm_ghz=round(ghz, 3),
+                   sm_ghz=round(ghz, 3),
                    sms_used=len(set(stamps[:, 7].long().tolist())), status=int(status[0]),
                    merging_blocks=int(merging.sum()),
                    span_us=round(float(from_first[:, 6 if merging.any() else 5].max()), 2),
