@@ -268,12 +268,11 @@ def test_cuda_kernel_compiles_without_spills():
         assert {(r.dtype, r.head_dim, r.rows, r.paged) for r in report if r.kernel == "mma"} == {
             (dt, D, rows, paged) for dt in dtypes for D in (64, 128) for rows in (16, 32, 64) for paged in (0, 1)}
         for r in report:
-            # none on the H100's sm_90 but the paged 4-row split kernel's, asked for two blocks per SM
-            # (WB_PAGED_FOUR_ROW_BLOCKS): 20 bytes, which cost less than the second block gains there (decode NOTES,
-            # version 15); ptxas for sm_80 caps the 4-row bf16 kernel at 128 registers and spills a word, which is
-            # allowed (the test of lesson 06's kernel allows up to 16 bytes the same way)
-            # (the report does not tell the split kernel's paged build apart: every 4-row one gets the allowance)
-            allowed = 24 if (r.kernel, r.rows) == ("split", 4) else 0 if arch == "sm_90" else 16
+            # none on the H100's sm_90 (the paged 4-row split kernel, capped at 128 registers for two blocks per SM,
+            # spilled 20 bytes until its loop read the page table a trip ahead: decode NOTES, version 16); ptxas for
+            # sm_80 spills up to 12 bytes of that kernel, which is allowed (the test of lesson 06's kernel allows up to
+            # 16 bytes the same way)
+            allowed = 0 if arch == "sm_90" else 16
             assert r.spill_stores <= allowed, r
             # the split kernel: at most 168 registers, 3 blocks of 128 threads per SM, enough loads in flight for
             # HBM; the mma kernel's occupancy is its shared-memory stages' (2 blocks per SM at D = 128), so up to 255
@@ -309,6 +308,13 @@ def _sass_with_scoreboards(cubin: str) -> dict:
     return kernels
 
 
+def _is_kv_load(text: str) -> bool:
+    """A 16-byte global load: LDG.E.128, or LDG.E.NA.128.CONSTANT (the read-only path without L1, load_streamed)."""
+    import re
+
+    return re.match(r"(@!?P\d+ )?LDG\.E(\.NA)?\.128\b", text) is not None and ".STRONG" not in text
+
+
 def _key_loop(instructions: list) -> list:
     """The split kernel's trip loop: the shortest backward branch whose body holds the 16-byte K/V loads."""
     import re
@@ -318,7 +324,7 @@ def _key_loop(instructions: list) -> list:
         m = re.search(r"\bBRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < address and "BRA.DIV" not in text:
             body = [x for x in instructions if int(m.group(1), 16) <= x[0] <= address]
-            if any("LDG.E.128" in x[1] for x in body):
+            if any(_is_kv_load(x[1]) for x in body):
                 loops.append(body)
     return min(loops, key=len)
 
@@ -352,7 +358,7 @@ def test_the_split_kernels_prefetch_is_not_waited_for_before_the_trips_arithmeti
         rows, paged = int(split.group(3)), name.endswith("Lb1EEEvNS_12DecodeParamsE")
         loop = _key_loop(instructions)
         for i, (_, text, counter, _) in enumerate(loop):
-            if "LDG.E.128" not in text:
+            if not _is_kv_load(text):
                 continue
             ffmas = 0
             for _, later, _, waits in loop[i + 1:] + loop[:i]:  # round the back edge

@@ -34,6 +34,12 @@
 #ifndef WB_DECODE_FUSED_MERGE
 #define WB_DECODE_FUSED_MERGE 1  // 1: the last block of a sequence's splits merges them (no second kernel)
 #endif
+#ifndef WB_PAGED_TABLE_AHEAD
+#define WB_PAGED_TABLE_AHEAD 1  // 1: the paged 4-row loop reads its page-table entries a trip before their loads
+#endif
+#ifndef WB_DECODE_KV_NC
+#define WB_DECODE_KV_NC 1  // 1: K and V through the read-only path, not kept in L1 (ld.global.nc.L1::no_allocate)
+#endif
 #ifndef WB_DECODE_CHUNKED_SOFTMAX
 #define WB_DECODE_CHUNKED_SOFTMAX 1  // 1: one online-softmax rescale per trip of KEYS_IN_FLIGHT keys, not per key
 #endif
@@ -79,8 +85,9 @@ __device__ __forceinline__ int count_finished(int* counter) {
 // rows (64, 80 and 128 registers, no spills on sm_90; sm_80 would spill at 2 rows), the occupancy the kernel had
 // before it read strides; left alone, ptxas gives it up to 80, 103 and 128. The paged one is left alone (0: no
 // minimum) but for its 4-row blocks (WB_PAGED_FOUR_ROW_BLOCKS): left alone, that loop takes 150-161 registers, one
-// block per SM where the contiguous one has two; asked for two, nvcc spills 20 bytes a thread, and on the H100 the
-// two blocks won by about a sixth at the paged GQA-8 shapes (2026-11-27, decode NOTES, version 15).
+// block per SM where the contiguous one has two; asked for two, nvcc spilled 20 bytes a thread, and on the H100 the
+// two blocks won by about a sixth at the paged GQA-8 shapes (2026-11-27, decode NOTES, version 15). Since the loop
+// reads the page table a trip ahead (split_kernel_loads, version 16), it fits 128 registers without a spill.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr int kContiguousTwoRowBlocks = 0;
 #else
@@ -114,6 +121,19 @@ template <> __device__ __forceinline__ void to_float8<__nv_bfloat16>(const uint4
         x[2 * i] = f.x;
         x[2 * i + 1] = f.y;
     }
+}
+// A key's or value's 16 bytes. K and V are read once per block and never written during the launch, so they may go
+// through the read-only path without taking L1 lines that the page table and the query could use (on the H100: the
+// paged GQA-8 bar shapes 2-5 % faster, contiguous within 1 %; decode NOTES, version 16)
+__device__ __forceinline__ uint4 load_streamed(const void* address) {
+#if WB_DECODE_KV_NC
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(address));
+    return r;
+#else
+    return *reinterpret_cast<const uint4*>(address);
+#endif
 }
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
@@ -261,20 +281,20 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
     const unsigned page_magic = (unsigned)(((1ull << page_shift) + p.page_size - 1) / (unsigned)p.page_size);
     auto page_of = [&](int key) { return (int)(((unsigned long long)(unsigned)key * page_magic) >> page_shift); };
     constexpr int STRIDE = KEYS_PER_STEP * KEYS_IN_FLIGHT;  // keys the block covers per trip round the loop
-    // the loads of KEYS_IN_FLIGHT steps from key0 on, issued together (zeros past the split's end): every step's
-    // page-table entry first (an index past the sequence's row is clamped into it; that entry goes unused), so their
-    // latencies overlap, then the keys' and values' loads
-    auto load = [&](int key0, uint4 (&k_raw)[KEYS_IN_FLIGHT], uint4 (&v_raw)[KEYS_IN_FLIGHT]) {
-        int page[KEYS_IN_FLIGHT];
+    // the loads of KEYS_IN_FLIGHT steps from key0 on (zeros past the split's end), in two parts. read_pages: every
+    // step's page-table entry (an index past the sequence's row is clamped into it; that entry goes unused);
+    // load: with those entries, every address, then the keys' and values' loads, issued together
+    int page[KEYS_IN_FLIGHT];
+    auto read_pages = [&](int key0) {
         if constexpr (PAGED) {
 #pragma unroll
             for (int s = 0; s < KEYS_IN_FLIGHT; ++s)
                 page[s] = table[min(page_of(key0 + s * KEYS_PER_STEP + key_lane), p.pages_per_seq - 1)];
         }
-        // every step's offset before any key's load: a table read still pending after those loads would be waited
-        // for with them (a load's register counts down a counter the others share), and the loads would then have
-        // nothing to hide behind; an entry outside the pool reads the nearest page (reported after the loop, status
-        // bit 4)
+    };
+    auto load = [&](int key0, uint4 (&k_raw)[KEYS_IN_FLIGHT], uint4 (&v_raw)[KEYS_IN_FLIGHT]) {
+        // every offset before any load: a table read pending behind the loads would be waited for with them (loads
+        // share the counters that track their registers); an entry outside the pool reads the nearest page (status 4)
         size_t offset[KEYS_IN_FLIGHT];
 #pragma unroll
         for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
@@ -291,14 +311,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
         for (int s = 0; s < KEYS_IN_FLIGHT; ++s) {
             k_raw[s] = v_raw[s] = make_uint4(0, 0, 0, 0);
             if (key0 + s * KEYS_PER_STEP + key_lane < stop) {
-                k_raw[s] = *reinterpret_cast<const uint4*>(k_base + offset[s]);
-                v_raw[s] = *reinterpret_cast<const uint4*>(v_base + offset[s]);
+                k_raw[s] = load_streamed(k_base + offset[s]);
+                v_raw[s] = load_streamed(v_base + offset[s]);
             }
         }
     };
+    // TABLE_AHEAD: a trip's loads use entries read a trip earlier, so none waits behind a table read. It won on the
+    // H100 for 4-row blocks only (and ends their spill); at 1 and 2 rows it costs registers (decode NOTES, version 16)
+    constexpr bool TABLE_AHEAD = PAGED && ROWS == 4 && WB_PAGED_TABLE_AHEAD;
     uint4 k_raw[KEYS_IN_FLIGHT], v_raw[KEYS_IN_FLIGHT];
     int key0 = start + warp * KEYS_PER_WARP;
+    read_pages(key0);
     load(key0, k_raw, v_raw);
+    if constexpr (TABLE_AHEAD) read_pages(key0 + STRIDE);
     // endregion
 
     // region: split_kernel_trip_scores
@@ -307,7 +332,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
         // the next trip's loads go out before this trip's arithmetic, so memory is never idle while a warp computes
         // (twice the registers for the raw data)
         uint4 k_next[KEYS_IN_FLIGHT], v_next[KEYS_IN_FLIGHT];
-        load(key0 + STRIDE, k_next, v_next);
+        if constexpr (TABLE_AHEAD) {
+            load(key0 + STRIDE, k_next, v_next);
+            read_pages(key0 + 2 * STRIDE);
+        } else {
+            read_pages(key0 + STRIDE);
+            load(key0 + STRIDE, k_next, v_next);
+        }
 #endif
 #if WB_DECODE_CHUNKED_SOFTMAX
         // The online softmax once per trip rather than once per key: the trip's KEYS_IN_FLIGHT scores per row first,
@@ -394,7 +425,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
             v_raw[s] = v_next[s];
         }
 #else
+        if constexpr (!TABLE_AHEAD) read_pages(key0 + STRIDE);
         load(key0 + STRIDE, k_raw, v_raw);
+        if constexpr (TABLE_AHEAD) read_pages(key0 + 2 * STRIDE);
 #endif
     }
     if constexpr (PAGED) {
