@@ -60,6 +60,8 @@ def roofline_summary(results: dict, *, config: str | None = None) -> list:
 def roofline_chart(results: dict, *, config: str | None = "llama_1b", title: str | None = None):
     """Bytes per step against milliseconds per step, log-log: the copy ceiling's line (bytes / the run's copy
     bandwidth), one marker per row (color: contender; shape: batch). Returns the Figure."""
+    import matplotlib
+
     from ..plots import new_figure
 
     points = roofline_points(results, config=config)
@@ -68,7 +70,7 @@ def roofline_chart(results: dict, *, config: str | None = "llama_1b", title: str
     copy_gbps = (results.get("ceilings") or {}).get("copy_gbps")
     if not copy_gbps or copy_gbps <= 0:
         raise ValueError("roofline_chart: the results hold no copy bandwidth (ceilings.copy_gbps)")
-    fig, ax = new_figure(width=8.0, height=5.0)
+    fig, ax = new_figure(width=10.0, height=5.0)
     if points:
         low = min(p["bytes_per_step"] for p in points) / 1.5
         high = max(p["bytes_per_step"] for p in points) * 1.5
@@ -78,8 +80,10 @@ def roofline_chart(results: dict, *, config: str | None = "llama_1b", title: str
             label=f"copy ceiling, {copy_gbps:.0f} GB/s")
     labels = list(dict.fromkeys(p["label"] for p in points))
     batches = sorted({p["batch"] for p in points})
+    # one color per contender: a sweep with FlashInfer and torch.compile has 13 of them, past the default cycle's 10
+    palette = matplotlib.colormaps["tab20"]
     for index, label in enumerate(labels):
-        color = f"C{index % 10}"
+        color = palette(index % palette.N)
         for batch_index, batch in enumerate(batches):
             mine = [p for p in points if p["label"] == label and p["batch"] == batch]
             if mine:
@@ -95,5 +99,5 @@ def roofline_chart(results: dict, *, config: str | None = "llama_1b", title: str
     ax.set(xscale="log", yscale="log", xlabel="bytes per step (GB): weights + KV cache read",
            ylabel="time per step (ms)",
            title=title or f"Decode steps against the roofline ({config or 'every model'}, {where})")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside the markers
     return fig
