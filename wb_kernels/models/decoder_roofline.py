@@ -70,7 +70,7 @@ def roofline_chart(results: dict, *, config: str | None = "llama_1b", title: str
     copy_gbps = (results.get("ceilings") or {}).get("copy_gbps")
     if not copy_gbps or copy_gbps <= 0:
         raise ValueError("roofline_chart: the results hold no copy bandwidth (ceilings.copy_gbps)")
-    fig, ax = new_figure(width=10.0, height=5.0)
+    fig, ax = new_figure(width=8.0, height=5.0)
     if points:
         low = min(p["bytes_per_step"] for p in points) / 1.5
         high = max(p["bytes_per_step"] for p in points) * 1.5
