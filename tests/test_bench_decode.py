@@ -409,11 +409,15 @@ def test_decode_readme_block_is_filled_by_update_readme(tmp_path):
         bench.update_readme(path, readme)
 
 
-def test_readme_has_the_decode_block_and_it_is_up_to_date():
+def _readme_block(start: str, end: str) -> str:
+    """The README's text between two markers (both must be there)."""
     text = (bench.REPO_ROOT / "README.md").read_text()
-    start, end = results_file.README_DECODE_START, results_file.README_DECODE_END
     assert start in text and end in text
-    block = text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def test_readme_has_the_decode_block_and_it_is_up_to_date():
+    block = _readme_block(results_file.README_DECODE_START, results_file.README_DECODE_END)
     path = results_file.committed_decode_results()
     if path is None:
         assert "results/decode/bench_h100.json" in block and "once that file is committed" in block
@@ -421,6 +425,42 @@ def test_readme_has_the_decode_block_and_it_is_up_to_date():
     relative = str(path.relative_to(bench.REPO_ROOT))
     assert block == results_file.decode_readme_table(bench.load_results(path), source=relative), (
         f"README.md's decode table is stale: run python -m wb_kernels.bench --update-readme {relative}")
+
+
+def test_a_decode_bar_file_fills_its_own_block_and_the_caption_says_what_else_it_holds(tmp_path):
+    results = _gpu_results()
+    results["presets"] = ["decode-bar"]
+    path = tmp_path / "bench_decode_bar_h100_abc1234.json"
+    bench.save_results(results, path)
+    readme = tmp_path / "README.md"
+    blocks = (f"{results_file.README_DECODE_START}\nfull preset\n{results_file.README_DECODE_END}\n"
+              f"{results_file.README_DECODE_BAR_START}\nplaceholder\n{results_file.README_DECODE_BAR_END}\n")
+    readme.write_text(blocks)
+    bench.update_readme(path, readme)
+    text = readme.read_text()
+    assert "full preset" in text and "placeholder" not in text  # the full preset's table is left alone
+    bar_block = text.split(results_file.README_DECODE_BAR_START, 1)[1]
+    assert "| **8** | **8192** |" in bar_block
+    # the caption names only what the file holds outside the table's view: nothing here, then what is added
+    def caption():
+        return results_file.decode_readme_table(results, source="x").splitlines()[0]
+
+    assert caption().endswith("(the file says why).")
+    results["records"].append(dict(results["records"][0], Hk=1))
+    assert caption().endswith("(the file says why); the file also holds other Hk.")
+    results["records"][-1].update(Hk=8, dtype="bfloat16", D=64)
+    assert caption().endswith("(the file says why); the file also holds bf16 and D = 64.")
+
+
+def test_readme_has_the_decode_bar_block_and_it_is_up_to_date():
+    """The README's second decode table is the newest committed decode-bar run's (what lesson 07 reads too)."""
+    from wb_kernels.stages.decode import slider
+
+    block = _readme_block(results_file.README_DECODE_BAR_START, results_file.README_DECODE_BAR_END)
+    path = slider.committed_decode_bar_results()
+    relative = str(path.relative_to(bench.REPO_ROOT))
+    assert block == results_file.decode_readme_table(bench.load_results(path), source=relative), (
+        f"README.md's decode-bar table is stale: run python -m wb_kernels.bench --update-readme {relative}")
 
 
 def test_decode_figure_draws_the_bar_shapes(tmp_path):

@@ -30,7 +30,8 @@ __all__ = ["SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README
            "committed_results",
            "readme_table", "decode_readme_table", "decode_bar_lines", "rung_bar_table", "update_readme",
            "committed_decode_results",
-           "README_DECODE_START", "README_DECODE_END", "README_DECODE_VIEW", "timing_method", "same_timing",
+           "README_DECODE_START", "README_DECODE_END", "README_DECODE_VIEW", "README_DECODE_BAR_START",
+           "README_DECODE_BAR_END", "timing_method", "same_timing",
            "MixedTiming"]
 
 SCHEMA_VERSION = 1
@@ -45,6 +46,10 @@ README_DECODE_START = "<!-- perf-table-decode:start -->"
 README_DECODE_END = "<!-- perf-table-decode:end -->"
 # The decode table's rows: the bar's setting (GQA with 4 query heads per KV head, fp16, D = 128) at every B and Lk.
 README_DECODE_VIEW = {"dtype": "float16", "D": 128, "H": 32, "Hk": 8}
+# The same table from the newest decode-bar run (results/decode/history/): the kernels as they are now, at B = 1 and 8,
+# beside the full decode preset's table above it, whose run is older and longer (B = 64 too)
+README_DECODE_BAR_START = "<!-- perf-table-decode-bar:start -->"
+README_DECODE_BAR_END = "<!-- perf-table-decode-bar:end -->"
 
 
 # Numbers are stored with 5 significant digits (3 or 4 for samples and ratios): the timings are not
@@ -356,6 +361,18 @@ def _decode_timing_words(results: dict) -> str:
     return _timing_words(results)
 
 
+def _decode_rows_elsewhere(results: dict, view: dict) -> str:
+    """"; the file also holds other Hk, bf16 and D = 64": what the file timed outside the table's view."""
+    records = [r for r in results["records"] if "Hk" in r]
+    short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+    found = (["other Hk"] if any(r["Hk"] != view["Hk"] for r in records) else []) + [
+        short.get(d, d) for d in sorted({r["dtype"] for r in records} - {view["dtype"]})] + [
+        f"D = {d}" for d in sorted({r["D"] for r in records} - {view["D"]})]
+    if not found:
+        return ""
+    return "; the file also holds " + (", ".join(found[:-1]) + " and " if len(found) > 1 else "") + found[-1]
+
+
 def decode_readme_table(results: dict, source: str | None = None) -> str:
     """The README's decode table (Markdown) from a decode results file: at :data:`README_DECODE_VIEW`, one row per
     (B, Lk) the file timed, GB/s and fraction of the copy ceiling of wb.decode (contiguous and paged), of its kernel
@@ -380,8 +397,8 @@ def decode_readme_table(results: dict, source: str | None = None) -> str:
              "faster). FlashInfer, paged: the faster of FlashInfer's two decode kernels (CUDA cores, tensor cores: "
              "flashinfer, flashinfer-tc) on the same paged cache as wb.decode, paged. ×best peer: the fastest peer's "
              "time (SDPA's backends, FlexAttention, FlashInfer, any layout) over wb.decode's (the faster of its two "
-             "layouts), and which peer. Bold: the bar's shapes. A dash: not run or refused (the file says why); "
-             "other Hk, bf16 and D = 64 are in the file.",
+             "layouts), and which peer. Bold: the bar's shapes. A dash: not run or refused (the file says why)"
+             + _decode_rows_elsewhere(results, view) + ".",
              "", "| B | Lk | copy GB/s | wb.decode | decode_forward | wb.decode, paged | best SDPA | ×SDPA | "
                  "×SDPA, paged | flex | FlashInfer, paged | ×best peer |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -505,9 +522,11 @@ def hopper_readme_table(results: dict, source: str | None = None) -> str:
 
 def _readme_blocks(results: dict) -> list:
     """The README's blocks a results file fills, as (start marker, end marker, render): the decode table (a file of
-    the decode presets); the hopper rung's table (a file of its hopper-bar preset); else the ladder's table, and the mma table too when the file holds the ``mma`` preset (a
+    the decode presets), or its twin for the decode-bar preset's runs; the hopper rung's table (a file of its hopper-bar preset); else the ladder's table, and the mma table too when the file holds the ``mma`` preset (a
     file of that preset alone fills only the mma table). One file filling both: both tables timed the same way."""
     presets = results.get("presets") or []
+    if results.get("kind") == "decode" and presets == ["decode-bar"]:
+        return [(README_DECODE_BAR_START, README_DECODE_BAR_END, decode_readme_table)]
     if results.get("kind") == "decode":
         return [(README_DECODE_START, README_DECODE_END, decode_readme_table)]
     if presets == ["mma"]:
