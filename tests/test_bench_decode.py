@@ -447,9 +447,9 @@ def test_a_decode_bar_file_fills_its_own_block_and_the_caption_says_what_else_it
 
     assert caption().endswith("(the file says why).")
     results["records"].append(dict(results["records"][0], Hk=1))
-    assert caption().endswith("(the file says why); the file also holds other Hk.")
+    assert caption().endswith("(the file says why); other Hk are in the file.")
     results["records"][-1].update(Hk=8, dtype="bfloat16", D=64)
-    assert caption().endswith("(the file says why); the file also holds bf16 and D = 64.")
+    assert caption().endswith("(the file says why); bf16 and D = 64 are in the file.")
 
 
 def test_readme_has_the_decode_bar_block_and_it_is_up_to_date():

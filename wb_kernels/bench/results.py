@@ -362,7 +362,8 @@ def _decode_timing_words(results: dict) -> str:
 
 
 def _decode_rows_elsewhere(results: dict, view: dict) -> str:
-    """"; the file also holds other Hk, bf16 and D = 64": what the file timed outside the table's view."""
+    """"; other Hk, bf16 and D = 64 are in the file": what the file timed outside the table's view (lessons 07 and
+    11 show the full preset's table with this phrase in its caption)."""
     records = [r for r in results["records"] if "Hk" in r]
     short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
     found = (["other Hk"] if any(r["Hk"] != view["Hk"] for r in records) else []) + [
@@ -370,7 +371,7 @@ def _decode_rows_elsewhere(results: dict, view: dict) -> str:
         f"D = {d}" for d in sorted({r["D"] for r in records} - {view["D"]})]
     if not found:
         return ""
-    return "; the file also holds " + (", ".join(found[:-1]) + " and " if len(found) > 1 else "") + found[-1]
+    return "; " + (", ".join(found[:-1]) + " and " if len(found) > 1 else "") + found[-1] + " are in the file"
 
 
 def decode_readme_table(results: dict, source: str | None = None) -> str:
