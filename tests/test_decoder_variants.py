@@ -111,9 +111,37 @@ def test_variant_settings_and_plan():
     assert 100 < tokens.estimate_variant_seconds(tokens.GPU_VARIANT_SETTINGS) < 400
     for change, message in ((dict(greedy_tokens=40), "greedy_tokens"), (dict(variants=("nope",)), "variants"),
                             (dict(attend="flashinfer"), "attend"), (dict(contexts=(0,)), "contexts"),
-                            (dict(repeats=0), "repeats"), (dict(contexts=(131072,)), "max_seq_len")):
+                            (dict(repeats=0), "repeats"), (dict(contexts=(131072,)), "max_seq_len"),
+                            (dict(profile_steps=35), "profile_steps"), (dict(profile_steps=-1), "profile_steps")):
         with pytest.raises(ValueError, match=message):
             tokens.check_variant_settings(replace(tokens.GPU_VARIANT_SETTINGS, **change))
+
+
+def test_kernels_are_sorted_into_kinds_by_name():
+    for name, kind in (("void wb::decode_split_kernel<__half, 128, 4, 8, 2, true>(wb::DecodeParams)", "attention"),
+                       ("void flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
+                       ("void gemv2T_kernel_val<int, int, __half, __half, float, 128, 16, 4, 4>", "matrix products"),
+                       ("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize64x64x64", "matrix products"),
+                       ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "Inductor (Triton)"),
+                       ("Memcpy DtoD (Device -> Device)", "copies and fills"),
+                       ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
+                        "copies and fills"),
+                       ("void at::native::reduce_kernel<512, 1>", "other")):
+        assert dg.kernel_kind(name) == kind, name
+
+
+def test_device_events_are_summed_per_step_by_kind_and_name():
+    events = [("gemv2T_kernel", 10.0), ("gemv2T_kernel", 14.0), ("triton_poi_fused_silu_0", 3.0),
+              ("wb::decode_split_kernel<>", 6.0), ("Memset (Device)", 1.0)] * 2  # two steps
+    summary = dg.summarize_device_events(events, 2, top=2)
+    assert summary["steps"] == 2 and summary["kernels_per_step"] == 5 and summary["kernel_us_per_step"] == 34
+    assert list(summary["by_kind"]) == ["matrix products", "attention", "Inductor (Triton)", "copies and fills"]
+    assert summary["by_kind"]["matrix products"] == {"kernels_per_step": 2, "us_per_step": 24}
+    assert summary["top"] == [{"name": "gemv2T_kernel", "kind": "matrix products", "calls_per_step": 2,
+                               "us_per_step": 24},
+                              {"name": "wb::decode_split_kernel<>", "kind": "attention", "calls_per_step": 1,
+                               "us_per_step": 6}]
+    assert dg.summarize_device_events([], 3)["kernels_per_step"] == 0
 
 
 def test_a_spent_budget_starts_no_variant(tmp_path):
@@ -149,7 +177,7 @@ def variants_smoke(tmp_path_factory):
     try:
         with contextlib.redirect_stdout(printed):
             code = tokens.main(["--smoke", "--variants", "default", "--attend", "sdpa", "--json", str(out),
-                                "--no-progress"])
+                                "--no-progress", "--profile-steps", "1"])
     finally:
         torch.set_num_threads(threads)
     return code, json.loads(out.read_text()), printed.getvalue()
@@ -172,6 +200,8 @@ def test_the_smoke_run_of_the_variants(variants_smoke):
         assert r["greedy_verdict"] == "identical" and r["greedy"]["identical"] and r["greedy"]["new_tokens"] == 4
         assert r["options"] == dict(dg.COMPILE_VARIANTS[r["variant"]].options)
         assert ("vs_baseline" in r) == (r["variant"] != "reduce-overhead")
+        # --profile-steps: on the CPU the profile has no device events, and says so
+        assert r["profile"]["device"] == "cpu (no device events)" and r["profile"]["kernels_per_step"] == 0
         if "vs_baseline" in r:
             assert r["vs_baseline"] == pytest.approx(records[0]["ms_per_step"] / r["ms_per_step"], rel=1e-3)
     assert [r["split_gate_up"] for r in records] == [name.endswith("split-gate-up") for name in dg.DEFAULT_VARIANTS]

@@ -524,6 +524,78 @@ def time_compiled(runner: CompiledDecoder, *, context: int, steps: int, warmup: 
             "tokens_per_s": batch / (median / 1e3), "mean_context": context + warmup + (steps + 1) / 2}
 
 
+# The kinds a profile sorts the step's device work into, by the kernel's name (lowercase), the first that matches:
+# wb.decode's own kernels and other attention kernels; cuBLAS / CUTLASS matrix products; Inductor's generated Triton
+# kernels (its fused elementwise work, and at batch 1 with coordinate descent its matrix-vector reductions too: the
+# `top` list of a profile names them); copies and fills; anything else
+KERNEL_KINDS = (("attention", ("decode_split_kernel", "decode_mma", "decode_merge", "flash", "attention", "fmha",
+                                "batchdecode")),
+                ("matrix products", ("gemv", "gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
+                ("Inductor (Triton)", ("triton_",)),
+                ("copies and fills", ("memcpy", "memset", "fill", "copy")))
+
+
+def kernel_kind(name: str) -> str:
+    """:data:`KERNEL_KINDS`' kind of a kernel, from its name; "other" when none matches."""
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(mark in lowered for mark in marks)), "other")
+
+
+def profile_compiled(runner: CompiledDecoder, *, context: int, steps: int, seed: int = 0, top: int = 12) -> dict:
+    """Where a compiled step's device time goes: `steps` steps from `context` keys (the cache as
+    :func:`time_compiled` fills it, one untimed step first) under torch.profiler, and its device events (kernels,
+    copies, fills) summed per step: ``kernels_per_step``, ``kernel_us_per_step``, ``by_kind`` (:func:`kernel_kind`)
+    and the `top` kernels by time. On the CPU there are no device events: the counts are zero and ``device`` says so."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if steps < 1 or context + 1 + steps > runner.capacity:
+        raise ValueError(f"steps={steps} must be >= 1 and context {context} + 1 + steps fit the capacity "
+                         f"{runner.capacity}")
+    model = runner.model
+    batch = runner.cache.cache_seqlens.shape[0]
+    fill_for_timing(runner.cache, context, seed)
+    runner.cache.cache_seqlens.fill_(context)
+    runner.resume(batch, context)
+    state = [torch.randint(0, model.config.vocab_size, (batch,),
+                           generator=torch.Generator().manual_seed(seed)).to(model.device)]
+    state[0] = runner.step(state[0], greedy=True)  # untimed: the first replay after the cache was refilled
+    _synchronize(model)
+    on_cuda = _on_cuda(model)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            state[0] = runner.step(state[0], greedy=True)
+        _synchronize(model)
+    events = [(event.name, event.time_range.elapsed_us()) for event in prof.events()
+              if event.device_type == DeviceType.CUDA]
+    return {"context": context, "device": "cuda" if on_cuda else "cpu (no device events)",
+            **summarize_device_events(events, steps, top=top)}
+
+
+def summarize_device_events(events, steps: int, *, top: int = 12) -> dict:
+    """`events` ((name, microseconds) per device event of `steps` steps) summed per step: ``kernels_per_step``,
+    ``kernel_us_per_step``, ``by_kind`` ({kind: kernels and microseconds per step}, the longest first) and ``top``
+    (the `top` names by time, each with its kind, calls and microseconds per step)."""
+    by_name = {}
+    for name, us in events:
+        calls, total = by_name.get(name, (0, 0.0))
+        by_name[name] = (calls + 1, total + us)
+    by_kind = {}
+    for name, (calls, us) in by_name.items():
+        kind = by_kind.setdefault(kernel_kind(name), {"kernels_per_step": 0.0, "us_per_step": 0.0})
+        kind["kernels_per_step"] += calls / steps
+        kind["us_per_step"] += us / steps
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return {"steps": steps,
+            "kernels_per_step": round(sum(calls for calls, _ in by_name.values()) / steps, 2),
+            "kernel_us_per_step": round(sum(us for _, us in by_name.values()) / steps, 2),
+            "by_kind": {kind: {key: round(value, 2) for key, value in totals.items()}
+                        for kind, totals in sorted(by_kind.items(), key=lambda item: -item[1]["us_per_step"])},
+            "top": [{"name": name[:160], "kind": kernel_kind(name), "calls_per_step": round(calls / steps, 2),
+                     "us_per_step": round(us / steps, 2)} for name, (calls, us) in ranked]}
+
+
 # ---- is wb.decode graph-safe? ------------------------------------------------------------------------------
 
 

@@ -816,6 +816,7 @@ class VariantSettings:
     backend: str = "inductor"  # "eager": traced only (the CPU smoke), the variants' options then do not apply
     num_splits: int | None = None  # wb.decode's split count (None: its choice from the cache's capacity)
     page_size: int = 16  # (the kernels' warm-up runs the paged layout too)
+    profile_steps: int = 0  # > 0: that many steps profiled after the timing (decoder_graphs.profile_compiled)
 
 
 GPU_VARIANT_SETTINGS = VariantSettings(variants=DEFAULT_VARIANTS)
@@ -842,11 +843,14 @@ def check_variant_settings(s: VariantSettings) -> None:
         raise ValueError(f"contexts={list(s.contexts)}: expected one or more positive ints")
     for name, value, low, top in (("steps", s.steps, 1, MAX_STEPS), ("warmup", s.warmup, 0, MAX_STEPS),
                                   ("repeats", s.repeats, 1, 50), ("greedy_tokens", s.greedy_tokens, 1,
-                                                                  s.warmup + s.steps + 1)):
+                                                                  s.warmup + s.steps + 1),
+                                  ("profile_steps", s.profile_steps, 0, max(s.warmup + s.steps - 1, 0))):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
             raise ValueError(f"{name}={value!r}: expected an int from {low} to {top}"
                              + (" (the greedy check runs in the timed step's cache: at most warmup + steps + 1 new "
-                                "tokens)" if name == "greedy_tokens" else ""))
+                                "tokens)" if name == "greedy_tokens" else "")
+                            + (" (the profile runs in the timed step's cache, after one untimed step: at most "
+                               "warmup + steps - 1)" if name == "profile_steps" else ""))
     longest = CONFIGS[s.config].max_seq_len
     if max(s.contexts) + s.warmup + s.steps > longest:
         raise ValueError(f"contexts: {max(s.contexts)} + {s.warmup + s.steps} steps exceeds {s.config}'s "
@@ -927,7 +931,7 @@ def run_variant(model: dec.Decoder, s: VariantSettings, name: str, context: int,
     check its greedy tokens against the eager decoder with SDPA (a prompt of `context` random tokens, the same
     rule as the tokens run's compiled checks), then time it on the same cache (:func:`~.decoder_graphs.
     time_compiled`). Returns the record (status "ok" or "failed"; _OutOfTime passes through)."""
-    from .decoder_graphs import _cudagraph_skips, time_compiled
+    from .decoder_graphs import _cudagraph_skips, profile_compiled, time_compiled
 
     variant = COMPILE_VARIANTS[name]
     capacity = context + s.warmup + s.steps
@@ -952,6 +956,17 @@ def run_variant(model: dec.Decoder, s: VariantSettings, name: str, context: int,
         compile_s = runner.first_step_s
         timing = time_compiled(runner, context=context, steps=s.steps, warmup=s.warmup, repeats=s.repeats,
                                seed=s.seed)
+        profiled = None
+        if s.profile_steps:
+            try:
+                profiled = profile_compiled(runner, context=context, steps=s.profile_steps, seed=s.seed)
+                if profiled["kernels_per_step"]:  # the step's time not covered by the summed device events
+                    profiled["step_us_minus_kernel_us"] = round(1e3 * timing["ms_per_step"]
+                                                                - profiled["kernel_us_per_step"], 2)
+            except Exception as error:  # noqa: BLE001 - the timing stands without its profile
+                from ..bench.measure import _short
+
+                profiled = {"status": "failed", "reason": _short(error)}
     except Exception as error:  # noqa: BLE001 - recorded, the next variant runs
         from ..bench.measure import _short
 
@@ -969,6 +984,8 @@ def run_variant(model: dec.Decoder, s: VariantSettings, name: str, context: int,
                   greedy={"reference": "sdpa, contiguous, eager", "prompt_len": context,
                           "new_tokens": s.greedy_tokens, **greedy})
     record.update(_roofline_fields(CONFIGS[s.config], s, 1, timing["mean_context"], timing["ms_per_step"], ceilings))
+    if profiled is not None:
+        record["profile"] = profiled
     return record
 
 
@@ -1158,7 +1175,8 @@ def variants_main(args, parser) -> int:
     chosen = {"variants": names}
     for name, value in (("contexts", args.contexts), ("steps", args.steps), ("warmup", args.warmup),
                         ("repeats", args.repeats), ("greedy_tokens", args.greedy_tokens), ("dtype", args.dtype),
-                        ("attend", args.attend), ("seed", args.seed), ("num_splits", args.num_splits)):
+                        ("attend", args.attend), ("seed", args.seed), ("num_splits", args.num_splits),
+                        ("profile_steps", args.profile_steps)):
         if value is not None:
             chosen[name] = value
     if args.configs is not None:
@@ -1254,6 +1272,9 @@ def _parser() -> argparse.ArgumentParser:
     variants.add_argument("--repeats", type=int, help="timed runs of --steps steps per variant (default: 5; the "
                                                       "median is its ms/step)")
     variants.add_argument("--attend", choices=("wb", "sdpa"), help="the compiled step's attention (default: wb)")
+    variants.add_argument("--profile-steps", type=int, metavar="N",
+                          help="after each variant's timing, N steps under torch.profiler: kernels per step, their "
+                               "time by kind and the top kernels, in the record's 'profile' (default: 0, none)")
     return parser
 
 
