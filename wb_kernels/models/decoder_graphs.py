@@ -489,6 +489,16 @@ def time_static(model: dec.Decoder, mode: str, attend, *, batch: int, context: i
             "setup_s": setup_s, "first_call_s": first_call_s}
 
 
+def _restart(runner: CompiledDecoder, context: int, seed: int) -> list:
+    """The compiled step put back to `context` keys of its filled cache (the lengths on the GPU too); returns the
+    one-element list its steps' tokens pass through, starting from random tokens (the same for a seed)."""
+    batch = runner.cache.cache_seqlens.shape[0]
+    runner.cache.cache_seqlens.fill_(context)
+    runner.resume(batch, context)
+    tokens = torch.randint(0, runner.model.config.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed))
+    return [tokens.to(runner.model.device)]
+
+
 def time_compiled(runner: CompiledDecoder, *, context: int, steps: int, warmup: int, repeats: int = 1,
                   seed: int = 0) -> dict:
     """:func:`time_static`'s measurement of a compiled step that already exists (the variants' run compiles each
@@ -505,12 +515,9 @@ def time_compiled(runner: CompiledDecoder, *, context: int, steps: int, warmup: 
                          f"capacity {runner.capacity}")
     model = runner.model
     fill_for_timing(runner.cache, context, seed)
-    tokens = torch.randint(0, model.config.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed))
     times = []
     for _ in range(repeats):
-        runner.cache.cache_seqlens.fill_(context)
-        runner.resume(batch, context)
-        state = [tokens.to(model.device)]
+        state = _restart(runner, context, seed)
 
         def step():
             state[0] = runner.step(state[0], greedy=True)
@@ -553,12 +560,8 @@ def profile_compiled(runner: CompiledDecoder, *, context: int, steps: int, seed:
         raise ValueError(f"steps={steps} must be >= 1 and context {context} + 1 + steps fit the capacity "
                          f"{runner.capacity}")
     model = runner.model
-    batch = runner.cache.cache_seqlens.shape[0]
     fill_for_timing(runner.cache, context, seed)
-    runner.cache.cache_seqlens.fill_(context)
-    runner.resume(batch, context)
-    state = [torch.randint(0, model.config.vocab_size, (batch,),
-                           generator=torch.Generator().manual_seed(seed)).to(model.device)]
+    state = _restart(runner, context, seed)
     state[0] = runner.step(state[0], greedy=True)  # untimed: the first replay after the cache was refilled
     _synchronize(model)
     on_cuda = _on_cuda(model)
