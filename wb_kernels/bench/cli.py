@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--retry-failed", action="store_true",
                         help="backward presets: measure again the records a resumed file holds as failed (after a "
                              "fix), instead of keeping them as done")
+    parser.add_argument("--retake-slowed", action="store_true",
+                        help="decode presets: measure again the records of a resumed file that a burst slowed (more "
+                             "than 5%% of their samples over 2x the lower quartile: something outside the call, as "
+                             "measure.slowed_samples says; new runs retake such a measurement at once)")
     parser.add_argument("--time-failed-checks", action="store_true",
                         help="also time a stage whose output fails the check (flagged check_failed in the file, "
                              "marked in figures and the README table); by default it is recorded as failed, untimed")
@@ -185,6 +189,8 @@ def main(argv=None) -> int:
                               "without other presets or free flags (--stages, --lengths, ...)")
         if args.retry_failed and not backward:
             raise Refused("--retry-failed applies to the backward presets (backward, backward-bar, backward-smoke) only")
+        if args.retake_slowed and not decode:
+            raise Refused("--retake-slowed applies to the decode presets (decode, decode-bar, decode-smoke) only")
         if not on_cuda:
             gpu_only = [p for p in presets if p in GPU_PRESETS]
             if gpu_only:
@@ -210,7 +216,8 @@ def main(argv=None) -> int:
         if decode:
             workloads = [w for p in decode for w in DECODE_PRESETS[p]]
             run_decode(workloads, out, presets=decode, policy=policy, resume=not args.fresh, seed=args.seed,
-                       progress=not args.no_progress, time_budget=args.time_budget, command=command)
+                       progress=not args.no_progress, time_budget=args.time_budget, command=command,
+                       retake_slowed=args.retake_slowed)
         elif backward:
             run_backward([group for p in backward for group in BACKWARD_GROUPS[p]], out, policy=policy,
                          resume=not args.fresh, retry_failed=args.retry_failed, seed=args.seed,

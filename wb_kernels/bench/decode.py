@@ -45,7 +45,7 @@ from typing import Callable, Optional
 from ..timing import DEVICE_TIME
 from .measure import (TimingPolicy, _device, _flex_problem, _free_device_memory, _is_out_of_memory, _short,
                       _torch_reference, finish_results, measure_ceilings, open_results, sdpa_call, stamp_timing,
-                      store_record, time_into)
+                      store_record, time_into, was_slowed)
 from . import flashinfer
 from .results import _new_results, _sig, save_results
 from .sweeps import DECODE_BAR, DECODE_PAGE_SIZE, DECODE_PRESETS, DecodeWorkload, decode_record_key
@@ -733,8 +733,10 @@ def gpu_short_name() -> str:
 def run_decode(workloads, out_path, *, presets=("decode",), policy: Optional[TimingPolicy] = None,
                resume: bool = True, seed: int = 0, progress: bool = True, time_budget: Optional[float] = None,
                overhead: bool = True, ceilings: bool = True, table: Optional[dict] = None,
-               command: Optional[str] = None, log=print) -> dict:
-    """Run the decode `workloads` into the JSON file `out_path` (resumed unless resume=False); return the results."""
+               command: Optional[str] = None, retake_slowed: bool = False, log=print) -> dict:
+    """Run the decode `workloads` into the JSON file `out_path` (resumed unless resume=False); return the results.
+    `retake_slowed`: drop the records of a resumed file whose samples a burst slowed (:func:`measure.slowed_samples`),
+    so that they are measured again."""
     from ..widgets import progress as show_progress
 
     started = time.monotonic()
@@ -746,6 +748,10 @@ def run_decode(workloads, out_path, *, presets=("decode",), policy: Optional[Tim
     results = open_results(out_path, list(presets), resume=resume, command=command, kind="decode", fresh=_new_decode)
     stamp_timing(results, policy, out_path)
     results["contenders"] = {name: c.what for name, c in table.items()}
+    if retake_slowed:
+        slowed = [r["key"] for r in results["records"] if was_slowed(r)]
+        results["records"] = [r for r in results["records"] if not was_slowed(r)]
+        log(f"{len(slowed)} records a burst slowed are measured again" + (f": {', '.join(slowed)}" if slowed else ""))
     jobs = plan_decode(workloads, table)
     done = {r["key"] for r in results["records"]}
     todo = [job for job in jobs if decode_record_key(job[1].name, job[2], job[0]) not in done]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -375,10 +376,44 @@ def _is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or "out of memory" in text or "out_of_memory" in text
 
 
-def timed(call, policy: TimingPolicy):
+# A burst: something outside the call (another process on the GPU, a clock or power event) slows a run of samples
+# several-fold, e.g. an 18 us kernel timed at 1.4 ms for 20 repeats in a row. A sample over BURST_FACTOR x the lower
+# quartile is counted as slowed; a GPU measurement with more than BURST_SHARE of its samples slowed is taken again, up
+# to BURST_RETRIES times, and the attempt with the fewest slowed samples is kept (the file records the others). A
+# spread that is the call's own (a bimodal small kernel, 1.2-1.9x) stays under the factor and is not retaken.
+BURST_FACTOR = 2.0
+BURST_SHARE = 0.05
+BURST_RETRIES = 2
+
+
+def slowed_samples(samples_ms) -> int:
+    """How many of `samples_ms` are over BURST_FACTOR x their lower quartile (a burst's, not the call's own spread)."""
+    if len(samples_ms) < 4:
+        return 0
+    lower_quartile = statistics.quantiles(samples_ms, n=4)[0]
+    return sum(s > BURST_FACTOR * lower_quartile for s in samples_ms)
+
+
+def _too_many_slowed(samples_ms) -> bool:
+    return slowed_samples(samples_ms) > BURST_SHARE * len(samples_ms)
+
+
+def _burst(timing) -> bool:
+    return timing.device == "cuda" and _too_many_slowed(timing.samples_ms)
+
+
+def was_slowed(record: dict) -> bool:
+    """True for a GPU record of a results file whose samples a burst slowed (the rule :func:`timed` retakes by)."""
+    return (record.get("status") == "ok" and record.get("device") == "cuda"
+            and _too_many_slowed(record.get("samples_ms") or ()))
+
+
+def timed(call, policy: TimingPolicy, attempts: Optional[list] = None):
     """The Timing of ``call()`` under `policy`: one call estimates its duration, then warm-up calls and enough
     repeats for about ``policy.seconds`` of samples (between min_repeats and max_repeats; 2 and no warm-up for
-    calls slower than ``policy.slow_call_ms``), the L2 cache flushed before each when ``policy.flush_l2``."""
+    calls slower than ``policy.slow_call_ms``), the L2 cache flushed before each when ``policy.flush_l2``. A GPU
+    measurement that a burst slowed (:func:`slowed_samples`) is taken again; every attempt not kept is appended to
+    `attempts` (when given) as ``{"median_ms", "slowed"}``."""
     from ..timing import time_call
 
     with warnings.catch_warnings():
@@ -391,15 +426,23 @@ def timed(call, policy: TimingPolicy):
             wanted = math.ceil(policy.seconds * 1e3 / max(estimate, 1e-3))
             repeats = max(policy.min_repeats, min(policy.max_repeats, wanted))
             warmup = policy.warmup if estimate < 100 else 0
-        return time_call(call, warmup=warmup, repeats=repeats, **how)
+        tries = [time_call(call, warmup=warmup, repeats=repeats, **how)]
+        while _burst(tries[-1]) and len(tries) <= BURST_RETRIES:
+            tries.append(time_call(call, warmup=warmup, repeats=repeats, **how))
+    kept = min(reversed(tries), key=lambda t: slowed_samples(t.samples_ms))  # on a tie, the latest
+    if attempts is not None:
+        attempts.extend({"median_ms": _sig(t.median_ms), "slowed": slowed_samples(t.samples_ms)}
+                        for t in tries if t is not kept)
+    return kept
 
 
 def time_into(record: dict, call, policy: TimingPolicy):
     """Time ``call()`` (:func:`timed`) into `record`: status "ok", median and spread (ms), every sample, where it ran;
     returns the Timing. If timing fails, the record says why (status "skipped" when out of memory, else "failed")
     and None is returned."""
+    retaken = []
     try:
-        timing = timed(call, policy)
+        timing = timed(call, policy, retaken)
     except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
         record.update(status="skipped" if _is_out_of_memory(error) else "failed", reason=_short(error))
         _free_device_memory()
@@ -408,6 +451,10 @@ def time_into(record: dict, call, policy: TimingPolicy):
                   iqr_ms=_sig(timing.iqr_ms), min_ms=_sig(timing.min_ms), max_ms=_sig(timing.max_ms),
                   samples_ms=[_sig(s, 4) for s in timing.samples_ms],
                   l2_flushed=policy.flush_l2 and timing.device == "cuda")
+    if retaken:  # a burst slowed an attempt (timed): what each attempt not kept measured
+        record["retaken"] = {"attempts": retaken, "kept_slowed": slowed_samples(timing.samples_ms),
+                             "rule": f"a sample over {BURST_FACTOR:g}x the lower quartile is slowed; over "
+                                     f"{BURST_SHARE:.0%} slowed samples: taken again"}
     if timing.device == "cuda":  # every GPU record says how it was timed (results.timing_method reads it)
         record.update(l2_flush_mode=policy.flush_mode if policy.flush_l2 else None, hold_us=policy.hold_us)
     return timing
