@@ -693,6 +693,8 @@ def test_git_commit_told_by_the_environment_wins(tmp_path, monkeypatch):
     """A copy of the tree run elsewhere is told its commit (WB_GIT_COMMIT): a stale .git there must not name it."""
     monkeypatch.setenv("WB_GIT_COMMIT", "abc1234")
     assert results_file.git_commit(tmp_path) == "abc1234"
+    monkeypatch.setenv("WB_GIT_COMMIT", "ac43df8bfd424bfbfb9c4a75f487cb8ecb413e21")  # a full hash: the short form
+    assert results_file.git_commit(tmp_path) == "ac43df8"
     monkeypatch.delenv("WB_GIT_COMMIT")
     assert results_file.git_commit(tmp_path) is None
 

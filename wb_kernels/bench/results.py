@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import platform
 import subprocess
 from pathlib import Path
@@ -118,7 +119,8 @@ def git_commit(root=REPO_ROOT) -> Optional[str]:
     any) is not the one they were committed in, is told the commit by whoever copied them.
     """
     if os.environ.get("WB_GIT_COMMIT"):
-        return os.environ["WB_GIT_COMMIT"]
+        told = os.environ["WB_GIT_COMMIT"]
+        return told[:7] if re.fullmatch(r"[0-9a-f]{40}", told) else told  # a full hash: its short form, as git's
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=20)

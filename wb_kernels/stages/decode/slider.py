@@ -23,7 +23,7 @@ __all__ = ["attention_cost", "committed_gpu", "draw_roofline", "split_weights", 
            "cache_memory", "draw_cache_memory", "draw_page_pool", "committed_tune_results",
            "describe_tune_run", "committed_decoder_results", "decoder_table", "describe_decoder_run",
            "NO_DECODER_RUN", "draw_fused_merge", "implied_block_overhead_keys", "decode_bench_rows", "copy_bandwidths",
-           "committed_decode_bar_results", "BEFORE_PAGED_FIX", "PAGED_FIX", "kernel_bytes_rows", "decoder_speedups", "CUDA_ROWS_PER_BLOCK", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
+           "committed_decode_bar_results", "OLDER_KERNEL", "BEFORE_PAGED_FIX", "PAGED_FIX", "kernel_bytes_rows", "decoder_speedups", "CUDA_ROWS_PER_BLOCK", "SLIDER_BATCHES", "SLIDER_KV_HEADS", "SLIDER_LENGTHS", "WORKLOAD_BATCHES",
            "WORKLOAD_KV_HEADS", "WORKLOAD_LENGTHS"]
 
 SLIDER_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -547,6 +547,9 @@ def decode_bench_rows(results: dict, *, D: int, dtype: str = "float16", layout: 
     return sorted(rows, key=lambda r: (r["Hk"], r["B"], r["Lk"]))
 
 
+# the full decode preset's run before issue #30's kernels (commit 7e365e7): lesson 07's "older kernel", kept under
+# results/decode/history/ when the preset ran again at the kernels of 2026-11-27 (results/decode/bench_h100.json)
+OLDER_KERNEL = "bench_decode_h100_7e365e7.json"
 # the decode-bar run after the graph-safe rewrite and before the paged kernel's fix (lesson 07's paged regression)
 BEFORE_PAGED_FIX = "bench_decode_bar_h100_444ad36.json"
 PAGED_FIX = "bench_decode_bar_h100_45dad40.json"  # the run after the paged fix (lesson 07 compares the three)
@@ -600,7 +603,7 @@ def copy_bandwidths() -> dict:
     its own device-to-device copy, and each comparison uses its own run's."""
     import json
 
-    from ...bench import load_results
+    from ...bench import REPO_ROOT, load_results
 
     found = {}
     gpu = committed_gpu()
@@ -613,6 +616,11 @@ def copy_bandwidths() -> dict:
         data = load_results(bench_path)
         found[f"results/decode/{bench_path.name}"] = (data["environment"]["gpu"], data["environment"]["date"][:10],
                                                       data["ceilings"]["copy_gbps"])
+    older_path = REPO_ROOT / "results" / "decode" / "history" / OLDER_KERNEL
+    if older_path.exists():
+        data = load_results(older_path)
+        found[f"results/decode/history/{OLDER_KERNEL}"] = (data["environment"]["gpu"], data["environment"]["date"][:10],
+                                                           data["ceilings"]["copy_gbps"])
     bar_path = committed_decode_bar_results()
     if bar_path is not None:
         data = load_results(bar_path)
