@@ -87,7 +87,7 @@ __device__ __forceinline__ int count_finished(int* counter) {
 // minimum) but for its 4-row blocks (WB_PAGED_FOUR_ROW_BLOCKS): left alone, that loop takes 150-161 registers, one
 // block per SM where the contiguous one has two; asked for two, nvcc spilled 20 bytes a thread, and on the H100 the
 // two blocks won by about a sixth at the paged GQA-8 shapes (2026-11-27, decode NOTES, version 15). Since the loop
-// reads the page table a trip ahead (split_kernel_loads, version 16), it fits 128 registers without a spill.
+// reads the page table a trip ahead (split_kernel_first_trip, version 16), it fits 128 registers without a spill.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr int kContiguousTwoRowBlocks = 0;
 #else
@@ -316,14 +316,23 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
             }
         }
     };
+    // endregion
+
+    // region: split_kernel_first_trip
     // TABLE_AHEAD: a trip's loads use entries read a trip earlier, so none waits behind a table read. It won on the
     // H100 for 4-row blocks only (and ends their spill); at 1 and 2 rows it costs registers (decode NOTES, version 16)
     constexpr bool TABLE_AHEAD = PAGED && ROWS == 4 && WB_PAGED_TABLE_AHEAD;
+    // one trip's loads, in the one order of this build: its entries, then its loads; or, reading ahead, its loads
+    // (with the entries read a trip earlier), then the next trip's entries
+    auto load_trip = [&](int trip0, uint4 (&k_raw)[KEYS_IN_FLIGHT], uint4 (&v_raw)[KEYS_IN_FLIGHT]) {
+        if constexpr (!TABLE_AHEAD) read_pages(trip0);
+        load(trip0, k_raw, v_raw);
+        if constexpr (TABLE_AHEAD) read_pages(trip0 + STRIDE);
+    };
     uint4 k_raw[KEYS_IN_FLIGHT], v_raw[KEYS_IN_FLIGHT];
     int key0 = start + warp * KEYS_PER_WARP;
-    read_pages(key0);
-    load(key0, k_raw, v_raw);
-    if constexpr (TABLE_AHEAD) read_pages(key0 + STRIDE);
+    if constexpr (TABLE_AHEAD) read_pages(key0);  // the first trip's entries: no trip before it read them
+    load_trip(key0, k_raw, v_raw);
     // endregion
 
     // region: split_kernel_trip_scores
@@ -332,13 +341,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
         // the next trip's loads go out before this trip's arithmetic, so memory is never idle while a warp computes
         // (twice the registers for the raw data)
         uint4 k_next[KEYS_IN_FLIGHT], v_next[KEYS_IN_FLIGHT];
-        if constexpr (TABLE_AHEAD) {
-            load(key0 + STRIDE, k_next, v_next);
-            read_pages(key0 + 2 * STRIDE);
-        } else {
-            read_pages(key0 + STRIDE);
-            load(key0 + STRIDE, k_next, v_next);
-        }
+        load_trip(key0 + STRIDE, k_next, v_next);
 #endif
 #if WB_DECODE_CHUNKED_SOFTMAX
         // The online softmax once per trip rather than once per key: the trip's KEYS_IN_FLIGHT scores per row first,
@@ -425,9 +428,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
             v_raw[s] = v_next[s];
         }
 #else
-        if constexpr (!TABLE_AHEAD) read_pages(key0 + STRIDE);
-        load(key0 + STRIDE, k_raw, v_raw);
-        if constexpr (TABLE_AHEAD) read_pages(key0 + 2 * STRIDE);
+        load_trip(key0 + STRIDE, k_raw, v_raw);
 #endif
     }
     if constexpr (PAGED) {
