@@ -427,7 +427,7 @@ def test_readme_table_is_up_to_date_with_the_committed_gpu_results():
                                f"--update-readme {path.relative_to(bench.REPO_ROOT)}")
 
 
-NOT_BENCHMARK_KINDS = ("decode_tune", "decode_tune_mma", "decode_tune_mma_sweep", "decode_ncu_mma", "decode_mma_trace",
+NOT_BENCHMARK_KINDS = ("decode_tune", "decode_tune_mma", "decode_tune_mma_sweep", "decode_ncu_mma", "decode_mma_trace", "decode_split_trace",
                        "decode_timing_modes",
                        "distributed_scaling")  # results/ files of other shapes (tuning logs of tune.py, one-offs)
 

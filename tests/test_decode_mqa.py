@@ -12,6 +12,7 @@ is the one launched.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -578,7 +579,7 @@ def test_the_mma_knobs_compile_without_spills(variant):
 
 
 def test_the_trace_build_compiles_and_stamps_within_its_status_words():
-    """tune.py --mma-trace's build (WB_DECODE_MMA_TRACE): the kernels compile for the H100 without spills, and the
+    """tune.py --mma-trace's and --split-trace's builds (WB_DECODE_MMA_TRACE, WB_DECODE_SPLIT_TRACE): the kernels compile for the H100 without spills, and the
     stamps' layout (16 words of 64 bits a block after 4 int32 words) is the one tune.py allocates and reads."""
     from stage_cases import tool_or_skip
 
@@ -591,5 +592,17 @@ def test_the_trace_build_compiles_and_stamps_within_its_status_words():
     mma = [e for e in cuda_build.ptxas_entries(log) if "decode_mma_kernel" in e.function]
     assert len(mma) == 24 and all(e.spill_stores == 0 for e in mma)
     source = build.package_source()
-    assert "reinterpret_cast<unsigned long long*>(p.status + 4)" in source and "16 * ((size_t)blockIdx.y" in source
+    assert "reinterpret_cast<unsigned long long*>(p.status + 4)" in source
+    assert "16 * (((size_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)" in source
     assert "4 + 32 * blocks" in Path(tune.__file__).read_text() and len(tune.TRACE_PHASES) == 7
+    # the split kernel's trace build: every split kernel compiles, and its stamps are at the phases
+    # tune.py reads (the words of TRACE_PHASES it names)
+    _, log = cuda_build.compile_cubin("sm_90a", build.package_source(), build.LINE_NAME,
+                                      extra_flags=("-DWB_DECODE_SPLIT_TRACE",))
+    split = [e for e in cuda_build.ptxas_entries(log) if "decode_split_kernel" in e.function]
+    # a profiling build: the stamps cost the 128-register kernels up to 8 bytes of spill (the package's build has
+    # none); the traced one, fp16 D = 128 on a contiguous cache, has none
+    traced = [e for e in split if e.function.startswith("_ZN2wb19decode_split_kernelI6__halfLi128ELi4ELi8ELi2ELb0")]
+    assert len(split) == 24 and all(e.spill_stores <= 8 for e in split) and traced[0].spill_stores == 0
+    stamped = sorted(int(n) for n in re.findall(r"WB_SPLIT_TRACE\((\d)\);", source))
+    assert stamped == [tune.TRACE_PHASES.index(name) for name in tune.KERNEL_TRACE_PHASES["split"]]

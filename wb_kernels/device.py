@@ -43,7 +43,7 @@ def cuda_signature(*arrays):
     for x in arrays:
         if x is None:
             key.append(None)
-        elif type(x) in _TORCH_TYPES and x.is_cuda:
+        elif is_torch(x) and x.is_cuda:  # (not the set alone: a type the process has not met yet is not in it)
             key.append((x.shape, x.dtype, x.device))
         else:
             return None

@@ -40,6 +40,12 @@
 #ifndef WB_DECODE_KV_NC
 #define WB_DECODE_KV_NC 1  // 1: K and V through the read-only path, not kept in L1 (ld.global.nc.L1::no_allocate)
 #endif
+#ifndef WB_DECODE_MERGE_VECTOR
+#define WB_DECODE_MERGE_VECTOR 1  // 1: the merge sums 4 columns a thread with 16-byte loads, several lanes per column
+#endif
+#ifndef WB_DECODE_MERGE_UNROLL
+#define WB_DECODE_MERGE_UNROLL 8  // the merge's 16-byte loads in flight per thread (16: no faster on the H100)
+#endif
 #ifndef WB_DECODE_CHUNKED_SOFTMAX
 #define WB_DECODE_CHUNKED_SOFTMAX 1  // 1: one online-softmax rescale per trip of KEYS_IN_FLIGHT keys, not per key
 #endif
@@ -101,6 +107,39 @@ constexpr int kMinBlocks = PAGED ? (ROWS == 4 ? WB_PAGED_FOUR_ROW_BLOCKS : 0)
                                  : ROWS == 1 ? 4 : ROWS == 2 ? kContiguousTwoRowBlocks : 2;
 // endregion
 
+// WB_DECODE_MMA_TRACE and WB_DECODE_SPLIT_TRACE (profiling builds, never the package's): thread 0 of each block of
+// the tensor-core kernel or of the split kernel stamps its progress into the status tensor past its first 4 words, 16
+// words of 64 bits per block (the block's index in its grid, x fastest, then y, then z): words 0-6 %globaltimer (ns)
+// at the kernel's phases (6: the fused merge done, in the block that merged; a phase a kernel does not stamp stays
+// 0), 7 the SM, 8-14 clock64 at the same phases. The caller passes a status tensor that large (tune.py --mma-trace,
+// --split-trace), so that a block's life (start, first tile, loop, epilogue) can be read off one call.
+#if defined(WB_DECODE_MMA_TRACE) || defined(WB_DECODE_SPLIT_TRACE)
+#define WB_TRACE_STAMP(PHASE)                                                                                        \
+    if (threadIdx.x == 0) {                                                                                          \
+        unsigned long long* slot = reinterpret_cast<unsigned long long*>(p.status + 4) +                             \
+                                   16 * (((size_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);    \
+        unsigned long long now;                                                                                      \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));                                                       \
+        slot[PHASE] = now;                                                                                           \
+        slot[8 + PHASE] = clock64();                                                                                 \
+        if (PHASE == 0) {                                                                                            \
+            unsigned sm;                                                                                             \
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));                                                           \
+            slot[7] = sm;                                                                                            \
+        }                                                                                                            \
+    }
+#endif
+#ifdef WB_DECODE_MMA_TRACE
+#define WB_MMA_TRACE(PHASE) WB_TRACE_STAMP(PHASE)
+#else
+#define WB_MMA_TRACE(PHASE)
+#endif
+#ifdef WB_DECODE_SPLIT_TRACE
+#define WB_SPLIT_TRACE(PHASE) WB_TRACE_STAMP(PHASE)
+#else
+#define WB_SPLIT_TRACE(PHASE)
+#endif
+
 // region: vector_loads
 // Eight 16-bit values <-> floats. A uint4 is 16 bytes: one load instruction (LDG.E.128) per lane.
 template <typename T> __device__ __forceinline__ void to_float8(const uint4& raw, float (&x)[8]);
@@ -140,18 +179,16 @@ template <> __device__ __forceinline__ __half from_float<__half>(float x) { retu
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 // endregion
 
-// region: merge_splits
-// Merges the splits of `rows` consecutive query rows (row0 .. row0 + rows - 1 of the B * H) with the block's threads:
-// out = sum_s exp(lse_s - lse) out_s / sum_s exp(lse_s - lse), lse = log sum_s exp(lse_s). The splits' weights are
-// computed once into shared memory (`s_weight`, rows * num_splits floats), then every column sums the splits with
-// independent loads, so a long sequence's 32 or 64 splits cost a few memory round trips, not one per split. The
-// partial results are read with __ldcg (from L2, past the SM's L1): in the fused path other blocks wrote them during
-// this same launch, and L1 is not kept coherent with them.
-template <typename T, int D, int MAX_ROWS>
-__device__ __forceinline__ void merge_splits(const float* part_out, const float* part_lse, T* out, float* lse,
-                                             int total_rows, int row0, int rows, int num_splits, float* s_weight) {
-    __shared__ float s_top[MAX_ROWS];
-    __shared__ int s_poisoned[MAX_ROWS];  // a split made this row NaN (see the file's header)
+// region: merge_split_weights
+// The first half of merging the splits of `rows` consecutive query rows (row0 .. row0 + rows - 1 of the B * H):
+// out = sum_s exp(lse_s - lse) out_s / sum_s exp(lse_s - lse), lse = log sum_s exp(lse_s). The splits' LSEs go into
+// shared memory (`s_weight`, rows * num_splits floats), each row's largest (`s_top`) and whether a split made it NaN
+// (`s_poisoned`, see the file's header) are found by a warp, then each LSE becomes its weight exp(lse_s - top) in
+// place, once, rather than once per column. The partial results are read with __ldcg (from L2, past the SM's L1): in
+// the fused path other blocks wrote them during this same launch, and L1 is not kept coherent with them.
+template <int MAX_ROWS>
+__device__ __forceinline__ void merge_split_weights(const float* part_lse, int total_rows, int row0, int rows,
+                                                    int num_splits, float* s_weight, float* s_top, int* s_poisoned) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     for (int e = threadIdx.x; e < rows * num_splits; e += blockDim.x)
         s_weight[e] = __ldcg(part_lse + (size_t)(e % num_splits) * total_rows + row0 + e / num_splits);
@@ -175,6 +212,73 @@ __device__ __forceinline__ void merge_splits(const float* part_out, const float*
     for (int e = threadIdx.x; e < rows * num_splits; e += blockDim.x)  // an empty split weighs 0
         s_weight[e] = s_weight[e] <= kNegHalf ? 0.f : __expf(s_weight[e] - s_top[e / num_splits]);
     __syncthreads();
+}
+// endregion
+
+// region: merge_columns_by_four
+// The second half in the 4-row kernels: a thread sums 4 columns of one row, one 16-byte load per split, and `parts`
+// adjacent lanes share those columns, each taking every parts-th split, so that all of a split's loads are in flight
+// at once, in one or two round trips (a column a thread, below, made 8 at 32 splits; the H100: decode NOTES, v17).
+template <typename T, int D>
+__device__ __forceinline__ void merge_columns_by_four(const float* part_out, T* out, float* lse, int total_rows,
+                                                      int row0, int rows, int num_splits, const float* s_weight,
+                                                      const float* s_top, const int* s_poisoned) {
+    constexpr int UNROLL = WB_DECODE_MERGE_UNROLL;
+    const int pairs = rows * (D / 4);  // (row, 4 columns)
+    int parts = 1;
+    while (parts < 32 && parts * 2 * pairs <= (int)blockDim.x) parts *= 2;
+    const int work = (pairs * parts + 31) / 32 * 32;  // whole warps: the shuffles below need every lane
+    for (int e = threadIdx.x; e < work; e += blockDim.x) {
+        const int pair = e / parts, part = e % parts;
+        const bool mine = pair < pairs;
+        const int r = mine ? pair / (D / 4) : 0, d = (pair % (D / 4)) * 4;
+        const size_t row = (size_t)row0 + r;
+        float total = 0.f, value[4] = {0.f, 0.f, 0.f, 0.f};
+        // UNROLL splits' loads issued together (a loop that tests its bound per split waits for each load in turn)
+        for (int s0 = part; mine && !s_poisoned[r] && s0 < num_splits; s0 += UNROLL * parts) {
+            float4 o[UNROLL];
+#pragma unroll
+            for (int i = 0; i < UNROLL; ++i)  // past the last split: 0, not a split read again (its 0 weight x Inf)
+                o[i] = s0 + i * parts < num_splits
+                           ? __ldcg(reinterpret_cast<const float4*>(part_out + ((size_t)(s0 + i * parts) * total_rows + row) * D + d))
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int i = 0; i < UNROLL; ++i) {
+                const float w = s0 + i * parts < num_splits ? s_weight[r * num_splits + s0 + i * parts] : 0.f;
+                total += w;
+                value[0] += w * o[i].x, value[1] += w * o[i].y, value[2] += w * o[i].z, value[3] += w * o[i].w;
+            }
+        }
+        for (int offset = parts / 2; offset > 0; offset /= 2) {  // the parts' sums, within their lanes
+            total += __shfl_xor_sync(0xffffffffu, total, offset);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) value[i] += __shfl_xor_sync(0xffffffffu, value[i], offset);
+        }
+        if (!mine || part != 0) continue;
+        const float nan = __int_as_float(0x7fc00000);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            out[row * D + d + i] = from_float<T>(s_poisoned[r] ? nan : total > 0.f ? value[i] / total : 0.f);
+        if (d == 0) lse[row] = s_poisoned[r] ? nan : total > 0.f ? s_top[r] + logf(total) : -INFINITY;
+    }
+}
+// endregion
+
+// region: merge_splits
+// Merges the splits of `rows` rows with the block's threads: the weights, then the columns, by four in the 4-row
+// kernels (at 1 and 2 rows, whose kernels fit more blocks on an SM, its registers would cost occupancy) or one a
+// thread, every column summing its splits with independent loads.
+template <typename T, int D, int MAX_ROWS>
+__device__ __forceinline__ void merge_splits(const float* part_out, const float* part_lse, T* out, float* lse,
+                                             int total_rows, int row0, int rows, int num_splits, float* s_weight) {
+    __shared__ float s_top[MAX_ROWS];
+    __shared__ int s_poisoned[MAX_ROWS];
+    merge_split_weights<MAX_ROWS>(part_lse, total_rows, row0, rows, num_splits, s_weight, s_top, s_poisoned);
+    if constexpr (WB_DECODE_MERGE_VECTOR && MAX_ROWS >= 4) {
+        merge_columns_by_four<T, D>(part_out, out, lse, total_rows, row0, rows, num_splits, s_weight, s_top,
+                                    s_poisoned);
+        return;
+    }
     for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
         const int r = e / D, d = e % D;
         const size_t row = (size_t)row0 + r;
@@ -218,6 +322,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
     constexpr int LANES_PER_KEY = D / 8;
     constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
     constexpr int KEYS_PER_STEP = KEYS_PER_WARP * NUM_WARPS;
+    WB_SPLIT_TRACE(0);  // a profiling build's stamps (WB_DECODE_SPLIT_TRACE): entry, loads issued, loop end, ...
 
     const int b = blockIdx.x / p.Hk, kv_head = blockIdx.x % p.Hk;
     const int split = blockIdx.y;
@@ -333,6 +438,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
     int key0 = start + warp * KEYS_PER_WARP;
     if constexpr (TABLE_AHEAD) read_pages(key0);  // the first trip's entries: no trip before it read them
     load_trip(key0, k_raw, v_raw);
+    WB_SPLIT_TRACE(1);
     // endregion
 
     // region: split_kernel_trip_scores
@@ -441,6 +547,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
             if (outside) atomicOr(p.status, 4);
         }
     }
+    WB_SPLIT_TRACE(4);
 
     // endregion
 
@@ -497,6 +604,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
             p.part_lse[row] = poisoned ? __int_as_float(0x7fc00000)
                                        : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
     }
+    WB_SPLIT_TRACE(5);
     // endregion
 
     // region: split_kernel_fused_merge
@@ -514,6 +622,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
     if (!s_last) return;
     merge_splits<T, D, ROWS>(p.part_out, p.part_lse, static_cast<T*>(p.out), p.lse, p.B * p.H, b * p.H + head0, rows,
                              p.num_splits, &s_acc[0][0][0]);  // room for NUM_WARPS * D splits' weights per row
+    WB_SPLIT_TRACE(6);
 }
 // endregion
 
@@ -621,30 +730,6 @@ template <typename T, int D, int M_TILES>
 constexpr int mma_dynamic_smem_bytes() {
     return MmaStages<T, D, M_TILES>::VALUE * MmaStages<T, D, M_TILES>::STAGE_BYTES;
 }
-
-// WB_DECODE_MMA_TRACE (a profiling build, never the package's): thread 0 of each block stamps its progress into the
-// status tensor past its first 4 words, 16 words of 64 bits per block (blockIdx.y * gridDim.x + blockIdx.x): words
-// 0-6 %globaltimer (ns) at the phases below (6: the fused merge done, in the block that merged), 7 the SM, 8-14
-// clock64 at the same phases. The caller passes a status tensor that large (tune.py --mma-trace), so that a block's
-// life (start, first tile, loop, epilogue) can be read off one call.
-#ifdef WB_DECODE_MMA_TRACE
-#define WB_MMA_TRACE(PHASE)                                                                                          \
-    if (threadIdx.x == 0) {                                                                                          \
-        unsigned long long* slot = reinterpret_cast<unsigned long long*>(p.status + 4) +                             \
-                                   16 * ((size_t)blockIdx.y * gridDim.x + blockIdx.x);                               \
-        unsigned long long now;                                                                                      \
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));                                                       \
-        slot[PHASE] = now;                                                                                           \
-        slot[8 + PHASE] = clock64();                                                                                 \
-        if (PHASE == 0) {                                                                                            \
-            unsigned sm;                                                                                             \
-            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));                                                           \
-            slot[7] = sm;                                                                                            \
-        }                                                                                                            \
-    }
-#else
-#define WB_MMA_TRACE(PHASE)
-#endif
 
 // --- mma_decode_fused_merge
 // The mma path's fused merge: the block that finished a group's last split merges every split's partial results

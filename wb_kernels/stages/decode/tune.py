@@ -44,6 +44,12 @@ after a clean L2: where a block's time goes, which neither the benchmark (one nu
 averaged over the kernel) shows. Cycles are each block's own (``clock64`` from its entry); times are from the first
 block's entry, at the timer's resolution (about 0.26 us on the H100).
 
+``--split-trace`` does the same for the split kernel (``WB_DECODE_SPLIT_TRACE``: entry, first loads issued, loop
+done, partial result written, merge done) at the GQA-8 bar shapes (:data:`SPLIT_TRACE_SHAPES`), on a contiguous and
+a paged cache: how the blocks of one wave end, and how long the last block's merge takes.
+
+    python -m wb_kernels.stages.decode.tune --split-trace --json results/decode/split_trace_h100.json
+
 ``--mma-sweep`` A/B's the tensor-core kernel's builds (:data:`MMA_VARIANTS`: the default and its number of warps
 per block, ``WB_DECODE_MMA_WARPS``, each with the package's own nvcc flags) at the MQA bar shapes and one
 GQA-8 shape, each at several numbers of splits around the launcher's, every result checked against float32 PyTorch
@@ -505,9 +511,14 @@ def sdpa_growing_cache(steps: int = 40) -> list:
 
 
 TRACE_PHASES = ("entry", "loads_issued", "q_ready", "first_tile", "loop_end", "written", "merged")
+# the phases each kernel stamps (the split kernel has no shared-memory q or tile)
+KERNEL_TRACE_PHASES = {"mma": TRACE_PHASES, "split": ("entry", "loads_issued", "loop_end", "written", "merged")}
 # (B, H, Hk, Lk, D, splits or None for the launcher's), float16 contiguous: the MQA bar shapes, a long MQA sequence
 TRACE_SHAPES = ((8, 32, 1, 8192, 128, None), (1, 32, 1, 2048, 128, None), (1, 32, 1, 32768, 128, None),
                 (8, 32, 4, 8192, 128, None))
+# the split kernel's: the GQA-8 bar shapes (B, H, Hk, Lk, D, splits), each on a contiguous and a paged cache
+SPLIT_TRACE_SHAPES = ((1, 32, 8, 32768, 128, None), (8, 32, 8, 8192, 128, None))
+TRACE_PAGE_SIZE = 16
 
 
 def _spread(values) -> list:
@@ -515,49 +526,69 @@ def _spread(values) -> list:
     return [round(ordered[0], 2), round(ordered[len(ordered) // 2], 2), round(ordered[-1], 2)]
 
 
-def measure_mma_trace(variant=None, reps: int = 5) -> list:
-    """Each TRACE_SHAPES point: the trace build's stamps of its last call, as min / median / max over the blocks
-    (`variant`: an MMA_VARIANTS build's knobs on top of the trace's)."""
+def _trace_problems(kernel: str):
+    """(B, H, Hk, Lk, D, splits asked, paged) of the trace for `kernel`."""
+    if kernel == "mma":
+        return [shape + (False,) for shape in TRACE_SHAPES]
+    return [shape + (paged,) for shape in SPLIT_TRACE_SHAPES for paged in (False, True)]
+
+
+def measure_trace(kernel: str = "mma", variant=None, reps: int = 5) -> list:
+    """Each of the kernel's trace problems: the trace build's stamps of its last call, as min / median / max over the
+    blocks (`variant`: an MMA_VARIANTS build's knobs on top of the trace's; the mma kernel only)."""
     import torch
 
-    flags = (variant or MMA_VARIANTS[0]).flags(build_flags()) + ["-DWB_DECODE_MMA_TRACE"]
+    from wb_kernels.bench.decode import paged_copy
+
+    define = {"mma": "-DWB_DECODE_MMA_TRACE", "split": "-DWB_DECODE_SPLIT_TRACE"}[kernel]
+    flags = (variant or MMA_VARIANTS[0]).flags(build_flags()) + [define]
     ext = build.build(build.package_source(), flags=flags)
+    entry = ext.flash_decode_mma_forward if kernel == "mma" else ext.flash_decode_forward
+    phases = KERNEL_TRACE_PHASES[kernel]
+    stamped = [TRACE_PHASES.index(name) for name in phases]  # their words in a block's 16
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     rows = []
-    for B, H, Hk, L, D, asked in TRACE_SHAPES:
+    for B, H, Hk, L, D, asked, paged in _trace_problems(kernel):
         gen = torch.Generator(device="cuda").manual_seed(B * 7 + Hk + L + D)
         q = torch.randn(B, H, D, device="cuda", dtype=torch.float16, generator=gen)
         k, v = (torch.randn(B, Hk, L, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-        keys, splits = _cuda_launch_plan(torch.cuda.current_device(), B, H, Hk, L, asked, D, False, False, "mma")[:2]
-        blocks = B * Hk * splits
+        table = None
+        if paged:  # pages of TRACE_PAGE_SIZE keys in a shuffled pool, as the decode benchmark's paged rows
+            table = torch.randperm(B * L // TRACE_PAGE_SIZE, device="cuda", generator=gen).view(B, -1).int()
+            k, v = paged_copy(k, table, TRACE_PAGE_SIZE), paged_copy(v, table, TRACE_PAGE_SIZE)
+        keys, splits = _cuda_launch_plan(torch.cuda.current_device(), B, H, Hk, L, asked, D, False, paged,
+                                         kernel)[:2]
+        blocks = B * Hk * splits * (cuda_row_chunks(H // Hk) if kernel == "split" else 1)
         status = torch.zeros(4 + 32 * blocks, dtype=torch.int32, device="cuda")  # the flags, then 16 int64 a block
         for _ in range(reps):
             flush.sum()
             status.zero_()
-            ext.flash_decode_mma_forward(q, k, v, None, lens, status, keys, splits, D ** -0.5)
+            entry(q, k, v, table, lens, status, keys, splits, D ** -0.5)
             torch.cuda.synchronize()
         stamps = status[4:].view(torch.int64).view(blocks, 16).cpu().double()
-        times, cycles = stamps[:, :7], stamps[:, 8:15]
+        times, cycles = stamps[:, stamped], stamps[:, [8 + i for i in stamped]]
         from_first = (times - times[:, :1].min()) / 1e3
         own = cycles - cycles[:, :1]
         merging = stamps[:, 6] > 0  # "merged": only the blocks that ran the fused merge stamp it
-        ghz = float(((cycles[:, 5] - cycles[:, 0]) / (times[:, 5] - times[:, 0]).clamp(min=1)).median())
-        row = dict(B=B, H=H, Hk=Hk, Lk=L, D=D, splits=splits, keys_per_split=keys, blocks=blocks,
-                   sm_ghz=round(ghz, 3),
+        written = phases.index("written")
+        ghz = float(((cycles[:, written] - cycles[:, 0]) / (times[:, written] - times[:, 0]).clamp(min=1)).median())
+        shown = [(i, name) for i, name in enumerate(phases) if name != "merged" or merging.any()]
+        row = dict(B=B, H=H, Hk=Hk, Lk=L, D=D, kernel=kernel, layout="paged" if paged else "contiguous",
+                   splits=splits, keys_per_split=keys, blocks=blocks, sm_ghz=round(ghz, 3),
                    sms_used=len(set(stamps[:, 7].long().tolist())), status=int(status[0]),
                    merging_blocks=int(merging.sum()),
-                   span_us=round(float(from_first[:, 6 if merging.any() else 5].max()), 2),
-                   us_from_first_entry={p: _spread(from_first[merging if i == 6 else slice(None), i])
-                                        for i, p in enumerate(TRACE_PHASES) if i < 6 or merging.any()},
-                   cycles_from_own_entry={p: _spread(own[merging if i == 6 else slice(None), i])
-                                          for i, p in enumerate(TRACE_PHASES) if i < 6 or merging.any()})
+                   span_us=round(float(from_first[:, shown[-1][0]].max()), 2),
+                   us_from_first_entry={name: _spread(from_first[merging if name == "merged" else slice(None), i])
+                                        for i, name in shown},
+                   cycles_from_own_entry={name: _spread(own[merging if name == "merged" else slice(None), i])
+                                          for i, name in shown})
         rows.append(row)
-        print(f"B{B} H{H} Hk{Hk} Lk{L} D{D}, {splits} splits of {keys} keys: span {row['span_us']} us at "
-              f"{row['sm_ghz']} GHz on {row['sms_used']} SMs", file=sys.stderr)
-        for p in row["cycles_from_own_entry"]:
-            print(f"   {p:13s} cycles from the block's entry (min/median/max) {row['cycles_from_own_entry'][p]}; "
-                  f"us from the first block's entry {row['us_from_first_entry'][p]}", file=sys.stderr)
+        print(f"{kernel} B{B} H{H} Hk{Hk} Lk{L} D{D} {row['layout']}, {splits} splits of {keys} keys: span "
+              f"{row['span_us']} us at {row['sm_ghz']} GHz on {row['sms_used']} SMs", file=sys.stderr)
+        for name in row["cycles_from_own_entry"]:
+            print(f"   {name:13s} cycles from the block's entry (min/median/max) {row['cycles_from_own_entry'][name]}; "
+                  f"us from the first block's entry {row['us_from_first_entry'][name]}", file=sys.stderr)
     return rows
 
 
@@ -573,6 +604,9 @@ def main(argv=None) -> int:
     parser.add_argument("--mma-sweep-child", metavar="VARIANT", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mma-trace", action="store_true",
                         help="the mma kernel's per-block timeline (a WB_DECODE_MMA_TRACE build) at TRACE_SHAPES")
+    parser.add_argument("--split-trace", action="store_true",
+                        help="the split kernel's per-block timeline (a WB_DECODE_SPLIT_TRACE build) at the GQA-8 bar "
+                             "shapes, contiguous and paged")
     parser.add_argument("--mma-variants", default=None,
                         help="with --mma-sweep: comma-separated names of MMA_VARIANTS (default: all); with "
                              "--mma-trace: the builds to trace (default: base)")
@@ -595,16 +629,19 @@ def main(argv=None) -> int:
         _write(dict(records=rows, shapes=shapes), args.json)
         return 0
 
-    if args.mma_trace:
-        chosen = (args.mma_variants or "base").split(",")
+    if args.mma_trace or args.split_trace:
+        kernel = "mma" if args.mma_trace else "split"
+        chosen = (args.mma_variants or "base").split(",") if kernel == "mma" else ["base"]
         rows = [dict(row, variant=name) for name in chosen
-                for row in measure_mma_trace({v.name: v for v in MMA_VARIANTS}[name])]
-        result = dict(kind="decode_mma_trace", environment=environment(),
+                for row in measure_trace(kernel, {v.name: v for v in MMA_VARIANTS}[name])]
+        define = "WB_DECODE_MMA_TRACE" if kernel == "mma" else "WB_DECODE_SPLIT_TRACE"
+        entry = "flash_decode_mma_forward" if kernel == "mma" else "flash_decode_forward"
+        result = dict(kind=f"decode_{kernel}_trace", environment=environment(),
                       command=" ".join(["python -m wb_kernels.stages.decode.tune"] + (argv or sys.argv[1:])),
                       notes=dict(stamps="thread 0 of each block: %globaltimer (ns) and clock64 at " +
-                                        ", ".join(TRACE_PHASES) + " (flash_decode.cu, WB_DECODE_MMA_TRACE)",
-                                 call="the 5th of 5 calls of flash_decode_mma_forward at the launcher's splits, "
-                                      "each after the L2 was flushed by reading 256 MB; the merge kernel that "
+                                        ", ".join(KERNEL_TRACE_PHASES[kernel]) + f" (flash_decode.cu, {define})",
+                                 call=f"the 5th of 5 calls of {entry} at the launcher's splits, "
+                                      "each after the L2 was flushed by reading 256 MB; a merge kernel that "
                                       "follows is not stamped",
                                  spread="[min, median, max] over the grid's blocks"),
                       records=rows)
