@@ -560,6 +560,11 @@ def test_the_mma_variants_are_knobs_of_the_kernels_source():
         for macro, _ in variant.defines:
             assert f"#ifndef {macro}\n#define {macro} " in source, macro
     assert tune.MmaVariant("x", (("WB_DECODE_MMA_WARPS", 4),)).flags(["-O3"]) == ["-O3", "-DWB_DECODE_MMA_WARPS=4"]
+    # the split kernel's variants too build on the package's flags (flags given to a build replace them); the
+    # package's flags name this GPU's architecture, so here a stand-in for them
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tune, "build_flags", lambda: ["-O3", "--use_fast_math"])
+        assert tune.DEFAULT.flags[:2] == ["-O3", "--use_fast_math"] and "-DWB_DECODE_WARPS=8" in tune.DEFAULT.flags
     with pytest.raises(SystemExit):
         tune.main(["--mma-sweep", "--mma-variants", "base,no_such_variant"])
 

@@ -93,7 +93,10 @@ class Variant:
 
     @property
     def flags(self) -> list:
-        return [f"-DWB_DECODE_WARPS={self.warps}", f"-DWB_KEYS_IN_FLIGHT={self.keys_in_flight}",
+        """The package's nvcc flags (optimisation, fast math, this GPU's architecture) and the knobs. (Until
+        2026-11-27 only the knobs: flags given to the build replace the package's, so the default mode's builds had
+        neither -O3 nor fast math, and the tuning files before then time those builds.)"""
+        return build_flags() + [f"-DWB_DECODE_WARPS={self.warps}", f"-DWB_KEYS_IN_FLIGHT={self.keys_in_flight}",
                 f"-DWB_DECODE_PREFETCH={self.prefetch}", f"-DWB_DECODE_CHUNKED_SOFTMAX={self.chunked}",
                 f"-DWB_DECODE_FUSED_MERGE={self.fused}"]
 
