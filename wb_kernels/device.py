@@ -43,7 +43,9 @@ def cuda_signature(*arrays):
     for x in arrays:
         if x is None:
             key.append(None)
-        elif is_torch(x) and x.is_cuda:  # (not the set alone: a type the process has not met yet is not in it)
+        # is_torch, not its set alone: a type the process has not met yet is not in it (its first call was not
+        # remembered); getattr: a stand-in that only says it is torch's is checked in full
+        elif is_torch(x) and getattr(x, "is_cuda", False) is True:
             key.append((x.shape, x.dtype, x.device))
         else:
             return None
