@@ -110,6 +110,31 @@ def test_a_process_that_dies_releases_the_lock(tmp_path):
     assert waited < 5.0
 
 
+def test_a_lock_file_left_by_a_killed_build_does_not_hold_the_next_one(tmp_path, monkeypatch):
+    """torch's load_inline waits while its own lock file is in the build directory; a build killed mid-way leaves it
+    (on the H100, 2026-11-27, the next build waited until its time limit). Under the package's lock the leftover is
+    removed before load_inline runs. No GPU needed: load_inline is replaced by a stand-in that looks for the file."""
+    import torch
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("WB_CUDA_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    seen = {}
+
+    def load_inline(name, build_directory, **kwargs):
+        seen["lock there"] = (Path(build_directory) / "lock").exists()
+        return object()
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    source = "// a lock test " + str(time.time_ns()) + "\n"
+    name = cuda_build.extension_name(source, ["-O3"], "lock_test")
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "lock").write_text("")  # what a killed build leaves
+    cuda_build.build_extension(source, file_name="lock_test.cu", declarations="", functions=[], flags=["-O3"])
+    assert seen == {"lock there": False}
+
+
 CONCURRENT_BUILD = textwrap.dedent("""
     import sys, torch
     import wb_kernels as wb

@@ -263,6 +263,10 @@ def build_extension(source: str, *, file_name: str, declarations: str, functions
         started = time.perf_counter()
     cuda_source = prepare_build_directory(build_dir, source, file_name)
     with _file_lock(_cache_root() / f"{name}.lock"):
+        # torch's load_inline keeps a lock file of its own in the build directory and waits while it exists; a build
+        # killed mid-way leaves it, and every later build of the extension waited for it forever. Under our lock no
+        # other build of this extension runs, so a file there now is such a leftover.
+        (build_dir / "lock").unlink(missing_ok=True)
         try:
             module = load_inline(name=name, cpp_sources=[declarations], cuda_sources=[cuda_source],
                                  functions=functions, extra_cuda_cflags=flags, build_directory=str(build_dir),
