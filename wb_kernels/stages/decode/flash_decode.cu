@@ -216,76 +216,69 @@ __device__ __forceinline__ void merge_split_weights(const float* part_lse, int t
 // endregion
 
 // region: merge_columns_by_four
-// The merge in the 4-row kernels: a thread sums 4 columns of one row, one 16-byte load per split, and `parts`
-// adjacent lanes share those columns, each taking every parts-th split, so that its loads are in flight together
-// (a column a thread, in merge_splits, made 8 round trips at 32 splits). At D = 128 its first UNROLL splits' loads go
-// out before the weights are worked out, so their round trip and the LSEs' overlap (H100: decode NOTES, 17 and 18).
-template <typename T, int D, int MAX_ROWS>
-__device__ __forceinline__ void merge_columns_by_four(const float* part_out, const float* part_lse, T* out,
-                                                      float* lse, int total_rows, int row0, int rows, int num_splits,
-                                                      float* s_weight, float* s_top, int* s_poisoned) {
+// The second half in the 4-row kernels: a thread sums 4 columns of one row, one 16-byte load per split, and `parts`
+// adjacent lanes share those columns, each taking every parts-th split, so that all of a split's loads are in flight
+// at once, in one or two round trips (a column a thread, below, made 8 at 32 splits; the H100: decode NOTES, v17).
+template <typename T, int D>
+__device__ __forceinline__ void merge_columns_by_four(const float* part_out, T* out, float* lse, int total_rows,
+                                                      int row0, int rows, int num_splits, const float* s_weight,
+                                                      const float* s_top, const int* s_poisoned) {
     constexpr int UNROLL = WB_DECODE_MERGE_UNROLL;
-    // the first loads before the weights at D = 128 (at D = 64, holding them over the weights spilled on sm_80)
-    constexpr bool EARLY = D == 128;
-    const int pairs = rows * (D / 4);  // (row, 4 columns): at most 4 x 32, within one thread each of the block
+    const int pairs = rows * (D / 4);  // (row, 4 columns)
     int parts = 1;
     while (parts < 32 && parts * 2 * pairs <= (int)blockDim.x) parts *= 2;
-    const int pair = threadIdx.x / parts, part = threadIdx.x % parts;
-    const bool mine = pair < pairs;
-    const int r = mine ? pair / (D / 4) : 0, d = (pair % (D / 4)) * 4;
-    const size_t row = (size_t)row0 + r;
-    float4 o[UNROLL];
-    auto load_splits = [&](int s0) {  // past the last split: 0, not a split read again (its 0 weight x Inf)
+    const int work = (pairs * parts + 31) / 32 * 32;  // whole warps: the shuffles below need every lane
+    for (int e = threadIdx.x; e < work; e += blockDim.x) {
+        const int pair = e / parts, part = e % parts;
+        const bool mine = pair < pairs;
+        const int r = mine ? pair / (D / 4) : 0, d = (pair % (D / 4)) * 4;
+        const size_t row = (size_t)row0 + r;
+        float total = 0.f, value[4] = {0.f, 0.f, 0.f, 0.f};
+        // UNROLL splits' loads issued together (a loop that tests its bound per split waits for each load in turn)
+        for (int s0 = part; mine && !s_poisoned[r] && s0 < num_splits; s0 += UNROLL * parts) {
+            float4 o[UNROLL];
 #pragma unroll
-        for (int i = 0; i < UNROLL; ++i)
-            o[i] = mine && s0 + i * parts < num_splits
-                       ? __ldcg(reinterpret_cast<const float4*>(part_out + ((size_t)(s0 + i * parts) * total_rows + row) * D + d))
-                       : make_float4(0.f, 0.f, 0.f, 0.f);
-    };
-    if constexpr (EARLY) load_splits(part);
-    merge_split_weights<MAX_ROWS>(part_lse, total_rows, row0, rows, num_splits, s_weight, s_top, s_poisoned);
-    if constexpr (!EARLY) load_splits(part);
-    float total = 0.f, value[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s0 = part;;) {
+            for (int i = 0; i < UNROLL; ++i)  // past the last split: 0, not a split read again (its 0 weight x Inf)
+                o[i] = s0 + i * parts < num_splits
+                           ? __ldcg(reinterpret_cast<const float4*>(part_out + ((size_t)(s0 + i * parts) * total_rows + row) * D + d))
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int i = 0; i < UNROLL; ++i) {
-            const float w = mine && s0 + i * parts < num_splits ? s_weight[r * num_splits + s0 + i * parts] : 0.f;
-            total += w;
-            value[0] += w * o[i].x, value[1] += w * o[i].y, value[2] += w * o[i].z, value[3] += w * o[i].w;
+            for (int i = 0; i < UNROLL; ++i) {
+                const float w = s0 + i * parts < num_splits ? s_weight[r * num_splits + s0 + i * parts] : 0.f;
+                total += w;
+                value[0] += w * o[i].x, value[1] += w * o[i].y, value[2] += w * o[i].z, value[3] += w * o[i].w;
+            }
         }
-        s0 += UNROLL * parts;
-        if (s0 >= num_splits) break;
-        load_splits(s0);
-    }
-    for (int offset = parts / 2; offset > 0; offset /= 2) {  // the parts' sums, within their lanes
-        total += __shfl_xor_sync(0xffffffffu, total, offset);
+        for (int offset = parts / 2; offset > 0; offset /= 2) {  // the parts' sums, within their lanes
+            total += __shfl_xor_sync(0xffffffffu, total, offset);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) value[i] += __shfl_xor_sync(0xffffffffu, value[i], offset);
-    }
-    if (!mine || part != 0) return;
-    const float nan = __int_as_float(0x7fc00000);
+            for (int i = 0; i < 4; ++i) value[i] += __shfl_xor_sync(0xffffffffu, value[i], offset);
+        }
+        if (!mine || part != 0) continue;
+        const float nan = __int_as_float(0x7fc00000);
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-        out[row * D + d + i] = from_float<T>(s_poisoned[r] ? nan : total > 0.f ? value[i] / total : 0.f);
-    if (d == 0) lse[row] = s_poisoned[r] ? nan : total > 0.f ? s_top[r] + logf(total) : -INFINITY;
+        for (int i = 0; i < 4; ++i)
+            out[row * D + d + i] = from_float<T>(s_poisoned[r] ? nan : total > 0.f ? value[i] / total : 0.f);
+        if (d == 0) lse[row] = s_poisoned[r] ? nan : total > 0.f ? s_top[r] + logf(total) : -INFINITY;
+    }
 }
 // endregion
 
 // region: merge_splits
-// Merges the splits of `rows` rows with the block's threads: by four columns a thread in the 4-row kernels (at 1 and
-// 2 rows, whose kernels fit more blocks on an SM, its registers would cost occupancy), else the weights, then a
-// column a thread, every column summing its splits with independent loads.
+// Merges the splits of `rows` rows with the block's threads: the weights, then the columns, by four in the 4-row
+// kernels (at 1 and 2 rows, whose kernels fit more blocks on an SM, its registers would cost occupancy) or one a
+// thread, every column summing its splits with independent loads.
 template <typename T, int D, int MAX_ROWS>
 __device__ __forceinline__ void merge_splits(const float* part_out, const float* part_lse, T* out, float* lse,
                                              int total_rows, int row0, int rows, int num_splits, float* s_weight) {
     __shared__ float s_top[MAX_ROWS];
     __shared__ int s_poisoned[MAX_ROWS];
+    merge_split_weights<MAX_ROWS>(part_lse, total_rows, row0, rows, num_splits, s_weight, s_top, s_poisoned);
     if constexpr (WB_DECODE_MERGE_VECTOR && MAX_ROWS >= 4) {
-        merge_columns_by_four<T, D, MAX_ROWS>(part_out, part_lse, out, lse, total_rows, row0, rows, num_splits,
-                                              s_weight, s_top, s_poisoned);
+        merge_columns_by_four<T, D>(part_out, out, lse, total_rows, row0, rows, num_splits, s_weight, s_top,
+                                    s_poisoned);
         return;
     }
-    merge_split_weights<MAX_ROWS>(part_lse, total_rows, row0, rows, num_splits, s_weight, s_top, s_poisoned);
     for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
         const int r = e / D, d = e % D;
         const size_t row = (size_t)row0 + r;
@@ -627,7 +620,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
     if (threadIdx.x == 0) s_last = count_finished(counter) == p.num_splits - 1;
     __syncthreads();
     if (!s_last) return;
-    static_assert(ROWS < 4 || ROWS * (D / 4) <= NUM_WARPS * 32, "merge_columns_by_four: a thread per (row, 4 columns)");
     merge_splits<T, D, ROWS>(p.part_out, p.part_lse, static_cast<T*>(p.out), p.lse, p.B * p.H, b * p.H + head0, rows,
                              p.num_splits, &s_acc[0][0][0]);  // room for NUM_WARPS * D splits' weights per row
     WB_SPLIT_TRACE(6);
