@@ -217,7 +217,7 @@ __device__ __forceinline__ void merge_split_weights(const float* part_lse, int t
 
 // region: merge_columns_by_four
 // The second half in the 4-row kernels: a thread sums 4 columns of one row, one 16-byte load per split, and `parts`
-// adjacent lanes share those columns, each taking every parts-th split, so that all of a split's loads are in flight
+// adjacent lanes share those columns, each taking every parts-th split, so that all of a thread's loads are in flight
 // at once, in one or two round trips (a column a thread, below, made 8 at 32 splits; the H100: decode NOTES, v17).
 template <typename T, int D>
 __device__ __forceinline__ void merge_columns_by_four(const float* part_out, T* out, float* lse, int total_rows,
