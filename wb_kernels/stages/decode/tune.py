@@ -614,6 +614,8 @@ def main(argv=None) -> int:
                         help="with --mma-sweep: comma-separated names of MMA_VARIANTS (default: all); with "
                              "--mma-trace: the builds to trace (default: base)")
     args = parser.parse_args(argv)
+    if args.mma_trace and args.split_trace:
+        parser.error("--mma-trace and --split-trace: one trace per run (each writes its own --json file)")
     if args.mma_variants is not None:
         known = {v.name: v for v in MMA_VARIANTS}
         unknown = [n for n in args.mma_variants.split(",") if n not in known]
