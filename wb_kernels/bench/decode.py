@@ -749,8 +749,11 @@ def run_decode(workloads, out_path, *, presets=("decode",), policy: Optional[Tim
     stamp_timing(results, policy, out_path)
     results["contenders"] = {name: c.what for name, c in table.items()}
     if retake_slowed:
-        slowed = [r["key"] for r in results["records"] if was_slowed(r)]
-        results["records"] = [r for r in results["records"] if not was_slowed(r)]
+        kept, slowed = [], []
+        for record in results["records"]:
+            (slowed if was_slowed(record) else kept).append(record)
+        results["records"] = kept
+        slowed = [r["key"] for r in slowed]
         log(f"{len(slowed)} records a burst slowed are measured again" + (f": {', '.join(slowed)}" if slowed else ""))
     jobs = plan_decode(workloads, table)
     done = {r["key"] for r in results["records"]}

@@ -601,37 +601,21 @@ def kernel_bytes_rows(shapes, *, num_sms: int, blocks_per_sm=2, H: int = 32, Hk:
 def copy_bandwidths() -> dict:
     """The copy bandwidth of every committed GPU run the lesson reads, {file: (GPU, date, GB/s)}: each run measures
     its own device-to-device copy, and each comparison uses its own run's."""
-    import json
-
     from ...bench import REPO_ROOT, load_results
+    from ...bench.results import committed_decode_results
 
     found = {}
     gpu = committed_gpu()
     if gpu is not None:
         found[f"results/bench/{gpu['file']}"] = (gpu["gpu"], gpu["date"], gpu["copy_gbps"])
-    from ...bench.results import committed_decode_results
-
-    bench_path = committed_decode_results()
-    if bench_path is not None:
-        data = load_results(bench_path)
-        found[f"results/decode/{bench_path.name}"] = (data["environment"]["gpu"], data["environment"]["date"][:10],
-                                                      data["ceilings"]["copy_gbps"])
-    older_path = REPO_ROOT / "results" / "decode" / "history" / OLDER_KERNEL
-    if older_path.exists():
-        data = load_results(older_path)
-        found[f"results/decode/history/{OLDER_KERNEL}"] = (data["environment"]["gpu"], data["environment"]["date"][:10],
-                                                           data["ceilings"]["copy_gbps"])
-    bar_path = committed_decode_bar_results()
-    if bar_path is not None:
-        data = load_results(bar_path)
-        found[f"results/decode/history/{bar_path.name}"] = (data["environment"]["gpu"],
-                                                            data["environment"]["date"][:10],
-                                                            data["ceilings"]["copy_gbps"])
-    decoder_path = committed_decoder_results()
-    if decoder_path is not None:
-        data = json.loads(decoder_path.read_text())
-        found[f"results/decode/{decoder_path.name}"] = (data["environment"]["gpu"], data["environment"]["date"][:10],
-                                                        data["ceilings"]["copy_gbps"])
+    older = REPO_ROOT / "results" / "decode" / "history" / OLDER_KERNEL
+    for path in (committed_decode_results(), older if older.exists() else None, committed_decode_bar_results(),
+                 committed_decoder_results()):
+        if path is not None:
+            data = load_results(path)
+            found[path.relative_to(REPO_ROOT).as_posix()] = (data["environment"]["gpu"],
+                                                             data["environment"]["date"][:10],
+                                                             data["ceilings"]["copy_gbps"])
     return found
 
 
