@@ -515,7 +515,8 @@ def test_the_kernels_lanes_compute_attention(group, D, keys, warps):
 
 
 def test_the_mma_sweep_times_each_split_count_once():
-    """Around the launcher's count: an eighth of it to twice it, as the kernel rounds them (whole 64-key steps)."""
+    """Around the launcher's count: an eighth of it to twice it (or to 8), as the kernel rounds them (whole 64-key
+    steps)."""
     from wb_kernels.stages.decode.tune import mma_sweep_splits
 
     assert mma_sweep_splits(8192, 32) == [(4, 2048), (8, 1024), (16, 512), (32, 256), (64, 128)]
@@ -525,6 +526,8 @@ def test_the_mma_sweep_times_each_split_count_once():
     assert [s for s, _ in mma_sweep_splits(32768, 256)] == [32, 64, 128, 256]
     # 100 keys: every count rounds onto one or two splits of 64 keys, each timed once
     assert mma_sweep_splits(100, 4) == [(1, 128), (2, 64)]
+    # MQA at batch 64, where the launcher plans 2 splits: up to 8, not 4
+    assert mma_sweep_splits(1024, 2) == [(1, 1024), (2, 512), (4, 256), (8, 128)]
 
 
 def _sweep_rows():

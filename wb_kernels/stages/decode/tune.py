@@ -106,9 +106,11 @@ DEFAULT = Variant(8, 2, 1, 1)  # what flash_decode.cu builds without flags
 # separate merge), and fused ones around the default. (Names before 2026-11-24 had no _fm: all merged separately.)
 VARIANTS = (DEFAULT, Variant(8, 2, 1, 1, 0), Variant(4, 4, 0, 0, 0), Variant(8, 4, 1, 1), Variant(8, 4, 0, 1),
             Variant(4, 2, 1, 1))
-# (B, H, Hk, Lk, D): the two bar shapes first
+# (B, H, Hk, Lk, D): the two bar shapes first; B64 Lk1024, the README table's row furthest behind SDPA (one split: two
+# waves of blocks), since 2026-11-27
 WORKLOADS = ((8, 32, 8, 8192, 128), (1, 32, 8, 32768, 128), (1, 32, 32, 32768, 128), (1, 32, 1, 32768, 128),
-             (64, 32, 8, 4096, 128), (8, 32, 8, 8192, 64), (1, 32, 8, 4096, 128), (16, 32, 8, 1024, 64))
+             (64, 32, 8, 4096, 128), (8, 32, 8, 8192, 64), (1, 32, 8, 4096, 128), (16, 32, 8, 1024, 64),
+             (64, 32, 8, 1024, 128))
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -300,16 +302,18 @@ MMA_VARIANTS = (
     # the last block merges up to 1024 (query head, split) pairs instead of 256 (MQA's 32 heads: 32 splits, not 8)
     MmaVariant("fused1024", (("WB_DECODE_MMA_FUSED_ROW_SPLITS", 1024),)),
 )
-# (B, H, Hk, Lk, D), float16: the MQA bar shapes, a long MQA sequence, and GQA 8 (the mma kernel from group 5 on)
-MMA_SWEEP_SHAPES = ((8, 32, 1, 8192, 128), (1, 32, 1, 2048, 128), (1, 32, 1, 32768, 128), (8, 32, 4, 8192, 128))
+# (B, H, Hk, Lk, D), float16: the MQA bar shapes, a long MQA sequence, GQA 8 (the mma kernel from group 5 on), and
+# MQA at batch 64 (the decode benchmark's rows furthest behind SDPA, 0.76-0.93x; the launcher plans 2 splits there)
+MMA_SWEEP_SHAPES = ((8, 32, 1, 8192, 128), (1, 32, 1, 2048, 128), (1, 32, 1, 32768, 128), (8, 32, 4, 8192, 128),
+                    (64, 32, 1, 1024, 128), (64, 32, 1, 8192, 128))
 MMA_MAX_SWEEP_SPLITS = 256
 
 
 def mma_sweep_splits(L: int, launcher_splits: int) -> list:
-    """The numbers of splits timed at a shape: the launcher's, then powers of two from an eighth of it to twice it
-    (at most MMA_MAX_SWEEP_SPLITS), each as the kernel runs it (``cuda_split_plan``: whole 64-key steps), so that a
+    """The numbers of splits timed at a shape: the launcher's, then powers of two from an eighth of it to twice it,
+    or to 8 where twice is less (at most MMA_MAX_SWEEP_SPLITS), each as the kernel runs it (``cuda_split_plan``: whole 64-key steps), so that a
     count rounded onto another is timed once."""
-    asked = {launcher_splits} | {1 << e for e in range(9) if launcher_splits / 8 <= 1 << e <= 2 * launcher_splits}
+    asked = {launcher_splits} | {1 << e for e in range(9) if launcher_splits / 8 <= 1 << e <= max(2 * launcher_splits, 8)}
     plans = {}
     for splits in sorted(asked):
         if splits > MMA_MAX_SWEEP_SPLITS:
