@@ -815,15 +815,8 @@ __device__ __forceinline__ void mma_fused_merge(const DecodeParams& p, int row0,
 }
 
 // --- mma_decode_setup
-// WB_DECODE_MMA_MIN_BLOCKS (a tuning knob, undefined in the package's build): the blocks per SM asked of ptxas.
-// Undefined, the bounds name no count at all: naming 1 changes the registers ptxas allocates (168 against 158)
-#ifdef WB_DECODE_MMA_MIN_BLOCKS
-#define WB_MMA_BOUNDS(THREADS) __launch_bounds__(THREADS, WB_DECODE_MMA_MIN_BLOCKS)
-#else
-#define WB_MMA_BOUNDS(THREADS) __launch_bounds__(THREADS)
-#endif
 template <typename T, int D, int M_TILES, bool PAGED>
-__global__ void WB_MMA_BOUNDS(MmaShape<M_TILES>::WARPS * 32) decode_mma_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kernel(const DecodeParams p) {
     using Shape = MmaShape<M_TILES>;
     constexpr int THREADS = Shape::WARPS * 32, KEYS = Shape::KEYS, STAGES = MmaStages<T, D, M_TILES>::VALUE;
     constexpr int ROWS = 16 * M_TILES;  // the group, padded to whole row tiles
