@@ -65,7 +65,7 @@ OVERHEAD_BAR = 2.0  # the issue's bar: per-call wall time at most twice SDPA's
 # as long as the host's work to launch it or the write-back of a dirty cache, so both are kept out of the timed window:
 # - the L2 flushed by reading a buffer twice its size, which leaves it clean ("write" zeroes one and leaves 50 MB of
 #   dirty lines, whose write-back the next call pays: results/decode/tune_h100.json has SDPA at B1 H32 Hk8 Lk32768
-#   at 0.055 ms after a reading flush and 0.064 ms after a zeroing one, this rung's kernel at 0.061 and 0.069 ms);
+#   at 0.055 ms after a reading flush and 0.064 ms after a zeroing one, this rung's kernel at 0.055 and 0.060 ms);
 # - a sleeping kernel of 300 us queued first, so that the flush, the events and the call's launches are all queued
 #   before the GPU reaches them: the events time the device's work. What the host costs per call is measured on its
 #   own, wall clock, back to back (the overhead rows).

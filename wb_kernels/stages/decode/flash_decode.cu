@@ -570,6 +570,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
         }
     }
 
+    // endregion
+
+    // region: split_kernel_write
     // then across warps, through shared memory: lanes 0 .. LANES_PER_KEY-1 of each warp hold its state
     __shared__ float s_m[NUM_WARPS][ROWS], s_l[NUM_WARPS][ROWS], s_acc[NUM_WARPS][ROWS][D];
     if (key_lane == 0) {
@@ -599,16 +602,22 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
         // key stays 0, whatever its query)
         const bool poisoned = is_nan(total) || (q_bad[r] && stop > start);
         const bool seen = total > 0.f;
-        p.part_out[row * D + d] = poisoned ? __int_as_float(0x7fc00000) : seen ? value / total : 0.f;
-        if (d == 0)
-            p.part_lse[row] = poisoned ? __int_as_float(0x7fc00000)
-                                       : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
+        const float nan = __int_as_float(0x7fc00000), result = poisoned ? nan : seen ? value / total : 0.f;
+        const float row_lse = poisoned ? nan : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
+        if (p.num_splits == 1) {  // the one split's result is the answer: written as the merge of one split would
+            static_cast<T*>(p.out)[row * D + d] = from_float<T>(result);
+            if (d == 0) p.lse[row] = row_lse == kNegBig ? -INFINITY : row_lse;
+        } else {
+            p.part_out[row * D + d] = result;
+            if (d == 0) p.part_lse[row] = row_lse;
+        }
     }
     WB_SPLIT_TRACE(5);
     // endregion
 
     // region: split_kernel_fused_merge
-    if (p.counters == nullptr) return;  // a second kernel merges the splits
+    // nothing to merge with one split; with more, a second kernel merges them unless the counters are passed
+    if (p.num_splits == 1 || p.counters == nullptr) return;
 
     // The last of the group's split blocks to finish merges them, in this launch: no second kernel to wait for, and
     // the partial results are read back from L2 while they are still there. Every thread's writes happen before the
@@ -1066,8 +1075,10 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
 #pragma unroll
         for (int w = 0; w < SLICES; ++w)  // a poisoned row's weights are NaN, an unseen row's 0 (its outputs then 0)
             s_weight[w][r] = poisoned ? nan : seen ? exp2f(s_m[w][r] - top) / total : 0.f;
-        p.part_lse[((size_t)split * p.B + b) * p.H + head0 + r] =
-            poisoned ? nan : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
+        const float row_lse = poisoned ? nan : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
+        const size_t row = ((size_t)split * p.B + b) * p.H + head0 + r;
+        if (p.num_splits == 1) p.lse[row] = row_lse == kNegBig ? -INFINITY : row_lse;  // one split: the answer
+        else p.part_lse[row] = row_lse;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < group * (D / 4); e += THREADS) {  // 4 columns a thread: 16-byte loads and stores
@@ -1083,12 +1094,18 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
             value.w += weight * x.w;
         }
         const size_t row = ((size_t)split * p.B + b) * p.H + head0 + r;
-        *reinterpret_cast<float4*>(p.part_out + row * D + c) = value;
+        if (p.num_splits == 1) {  // the one split's result is the answer, as the merge of one split would write it
+            T* out = static_cast<T*>(p.out) + row * D + c;
+            out[0] = from_float<T>(value.x), out[1] = from_float<T>(value.y);
+            out[2] = from_float<T>(value.z), out[3] = from_float<T>(value.w);
+        } else {
+            *reinterpret_cast<float4*>(p.part_out + row * D + c) = value;
+        }
     }
 
     WB_MMA_TRACE(5);
-    // the fused merge, as the split kernel's (one counter per (sequence, KV head): gridDim.z is 1)
-    if (p.counters == nullptr) return;
+    // the fused merge, as the split kernel's (one counter per (sequence, KV head): gridDim.z is 1); none for one split
+    if (p.num_splits == 1 || p.counters == nullptr) return;
     __syncthreads();  // also: every thread is done with s_o, which the merge reuses for the splits' weights
     __shared__ bool s_last;
     if (threadIdx.x == 0) s_last = count_finished(p.counters + blockIdx.x) == p.num_splits - 1;
@@ -1238,7 +1255,7 @@ void launch_decode(const DecodeParams& params, cudaStream_t stream) {
     else
         decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, false><<<grid, kDecodeWarps * 32, 0, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (params.counters != nullptr) return;  // merged by the split kernel's last blocks
+    if (params.counters != nullptr || params.num_splits == 1) return;  // merged by its last blocks, or one split
     decode_merge_kernel<T, D><<<params.B * params.H, D, params.num_splits * sizeof(float), stream>>>(
         params.part_out, params.part_lse, static_cast<T*>(params.out), params.lse, params.B * params.H,
         params.num_splits);
@@ -1397,9 +1414,10 @@ std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k
     params.lse = lse.data_ptr<float>();
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    // fused merge: the split kernel's s_acc holds the weights of up to kDecodeWarps * D splits per row
+    // fused merge: the split kernel's s_acc holds the weights of up to kDecodeWarps * D splits per row (one split
+    // needs no merge, so no counters to zero)
     params.counters = nullptr;
-    if (WB_DECODE_FUSED_MERGE && num_splits <= kDecodeWarps * D)
+    if (WB_DECODE_FUSED_MERGE && num_splits > 1 && num_splits <= kDecodeWarps * D)
         params.counters = wb::merge_counters(workspace, part_floats * sizeof(float), counters, stream);
     if (is_half) {
         if (D == 64) wb::launch_rows<__half, 64>(params, stream);
@@ -1477,7 +1495,7 @@ void launch_mma(const DecodeParams& params, cudaStream_t stream) {
     if (tiles == 1) paged ? launch_mma_variant<T, D, 1, true>(params, stream) : launch_mma_variant<T, D, 1, false>(params, stream);
     else if (tiles == 2) paged ? launch_mma_variant<T, D, 2, true>(params, stream) : launch_mma_variant<T, D, 2, false>(params, stream);
     else paged ? launch_mma_variant<T, D, 4, true>(params, stream) : launch_mma_variant<T, D, 4, false>(params, stream);
-    if (params.counters != nullptr) return;  // merged by the kernel's last blocks
+    if (params.counters != nullptr || params.num_splits == 1) return;  // merged by its last blocks, or one split
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(params.B * params.H);
     config.blockDim = dim3(D / 4 * kMmaMergeLanes);
@@ -1609,7 +1627,8 @@ std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tens
     // one block reads far slower than the second kernel's B x H blocks do (on an H100, MQA B1 Lk32768 took 97 us fused)
     constexpr int64_t kMostFusedRowSplits = WB_DECODE_MMA_FUSED_ROW_SPLITS;
     params.counters = nullptr;
-    if (WB_DECODE_FUSED_MERGE && group * num_splits <= weights && group * num_splits <= kMostFusedRowSplits)
+    if (WB_DECODE_FUSED_MERGE && num_splits > 1 && group * num_splits <= weights &&
+        group * num_splits <= kMostFusedRowSplits)
         params.counters = wb::merge_counters(workspace, part_floats * sizeof(float), counters, stream);
     if (is_half) {
         if (D == 64) wb::launch_mma<__half, 64>(params, stream);
