@@ -486,8 +486,9 @@ def torch_float32():
     return torch.float32
 
 
+@pytest.mark.parametrize("splits", [1, 2])  # 1: the block writes the answer itself (version 19), 2: the merge does
 @pytest.mark.parametrize("kernel", ["numba", pytest.param("cuda", marks=gpu_only)])
-def test_non_finite_inputs_give_what_sdpa_gives(kernel):
+def test_non_finite_inputs_give_what_sdpa_gives(kernel, splits):
     """A NaN key poisons the rows that attend it; an Inf query its own row; an empty sequence stays 0. The numba
     path gets this from the host (wb.attention's rule); the CUDA kernel computes it on the GPU."""
     D = 16 if kernel == "numba" else 64
@@ -500,10 +501,10 @@ def test_non_finite_inputs_give_what_sdpa_gives(kernel):
     if kernel == "cuda":
         q_, kp_, vp_ = _to_cuda(q, kp, vp, dtype="float16")
         lens_, table_ = _to_cuda(lens, table)
-        out, lse = wb.decode(q_, kp_, vp_, lens_, block_table=table_, num_splits=2, return_lse=True)
+        out, lse = wb.decode(q_, kp_, vp_, lens_, block_table=table_, num_splits=splits, return_lse=True)
         out, lse = out.float().cpu().numpy(), lse.cpu().numpy()
     else:
-        out, lse = wb.decode(q, kp, vp, lens, block_table=table, num_splits=2, return_lse=True)
+        out, lse = wb.decode(q, kp, vp, lens, block_table=table, num_splits=splits, return_lse=True)
     nan_rows = np.isnan(out).all(-1)
     expected = np.zeros((3, 4), bool)
     expected[0, 2:] = True
@@ -511,6 +512,7 @@ def test_non_finite_inputs_give_what_sdpa_gives(kernel):
     np.testing.assert_array_equal(nan_rows, expected)
     np.testing.assert_array_equal(np.isnan(lse), expected)
     assert not np.isnan(out[~expected]).any() and np.all(out[2] == 0)
+    assert np.isneginf(lse[2]).all()  # no keys: LSE -inf, whether merged or written by the one split's block
 
 # ---------------------------------------------------------------- the lesson's figures and slider logic
 

@@ -208,7 +208,7 @@ MQA_CASES = [  # (B, H, Hk, D, lengths, page_size, num_splits)
     (3, 64, 1, 64, [4099, 63, 1], 16, None),
     (3, 64, 1, 128, [200, 0, 2049], 7, 3),
     (2, 32, 1, 64, [65, 129], 5, 7),
-    (2, 24, 1, 128, [1000, 17], 16, 1),  # a group of 24: two row tiles, 8 padding rows
+    (3, 24, 1, 128, [1000, 0, 17], 16, 1),  # a group of 24: two row tiles, 8 padding rows; one split, one empty
     (2, 48, 2, 64, [333, 1], 16, 4),  # a group of 24 on 2 KV heads
     (4, 32, 4, 128, [0, 1, 999, 1500], 16, None),  # GQA 8 (the mma kernel by default)
 ]
@@ -301,7 +301,8 @@ def test_gpu_mma_kernel_reads_nhd_caches_in_place():
 
 
 @gpu_only
-def test_gpu_mma_kernel_non_finite_inputs():
+@pytest.mark.parametrize("splits", [None, 1])  # the launcher's (merged), and one split (written by its block)
+def test_gpu_mma_kernel_non_finite_inputs(splits):
     """A NaN in one query head's row poisons that row only (where the sequence has keys); a NaN in a key poisons
     every row of its sequence; a sequence with no keys stays 0, whatever its query."""
     import torch
@@ -311,12 +312,13 @@ def test_gpu_mma_kernel_non_finite_inputs():
     q[1, 2, 0] = np.nan
     kc[2, 0, 100, 7] = np.nan
     q_, kc_, vc_, lens_ = _cuda(q, kc, vc, lens, dtype="float16")
-    out, lse = wb.decode(q_, kc_, vc_, lens_, return_lse=True)
+    out, lse = wb.decode(q_, kc_, vc_, lens_, num_splits=splits, return_lse=True)
     nan = out.isnan().any(-1).cpu()
     expected = torch.zeros(3, 32, dtype=torch.bool)
     expected[0, 5] = True
     expected[2] = True
     assert torch.equal(nan, expected), nan
+    assert torch.equal(lse.isnan().cpu(), expected)
     assert bool((out[1] == 0).all()) and bool(lse[1].isneginf().all())
 
 

@@ -11,7 +11,8 @@
 //   keys it saw; the states are merged once per block at the end (shuffles, then shared memory across warps);
 // - the splits of one sequence are merged exactly, through their log-sum-exps, by the last of its blocks to finish
 //   (a counter per sequence and group, counted with release/acquire ordering, zeroed by the call that uses it), or,
-//   with WB_DECODE_FUSED_MERGE=0 or very many splits, by a second small kernel;
+//   with WB_DECODE_FUSED_MERGE=0 or very many splits, by a second small kernel; a sequence's only split writes the
+//   answer itself (no partial result, no counter, no merge);
 // - nothing depends on the lengths' values on the host, and every buffer comes from PyTorch's caching allocator, so a
 //   call can be captured in a CUDA graph and replayed with other lengths: the last split of a sequence reads every
 //   key past the others' (a length beyond the launch's max_seqlen costs time, never keys), and lengths the kernel
@@ -67,11 +68,11 @@ struct DecodeParams {
     unsigned strides[3];  // elements between pages, heads and slots in both K and V (D's stride is 1), < 2^31
     const int* block_table;  // (B, pages_per_seq); nullptr: a contiguous cache, sequence b is page b
     const int* seq_lens;  // (B,)
-    float* part_out;  // (splits, B, H, D) float32, normalised per split
-    float* part_lse;  // (splits, B, H) float32, natural log; kNegBig for an empty split
+    float* part_out;  // (splits, B, H, D) float32, normalised per split (unused with one split)
+    float* part_lse;  // (splits, B, H) float32, natural log; kNegBig for an empty split (unused with one split)
     void* out;  // (B, H, D) in q's dtype: the merged output, written by the last block of each group when fused
     float* lse;  // (B, H) float32
-    int* counters;  // (B * Hk * chunks) zeros: splits finished per group; nullptr: a second kernel merges
+    int* counters;  // (B * Hk * chunks) zeros: splits finished per group; nullptr: a second kernel merges, or one split
     int* status;  // flags for the host: 1 a length clamped to the cache, 2 a length past the splits' keys,
                   // 4 a page number outside the pool
     int B, H, Hk, page_size, pages_per_seq, num_pages, keys_per_split, num_splits;

@@ -112,7 +112,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_keys: int, num_sms: int, *,
     at a time, a wave; a grid of 1.2 waves takes as long as 2 (the second wave's few blocks run alone). So each count
     of splits is costed by :func:`split_cost` as waves x (keys per split + `block_overhead_keys`): the grid's time
     when every block streams its keys at the same rate and pays a fixed start and finish (loading q, merging its
-    warps, writing its partial result) worth about 64 keys of streaming (tune_h100.json, B8 Hk8 Lk8192 D128: each
+    warps, writing its result) worth about 64 keys of streaming (tune_h100.json, B8 Hk8 Lk8192 D128: each
     count of 8 to 128 splits, timed against the one wave of 4 splits, implies 43 to 66 keys' time per block;
     lesson 07 computes it). The cheapest count wins; on a tie, the fewest splits (less for the merge to read). No
     split is shorter than `min_keys_per_split`, and each split's length is rounded up to `keys_step` keys, as the

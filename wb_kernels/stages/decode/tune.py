@@ -51,8 +51,8 @@ a paged cache: how the blocks of one wave end, and how long the last block's mer
     python -m wb_kernels.stages.decode.tune --split-trace --json results/decode/split_trace_h100.json
 
 ``--mma-sweep`` A/B's the tensor-core kernel's builds (:data:`MMA_VARIANTS`: the default and its number of warps
-per block, ``WB_DECODE_MMA_WARPS``, each with the package's own nvcc flags) at the MQA bar shapes and one
-GQA-8 shape, each at several numbers of splits around the launcher's, every result checked against float32 PyTorch
+per block, ``WB_DECODE_MMA_WARPS``, each with the package's own nvcc flags) at :data:`MMA_SWEEP_SHAPES` (the MQA
+bar shapes, a long MQA sequence, a group of 8 and MQA at batch 64), each at several numbers of splits around the launcher's, every result checked against float32 PyTorch
 (output and LSE; a mismatch is printed as MISMATCH and the exit status is 1), with SDPA's backends and the K/V copy
 timed in the same run.
 """
@@ -311,9 +311,10 @@ MMA_MAX_SWEEP_SPLITS = 256
 
 def mma_sweep_splits(L: int, launcher_splits: int) -> list:
     """The numbers of splits timed at a shape: the launcher's, then powers of two from an eighth of it to twice it,
-    or to 8 where twice is less (at most MMA_MAX_SWEEP_SPLITS), each as the kernel runs it (``cuda_split_plan``: whole 64-key steps), so that a
-    count rounded onto another is timed once."""
-    asked = {launcher_splits} | {1 << e for e in range(9) if launcher_splits / 8 <= 1 << e <= max(2 * launcher_splits, 8)}
+    or to 8 where twice is less (at most MMA_MAX_SWEEP_SPLITS), each as the kernel runs it (``cuda_split_plan``: whole
+    64-key steps), so that a count rounded onto another is timed once."""
+    most = max(2 * launcher_splits, 8)
+    asked = {launcher_splits} | {1 << e for e in range(9) if launcher_splits / 8 <= 1 << e <= most}
     plans = {}
     for splits in sorted(asked):
         if splits > MMA_MAX_SWEEP_SPLITS:
@@ -607,7 +608,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mma-threshold", action="store_true",
                         help="time the split and the mma kernel on groups 1-32 instead (launcher.MMA_MIN_GROUP)")
     parser.add_argument("--mma-sweep", action="store_true",
-                        help="A/B the mma kernel's builds (MMA_VARIANTS) and split counts at the MQA bar shapes")
+                        help="A/B the mma kernel's builds (MMA_VARIANTS) and split counts at MMA_SWEEP_SHAPES")
     parser.add_argument("--mma-sweep-child", metavar="VARIANT", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mma-trace", action="store_true",
                         help="the mma kernel's per-block timeline (a WB_DECODE_MMA_TRACE build) at TRACE_SHAPES")
