@@ -35,9 +35,6 @@
 #ifndef WB_DECODE_FUSED_MERGE
 #define WB_DECODE_FUSED_MERGE 1  // 1: the last block of a sequence's splits merges them (no second kernel)
 #endif
-#ifndef WB_DECODE_COUNTERS_PDL
-#define WB_DECODE_COUNTERS_PDL 1  // 1: the split kernel starts while its counters are zeroed (merge_counters), sm_90
-#endif
 #ifndef WB_PAGED_TABLE_AHEAD
 #define WB_PAGED_TABLE_AHEAD 1  // 1: the paged 4-row loop reads its page-table entries a trip before their loads
 #endif
@@ -630,12 +627,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
     __syncthreads();  // also: every thread is done with s_acc, which the merge reuses for the splits' weights
     __shared__ bool s_last;
     int* counter = p.counters + (size_t)blockIdx.x * gridDim.z + blockIdx.z;  // one per (sequence, KV head, rows)
-    if (threadIdx.x == 0) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        asm volatile("griddepcontrol.wait;" ::: "memory");  // the counters zeroed (launch_split); else a no-op
-#endif
-        s_last = count_finished(counter) == p.num_splits - 1;
-    }
+    if (threadIdx.x == 0) s_last = count_finished(counter) == p.num_splits - 1;
     __syncthreads();
     if (!s_last) return;
     merge_splits<T, D, ROWS>(p.part_out, p.part_lse, static_cast<T*>(p.out), p.lse, p.B * p.H, b * p.H + head0, rows,
@@ -1253,26 +1245,6 @@ WB_INSTANTIATE_MMA_TILES(__nv_bfloat16, 64) WB_INSTANTIATE_MMA_TILES(__nv_bfloat
 #include <optional>
 
 namespace wb {
-namespace {
-bool programmatic_launch_supported();  // sm_90 and later, asked once per device (below, with the mma kernel's launch)
-}
-
-// The split kernel, launched as a programmatic dependent (PTX ISA, "griddepcontrol") of the one-block kernel that
-// zeroes its counters (merge_counters), where the GPU has it: its blocks start streaming while that kernel runs, and
-// wait for it only where they count themselves done (split_kernel_fused_merge). Without counters, in stream order.
-template <typename Kernel>
-void launch_split(Kernel kernel, dim3 grid, const DecodeParams& params, cudaStream_t stream) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = dim3(kDecodeWarps * 32);
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attribute;
-    config.numAttrs = params.counters != nullptr && WB_DECODE_COUNTERS_PDL && programmatic_launch_supported() ? 1 : 0;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
-}
 
 template <typename T, int D, int ROWS>
 void launch_decode(const DecodeParams& params, cudaStream_t stream) {
@@ -1280,18 +1252,17 @@ void launch_decode(const DecodeParams& params, cudaStream_t stream) {
     // (sequence, KV head) in x: up to 2^31 - 1 blocks, where y and z stop at 65,535 (num_splits <= 12288: checked below)
     const dim3 grid(params.B * params.Hk, params.num_splits, (group + ROWS - 1) / ROWS);
     if (params.block_table != nullptr)
-        launch_split(decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, true>, grid, params, stream);
+        decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, true><<<grid, kDecodeWarps * 32, 0, stream>>>(params);
     else
-        launch_split(decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, false>, grid, params, stream);
+        decode_split_kernel<T, D, ROWS, kDecodeWarps, kKeysInFlight, false><<<grid, kDecodeWarps * 32, 0, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (params.counters != nullptr || params.num_splits == 1) return;  // merged by its last blocks, or one split
     decode_merge_kernel<T, D><<<params.B * params.H, D, params.num_splits * sizeof(float), stream>>>(
         params.part_out, params.part_lse, static_cast<T*>(params.out), params.lse, params.B * params.H,
         params.num_splits);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
-// endregion
 
-// region: launch_rows
 // ROWS: query heads per block, the group size up to 4 (more rows would not fit in registers without spilling;
 // larger groups, as in MQA, take several blocks per KV head, which re-read the cache, mostly from L2)
 template <typename T, int D>
@@ -1328,20 +1299,11 @@ void check_cache_layout(const torch::Tensor& k_pages, const torch::Tensor& v_pag
 // region: merge_counters_and_occupancy
 // The fused merge's counters, one per (sequence, KV head, chunk of rows), are this call's own: the tail of the call's
 // workspace (from PyTorch's caching allocator, so a CUDA graph's capture takes it from the graph's pool), zeroed on
-// the call's stream by a one-block kernel that a capture records too. Two calls, on two streams or in two graphs,
-// never share one, and nothing outlives the tensors it points into. The kernel lets the split kernel launch at once
-// (launch_split); a memset could not, and cost its own launch and the split kernel's wait for it (decode NOTES, v20).
-__global__ void zero_counters_kernel(int* counters, int64_t count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) counters[i] = 0;
-}
-
+// the call's stream by a memset that a capture records too. Two calls, on two streams or in two graphs, never share
+// one, and nothing outlives the tensors it points into.
 int* merge_counters(torch::Tensor& workspace, int64_t offset_bytes, int64_t needed, cudaStream_t stream) {
     int* counters = reinterpret_cast<int*>(static_cast<char*>(workspace.data_ptr()) + offset_bytes);
-    zero_counters_kernel<<<1, 256, 0, stream>>>(counters, needed);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK(cudaMemsetAsync(counters, 0, needed * sizeof(int), stream));
     return counters;
 }
 
