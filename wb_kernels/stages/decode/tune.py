@@ -52,9 +52,9 @@ a paged cache: how the blocks of one wave end, and how long the last block's mer
 
 ``--mma-sweep`` A/B's the tensor-core kernel's builds (:data:`MMA_VARIANTS`: the default and its number of warps
 per block, ``WB_DECODE_MMA_WARPS``, each with the package's own nvcc flags) at :data:`MMA_SWEEP_SHAPES` (the MQA
-bar shapes, a long MQA sequence, a group of 8 and MQA at batch 64), each at several numbers of splits around the launcher's, every result checked against float32 PyTorch
-(output and LSE; a mismatch is printed as MISMATCH and the exit status is 1), with SDPA's backends and the K/V copy
-timed in the same run.
+bar shapes, a long MQA sequence, a group of 8 and MQA at batch 64), each at several numbers of splits around the
+launcher's, every result checked against float32 PyTorch (output and LSE; a mismatch is printed as MISMATCH and the
+exit status is 1), with SDPA's backends and the K/V copy timed in the same run.
 """
 
 from __future__ import annotations
