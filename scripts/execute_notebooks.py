@@ -88,7 +88,10 @@ def main() -> int:
             partial.parent.mkdir(parents=True, exist_ok=True)
             nbformat.write(nb, partial)
             return 1
-        nbformat.write(nb, path)
+        # written beside it, then moved over it: a test reading the lesson meanwhile sees the old file or the new one
+        written = path.with_name(f".{path.name}.executed")
+        nbformat.write(nb, written)
+        written.replace(path)
         print(f"executed {path.name} in {time.perf_counter() - start:.1f} s", flush=True)
     return 0
 

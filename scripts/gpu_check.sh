@@ -30,6 +30,20 @@
 #                                        resumes it). At most DIST_LIMIT (480) s plus the wheels: the benchmark gets
 #                                        what the build and the checks leave. DIST_WORLD=4: four GPUs;
 #                                        DIST_SCALING_ARGS="--dtypes float16": passed on to the benchmark
+#   scripts/gpu_check.sh release K/N    part K of N of the release: every GPU test, every property test and every
+#                                        lesson (executed in place, then under strict nbval) at one named commit, in N
+#                                        GPU calls of under 600 s each (N = 3 by default: release 1/3, 2/3, 3/3). Each
+#                                        part builds the CUDA extensions (cached on a warm machine), runs its share of
+#                                        the test files (pytest-xdist) beside its share of the lessons, and records its
+#                                        counts and verdict in results/status/<gpu>.json ("release": the commit, each
+#                                        part, whether every part passed). A part already recorded as passed at the
+#                                        commit is skipped, so the same command resumes. $OUT gets release_KofN.tgz
+#                                        (the part's logs and junit files, its executed lessons, the status file and
+#                                        any results or figures the part wrote) and <gpu>.json: put the status file
+#                                        back into results/status/ before the next part's call. The shares come from
+#                                        the seconds each file and lesson took in the last release
+#                                        (`python3 scripts/status.py release-plan 3` prints them). The commit is
+#                                        WB_GIT_COMMIT, else git's HEAD; RELEASE_LIMIT (540 s) bounds the part.
 #   WB_GIT_COMMIT=<commit>: the commit results files record, when this copy's .git is not the one it came from
 #   TESTS_WORKERS=8 (default): pytest-xdist processes sharing the GPU for the unit tests; 0 = one process
 #   PROPERTIES_WORKERS=5 (default): the same for the property tests (one stage each); 0 = one process
@@ -49,6 +63,12 @@ export WB_FAILURE_LOG=$PWD/logs/failures.log  # conftest.py: each failure's trac
 rm -f "$WB_FAILURE_LOG"
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(env build traffic tests properties accuracy bench notebooks)
+release_part=""
+if [ "${steps[0]}" = release ]; then  # release K/N: nothing but that part (below)
+  release_part=${steps[1]:-}
+  [[ "$release_part" =~ ^[0-9]+/[0-9]+$ ]] || { echo "usage: scripts/gpu_check.sh release K/N (e.g. release 1/3)"; exit 2; }
+  steps=(release)
+fi
 has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -64,7 +84,11 @@ else
 fi
 python3 -m ipykernel install --user --name python3 >/dev/null 2>&1 || true
 
-pack() { tar czf "$OUT/gpu_results.tgz" logs notebooks $(ls -d results figures 2>/dev/null); }
+gpu_name() { python3 scripts/status.py gpu; }  # h100, h200, ...: the name results and status files carry
+pack() {
+  if [ -n "$release_part" ]; then pack_release; return; fi
+  tar czf "$OUT/gpu_results.tgz" logs notebooks $(ls -d results figures 2>/dev/null)
+}
 status=0
 run_step() {  # name, seconds, command...: log to logs/<name>.log and $LOG, stop it after `seconds`
   # (STEP_ECHO=1: its output on the console too, as it comes, for a long step whose lines are its progress)
@@ -166,13 +190,13 @@ if has tune; then
   for script in wb_kernels/stages/*/tune.py; do
     rung=$(basename "$(dirname "$script")")
     if [ -n "${TUNE_RUNGS:-}" ] && [[ " $TUNE_RUNGS " != *" $rung "* ]]; then continue; fi
-    gpu=$(python3 -c "import torch; n = torch.cuda.get_device_name(); print(next((g for g in ('H100', 'H200', 'A100', 'B200') if g in n), 'gpu').lower())")
+    gpu=$(gpu_name)
     run_step "tune_$rung" "${TUNE_LIMIT:-420}" python3 -m "wb_kernels.stages.$rung.tune" ${TUNE_ARGS:-} \
       --json "results/$rung/tune_$gpu.json"
   done
 fi
 if has backward; then
-  gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
+  gpu=$(gpu_name)
   run_step backward_bench "${BACKWARD_LIMIT:-300}" python3 -m wb_kernels.bench --preset "${BACKWARD_PRESET:-backward-bar}" \
     --no-progress --time-budget $(( ${BACKWARD_LIMIT:-300} - 60 ))  # resumed by the same command
   mkdir -p results/train
@@ -185,7 +209,7 @@ if has tokens; then
   # graph-safe) and under torch.compile(mode="reduce-overhead"), batch 1/8/64 x context 1k/8k/32k; the greedy checks;
   # the roofline chart (figures/07_decoder_roofline_<gpu>.png). After build, so that the CUDA extension's build is not
   # in its time. Rows stop starting after TOKENS_LIMIT - 60 s; the same command resumes an unfinished file.
-  gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
+  gpu=$(gpu_name)
   run_step tokens "${TOKENS_LIMIT:-330}" python3 -m wb_kernels.models.decoder_tokens \
     --json "results/decode/decoder_$gpu.json" --time-budget $(( ${TOKENS_LIMIT:-330} - 60 )) ${TOKENS_ARGS:-}
 fi
@@ -205,7 +229,7 @@ if has distributed; then
     # results/distributed/ (run every time: a file from an earlier commit says nothing of this one). float16 and
     # bfloat16 side by side: their float64 checks are NumPy on the CPU, one core per rank.
     mkdir -p results/distributed
-    gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
+    gpu=$(gpu_name)
     check_nccl() {  # dtype: run.py's cases on NCCL into results/distributed/nccl_<gpu>x<W>_<dtype>.jsonl
       local dtype=$1 checked="results/distributed/nccl_${gpu}x${world}_$1.jsonl"
       run_step "distributed_nccl_$dtype" "${DIST_CHECK_LIMIT:-180}" python3 -m torch.distributed.run --standalone \
@@ -236,9 +260,107 @@ if has distributed; then
     pack
   fi
 fi
+if [ -n "$release_part" ]; then
+  # ---- release K/N: one part of the release (usage above). Tests and lessons run side by side after the build;
+  # every command gets what is left of the part's limit, so the part records its result inside one GPU call.
+  commit=${WB_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+  [ -n "$commit" ] || { echo "release: no commit to name (set WB_GIT_COMMIT=<commit> where .git is absent)" | tee -a "$LOG"; exit 2; }
+  export WB_GIT_COMMIT=$commit
+  gpu=$(gpu_name)
+  tag=release_${release_part/\//of}  # release_1of3: names $OUT allows
+  rel_logs=logs/$tag
+  if python3 scripts/status.py release-done "$gpu" "$release_part" --commit "$commit"; then
+    echo "== release $release_part: already passed at $commit (results/status/$gpu.json), skipped" | tee -a "$LOG"
+    cp "results/status/$gpu.json" "$OUT/" 2>/dev/null
+    exit 0
+  fi
+  eval "$(python3 scripts/status.py release-plan "$release_part" --gpu "$gpu" --commit "$commit" --shell)" \
+    || { echo "release: no plan for part $release_part" | tee -a "$LOG"; exit 2; }
+  rm -rf "$rel_logs"; mkdir -p "$rel_logs"; touch "$rel_logs/.started"
+  release_started=$SECONDS
+  deadline=$(( SECONDS + ${RELEASE_LIMIT:-540} ))
+  left() { local s=$(( deadline - SECONDS )); [ "$s" -gt 5 ] && echo "$s" || echo 5; }
+  pack_release() {  # this part's logs, its executed lessons, the status file, results and figures it wrote
+    local changed
+    changed=$(find results figures -type f -newer "$rel_logs/.started" ! -path 'results/status/*' 2>/dev/null)
+    # shellcheck disable=SC2086
+    if tar czf "$OUT/$tag.tgz.tmp$BASHPID" "$rel_logs" $PART_LESSONS $changed $(ls "results/status/$gpu.json" 2>/dev/null); then
+      mv "$OUT/$tag.tgz.tmp$BASHPID" "$OUT/$tag.tgz"
+    else
+      rm -f "$OUT/$tag.tgz.tmp$BASHPID"
+    fi
+  }
+  echo "== release $release_part at $commit on $gpu: tests [$PART_TESTS$([ "$PART_PROPERTIES" = 1 ] && echo ' + properties')]; lessons [$PART_LESSONS]" | tee -a "$LOG"
+  { nvidia-smi; python3 -c "import sys, torch, numpy, numba; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda); print('numpy', numpy.__version__, 'numba', numba.__version__)"; \
+    python3 -c "import wb_kernels as wb; print(wb.banner())"; } > "$rel_logs/env.log" 2>&1
+  build_rungs  # every CUDA C++ rung's extension, side by side (cached on a warm machine)
+  cp logs/build_*.log "$rel_logs/" 2>/dev/null
+  steps_rc=()
+  for script in wb_kernels/stages/*/build.py; do
+    rung=$(basename "$(dirname "$script")")
+    grep -q "extension ready" "logs/build_$rung.log" && steps_rc+=("--step=build_$rung=0") || steps_rc+=("--step=build_$rung=1")
+  done
+  release_tests() {  # this part's test files, then the property suite where the plan puts it here
+    local workers=() rc=0 t0
+    if [ "${TESTS_WORKERS:-6}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then workers=(-n "${TESTS_WORKERS:-6}"); fi
+    if [ -n "$PART_TESTS" ]; then
+      # shellcheck disable=SC2086
+      timeout --kill-after=10 "$(left)" python3 -m pytest -v --tb=line -p no:cacheprovider "${workers[@]}" \
+        --junitxml="$rel_logs/tests.xml" $PART_TESTS -W ignore::numba.core.errors.NumbaPerformanceWarning \
+        > "$rel_logs/tests.log" 2>&1
+      rc=$?; echo "tests=$rc" >> "$rel_logs/rc"
+      echo "== $tag tests: exit $rc; $(tail -n 1 "$rel_logs/tests.log")" | tee -a "$LOG"
+      grep -E "(FAILED|ERROR)( |$)" "$rel_logs/tests.log" | tee -a "$LOG" | head -n 40
+    fi
+    if [ "$PART_PROPERTIES" = 1 ]; then
+      t0=$SECONDS
+      workers=()
+      if [ "${PROPERTIES_WORKERS:-5}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then workers=(-n "${PROPERTIES_WORKERS:-5}"); fi
+      timeout --kill-after=10 "$(left)" python3 -m pytest -v -rP --tb=short -p no:cacheprovider "${workers[@]}" \
+        --junitxml="$rel_logs/properties.xml" tests/test_properties.py -W ignore::numba.core.errors.NumbaPerformanceWarning \
+        > "$rel_logs/properties.log" 2>&1
+      rc=$?; { echo "properties=$rc"; echo "properties_seconds=$(( SECONDS - t0 ))"; } >> "$rel_logs/rc"
+      echo "== $tag properties: exit $rc; $(tail -n 1 "$rel_logs/properties.log")" | tee -a "$LOG"
+      grep -E "(FAILED|ERROR)( |$)" "$rel_logs/properties.log" | tee -a "$LOG" | head -n 40
+    fi
+  }
+  release_lessons() {  # this part's lessons executed in place (several at once), then all of them under strict nbval
+    local rc n
+    [ -n "$PART_LESSONS" ] || return 0
+    # shellcheck disable=SC2086
+    n=$(echo $PART_LESSONS | wc -w)
+    # shellcheck disable=SC2086
+    printf '%s\n' $PART_LESSONS | timeout --kill-after=10 "$(left)" xargs -P "${EXECUTE_WORKERS:-4}" -I{} \
+      python3 scripts/execute_notebooks.py --timeout "${CELL_TIMEOUT:-150}" {} > "$rel_logs/execute.log" 2>&1
+    rc=$?; echo "execute=$rc" >> "$rel_logs/rc"
+    echo "== $tag execute: exit $rc" | tee -a "$LOG"; grep -E "^(executed|FAILED)" "$rel_logs/execute.log" | tee -a "$LOG"
+    local nb_workers=()
+    if python3 -c "import xdist" 2>/dev/null; then nb_workers=(-n "$(( n < ${NBVAL_WORKERS:-4} ? n : ${NBVAL_WORKERS:-4} ))" --dist loadscope); fi
+    # shellcheck disable=SC2086
+    timeout --kill-after=10 "$(left)" python3 -m pytest -v -p no:cacheprovider "${nb_workers[@]}" \
+      --junitxml="$rel_logs/nbval.xml" $PART_LESSONS --nbval --nbval-current-env \
+      --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout "${CELL_TIMEOUT:-150}" > "$rel_logs/nbval.log" 2>&1
+    rc=$?; echo "nbval=$rc" >> "$rel_logs/rc"
+    echo "== $tag nbval: exit $rc; $(tail -n 1 "$rel_logs/nbval.log")" | tee -a "$LOG"
+    grep -E "(FAILED|ERROR)( |$)" "$rel_logs/nbval.log" | tee -a "$LOG" | head -n 40
+  }
+  release_tests &
+  release_lessons &
+  wait
+  cp logs/failures.log "$rel_logs/" 2>/dev/null
+  while IFS= read -r line; do steps_rc+=("--step=$line"); done < <(cat "$rel_logs/rc" 2>/dev/null)
+  python3 scripts/status.py release-record "$gpu" "$release_part" --commit "$commit" --logs "$rel_logs" \
+    --seconds $(( SECONDS - release_started )) "${steps_rc[@]}" 2>&1 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  cp "results/status/$gpu.json" "$OUT/"
+  cp "$LOG" "$rel_logs/" 2>/dev/null
+  pack_release
+  echo "== release $release_part: collected into $OUT/$tag.tgz and $OUT/$gpu.json; overall status $status" | tee -a "$LOG"
+  exit $status
+fi
 if compgen -G "logs/*.xml" >/dev/null; then
   # the README's status (scripts/status.py --update-readme) is rendered from these counts, not typed
-  gpu=$(python3 -c "from wb_kernels.bench.decode import gpu_short_name; print(gpu_short_name())")
+  gpu=$(gpu_name)
   python3 scripts/status.py record "$gpu" logs/tests.xml logs/properties.xml logs/nbval.xml 2>&1 | tee -a "$LOG"
   pack
 fi

@@ -12,6 +12,15 @@ installed: the README's quick start quotes both for ``make test`` on a CPU-only 
 ``scripts/gpu_check.sh`` records its steps into ``results/status/<gpu>.json``; ``make test``'s run on a CPU-only
 machine is recorded as ``results/status/cpu.json`` (``make status-cpu``). ``tests/test_status.py`` fails when the
 README's block differs from what the committed files render.
+
+The release (``scripts/gpu_check.sh release K/N``): every GPU test, every property test and every lesson under nbval
+at one named commit, in N parts of one GPU call each. ``release-plan`` splits the test files and the lessons into
+the N parts by the seconds each took in the last release (their size where none was recorded); ``release-done``
+says whether a part already passed at the commit (the part is then skipped); ``release-record`` writes a part's
+counts, seconds and verdict into the ``release`` entry of ``results/status/<gpu>.json``. That entry names the commit
+and whether every part passed; runs recorded before the release path (partial suites at many commits) are kept under
+``history``. ``tests/test_status.py`` checks that after the release commit only lesson outputs, ``results/``,
+``figures/`` and the status files changed.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -45,7 +55,10 @@ def junit_counts(path: Path) -> dict:
 
 def _machine() -> dict:
     sys.path.insert(0, str(ROOT))
-    from wb_kernels.bench.results import environment  # the benchmark's record of GPU, versions and commit
+    try:  # the record of GPU, versions and commit that every results file carries
+        from wb_kernels.results_files import environment
+    except ImportError:
+        from wb_kernels.bench.results import environment
 
     env = environment()
     env["cpu_cores"] = os.cpu_count()
@@ -66,6 +79,11 @@ def record(name: str, junit_files, seconds=None, venv=None) -> Path:
         data["venv_mb"] = _folder_mb(Path(venv))
     STATUS_DIR.mkdir(parents=True, exist_ok=True)
     path = STATUS_DIR / f"{name}.json"
+    if path.exists() and "release" in json.loads(path.read_text()):
+        # a machine with a release entry: a run of some steps goes into its history, the release stays as it is
+        kept = json.loads(path.read_text())
+        kept.setdefault("history", []).append(data)
+        data = kept
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path
 
@@ -96,14 +114,55 @@ def _where(data: dict) -> str:
     return m.get("gpu") or f"a CPU-only machine ({m.get('cpu_cores')} cores)"
 
 
+def _total(suites) -> dict:
+    """The counts of several suites added up."""
+    total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    for counts in suites:
+        for key in total:
+            total[key] += counts.get(key, 0)
+    return total
+
+
+def release_summary(release: dict) -> str:
+    """One sentence for a release entry: its commit, whether every part passed, the counts of each suite."""
+    parts = release.get("parts", {})
+    total = int(release["parts_total"])
+    passed = sorted(name for name, part in parts.items() if part["status"] == "passed")
+    by_suite: dict = {}
+    for name in sorted(parts):
+        for suite, counts in parts[name].get("suites", {}).items():
+            by_suite.setdefault(suite, []).append(counts)
+    counts = "; ".join(f"{suite}: {_counts(_total(c))}" for suite, c in sorted(by_suite.items(), key=_suite_order))
+    if release.get("passed"):
+        verdict = f"every GPU test, property test and lesson passed ({total} parts)"
+    else:
+        missing = [f"{k}/{total}" for k in range(1, total + 1) if f"{k}/{total}" not in passed]
+        verdict = f"not yet passed: part{'s' if len(missing) > 1 else ''} {', '.join(missing)} " \
+                  f"{'have' if len(missing) > 1 else 'has'} not passed"
+    return f"release at commit `{release['commit']}`: {verdict}" + (f"; {counts}" if counts else "")
+
+
+def _suite_order(item):
+    return {"tests": 0, "properties": 1, "nbval": 2}.get(item[0], 3), item[0]
+
+
 def render(status_dir: Path = STATUS_DIR) -> str:
-    """The README's status block: one bullet per recorded run, newest first."""
+    """The README's status block: one bullet per machine, newest first; a machine with a release entry shows the
+    release (its commit, its verdict) and says how many earlier partial runs its history keeps."""
+    def newest(data):
+        release = data.get("release") or {}
+        return release.get("date") or data.get("date") or max((h["date"] for h in data.get("history", [])),
+                                                              default="")
+
     runs = sorted((json.loads(p.read_text()) for p in sorted(status_dir.glob("*.json"))),
-                  key=lambda d: (d["date"], d["name"]), reverse=True)
+                  key=lambda d: (newest(d), d["name"]), reverse=True)
     lines = [README_START,
              "Generated by `python scripts/status.py --update-readme` from `results/status/` (what was run, where, "
              "at which commit):", ""]
     for data in runs:
+        if "release" in data or "history" in data:
+            lines.append(_render_release_file(data))
+            continue
         m = data["machine"]
         suites = "; ".join(f"{_suite_label(suite)}: {_counts(c)}" for suite, c in data["suites"].items())
         head = f"- **{_where(data)}**, {data['date']}, commit `{m.get('git_commit')}` (torch {m.get('torch')})"
@@ -117,11 +176,221 @@ def render(status_dir: Path = STATUS_DIR) -> str:
     return "\n".join(lines)
 
 
+def _render_release_file(data: dict) -> str:
+    history = data.get("history", [])
+    earlier = ""
+    if history:
+        # a suite recorded by hand names its commit ("..._at_92857a2"); the others ran at their record's commit
+        commits = {(re.search(r"_at_([0-9a-f]{7,40})", suite) or [None, h["machine"].get("git_commit")])[1]
+                   for h in history for suite in h["suites"]}
+        suites = sum(len(h["suites"]) for h in history)
+        earlier = (f" Before the release path: {suites} partial suites recorded at {len(commits)} commit"
+                   f"{'s' if len(commits) > 1 else ''} (`results/status/{data['name']}.json`, \"history\").")
+    release = data.get("release")
+    if not release:
+        where = history[-1]["machine"].get("gpu") if history else data["name"]
+        return (f"- **{where}**: no release run recorded yet (`scripts/gpu_check.sh release 1/3`, then 2/3 "
+                f"and 3/3).{earlier}")
+    m = release["machine"]
+    seconds = sum(part.get("seconds", 0) for part in release.get("parts", {}).values())
+    return (f"- **{m.get('gpu')}**, {release['date']} (torch {m.get('torch')}, {seconds / 60:.0f} min in "
+            f"{len(release.get('parts', {}))} GPU calls), {release_summary(release)}.{earlier}")
+
+
 def update_readme(readme: Path = ROOT / "README.md", status_dir: Path = STATUS_DIR) -> Path:
     text = readme.read_text()
     start, end = text.index(README_START), text.index(README_END) + len(README_END)
     readme.write_text(text[:start] + render(status_dir) + text[end:])
     return readme
+
+
+# ---------------------------------------------------------------------------------------------------- the release
+# A part is named "K/N" (part K of N). Its record lives in the release entry of results/status/<gpu>.json, and a copy
+# in logs/release/<gpu>.json, which a GPU machine kept warm between calls still has when the tree sent to it lacks
+# the record of the part before.
+RELEASE_COPY = ROOT / "logs" / "release"
+# Seconds a unit is assumed to take when no release has recorded it: a test file by its lines, a lesson by its code
+# cells, the property suite as a share of all the test files. Only the balance between parts depends on them.
+SECONDS_PER_TEST_LINE = 0.05
+SECONDS_PER_CODE_CELL = 3.0
+PROPERTIES_SHARE = 0.3
+
+
+def gpu_short_name() -> str:
+    """h100, h200, a100, b200 (or gpu): the GPU's name in the status file's name, as results files use it."""
+    if os.environ.get("WB_GPU_NAME"):  # a dry run of the release's bookkeeping on a machine without a GPU
+        return os.environ["WB_GPU_NAME"]
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    return next((g for g in ("H100", "H200", "A100", "B200") if g in name), "gpu").lower()
+
+
+def parse_part(part: str):
+    """"2/3" -> (2, 3); a ValueError for anything else."""
+    try:
+        k, n = (int(x) for x in part.split("/"))
+    except ValueError:
+        raise ValueError(f"a release part is K/N (part K of N, e.g. 1/3), got {part!r}") from None
+    if not 1 <= k <= n:
+        raise ValueError(f"a release part is K/N with 1 <= K <= N, got {part!r}")
+    return k, n
+
+
+def load_status(gpu: str) -> dict:
+    """The machine's status file merged with the warm machine's copy (the parts either of them recorded)."""
+    path = STATUS_DIR / f"{gpu}.json"
+    data = json.loads(path.read_text()) if path.exists() else {"name": gpu, "release": None, "history": []}
+    if "release" not in data and "suites" in data:  # a file from before the release path: all of it is history
+        data = {"name": gpu, "release": None, "history": [data]}
+    copy = RELEASE_COPY / f"{gpu}.json"
+    if copy.exists():
+        kept = json.loads(copy.read_text()).get("release")
+        release = data.get("release")
+        if kept and release and kept["commit"] == release["commit"]:
+            for name, part in kept.get("parts", {}).items():
+                mine = release.setdefault("parts", {}).get(name)
+                if mine is None or part["date"] > mine["date"]:
+                    release["parts"][name] = part
+            for n, plan in kept.get("plans", {}).items():
+                release.setdefault("plans", {}).setdefault(n, plan)
+        elif kept and (not release or (kept.get("date", "") > release.get("date", ""))):
+            data["release"] = kept
+    return data
+
+
+def _test_files() -> list:
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if p.name != "test_properties.py")
+
+
+def _lessons() -> list:
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "notebooks").glob("*.ipynb"))
+
+
+def _code_cells(path: str) -> int:
+    cells = json.loads((ROOT / path).read_text()).get("cells", [])
+    return sum(cell.get("cell_type") == "code" for cell in cells)
+
+
+def _balanced(items: dict, parts: int) -> list:
+    """Items {name: seconds} into `parts` lists of about equal seconds (the longest first into the lightest)."""
+    bins = [[0.0, []] for _ in range(parts)]
+    for name, seconds in sorted(items.items(), key=lambda item: (-item[1], item[0])):
+        lightest = min(range(parts), key=lambda b: (bins[b][0], b))
+        bins[lightest][0] += seconds
+        bins[lightest][1].append(name)
+    return [(round(total), sorted(names)) for total, names in bins]
+
+
+def release_plan(parts: int, timings: dict | None = None) -> dict:
+    """{"K/N": {"tests": [files; "properties" for the property suite], "lessons": [notebooks], "estimate_s": {...}}}.
+
+    `timings`: seconds per test file, per lesson and for "properties" from an earlier release; units it lacks are
+    estimated from their size. Tests and lessons run side by side in a part, so each is balanced on its own."""
+    timings = timings or {}
+    tests = {f: timings.get(f, SECONDS_PER_TEST_LINE * len((ROOT / f).read_text().splitlines())) for f in _test_files()}
+    tests["properties"] = timings.get("properties", PROPERTIES_SHARE * sum(tests.values()))
+    lessons = {nb: timings.get(nb, SECONDS_PER_CODE_CELL * _code_cells(nb)) for nb in _lessons()}
+    plan = {}
+    for k, ((t_s, t_names), (l_s, l_names)) in enumerate(zip(_balanced(tests, parts), _balanced(lessons, parts)), 1):
+        plan[f"{k}/{parts}"] = {"tests": t_names, "lessons": l_names, "estimate_s": {"tests": t_s, "lessons": l_s}}
+    return plan
+
+
+def plan_for(gpu: str, part: str, commit: str) -> dict:
+    """The plan of `part` at `commit`: the one recorded when the release at this commit began (so every part of it
+    splits the same way), else a new one from the timings of the last release before it."""
+    k, n = parse_part(part)
+    release = load_status(gpu).get("release") or {}
+    if release.get("commit") == commit:
+        if str(n) in release.get("plans", {}):
+            return release["plans"][str(n)][part]
+        return release_plan(n, release.get("base_timings"))[part]
+    return release_plan(n, release.get("timings"))[part]
+
+
+def release_done(gpu: str, part: str, commit: str) -> bool:
+    release = load_status(gpu).get("release") or {}
+    return release.get("commit") == commit and release.get("parts", {}).get(part, {}).get("status") == "passed"
+
+
+def _junit_file_seconds(path: Path) -> dict:
+    """Seconds per test file (summed over its tests, whichever worker ran them) from a JUnit XML file."""
+    seconds: dict = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        module = case.get("classname", "").split(".")
+        names = [".".join(module[:i]) for i in range(len(module), 0, -1)]
+        for name in names:
+            if (ROOT / (name.replace(".", "/") + ".py")).exists():
+                key = name.replace(".", "/") + ".py"
+                seconds[key] = seconds.get(key, 0.0) + float(case.get("time", 0) or 0)
+                break
+    return seconds
+
+
+def release_record(gpu: str, part: str, commit: str, *, logs: Path, step_rcs: dict, seconds: float) -> Path:
+    """Write part `part`'s result into the release entry of results/status/<gpu>.json (and the warm machine's copy).
+
+    `logs`: the part's folder (tests.xml, properties.xml, nbval.xml, execute.log); `step_rcs`: each step's exit
+    status (124 or 137: stopped by the part's time limit). The part passed when every step exited 0 and no suite
+    counts a failure or an error."""
+    k, n = parse_part(part)
+    data = load_status(gpu)
+    release = data.get("release") or {}
+    if release.get("commit") != commit:  # a new release: the last one's timings balance this one's parts
+        if release:
+            data.setdefault("history", []).append({"date": release["date"], "machine": release["machine"],
+                                                   "suites": {f"release_at_{release['commit']}_{name}_{suite}": c
+                                                              for name, p in release.get("parts", {}).items()
+                                                              for suite, c in p.get("suites", {}).items()}})
+        release = {"commit": commit, "parts_total": n, "passed": False, "base_timings": release.get("timings", {}),
+                   "timings": dict(release.get("timings", {})), "plans": {}, "parts": {}}
+    release.setdefault("plans", {}).setdefault(str(n), release_plan(n, release.get("base_timings")))
+    suites = {suite: junit_counts(logs / f"{suite}.xml") for suite in ("tests", "properties", "nbval")
+              if (logs / f"{suite}.xml").exists()}
+    timings = release.setdefault("timings", {})
+    if (logs / "tests.xml").exists():
+        timings.update({f: round(s, 1) for f, s in _junit_file_seconds(logs / "tests.xml").items()})
+    if "properties" in step_rcs and "properties_seconds" in step_rcs:
+        timings["properties"] = step_rcs.pop("properties_seconds")
+    if (logs / "execute.log").exists():
+        for line in (logs / "execute.log").read_text().splitlines():
+            if line.startswith("executed ") and line.endswith(" s"):
+                name, took = line[len("executed "):-2].rsplit(" in ", 1)
+                timings[f"notebooks/{name}"] = round(2 * float(took), 1)  # executed, then again under nbval
+    stopped = [step for step, rc in step_rcs.items() if rc in (124, 137)]
+    failed = [step for step, rc in step_rcs.items() if rc not in (0, 124, 137)]
+    bad_counts = [suite for suite, c in suites.items() if c["failed"] or c["errors"]]
+    status = "passed" if not (stopped or failed or bad_counts) else ("stopped" if stopped and not (failed or bad_counts)
+                                                                      else "failed")
+    record_ = {"status": status, "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               "seconds": round(seconds), "steps": step_rcs, "suites": suites}
+    if stopped:
+        record_["stopped_by_the_time_limit"] = stopped
+    release["parts"][part] = record_
+    try:
+        machine = _machine()
+    except Exception as error:  # the part's verdict is recorded all the same, with what can be known
+        machine = {"gpu": None, "cpu_cores": os.cpu_count(), "machine_error": f"{type(error).__name__}: {error}"}
+    machine["git_commit"] = commit
+    release.update(date=_dt.date.today().isoformat(), machine=machine, parts_total=n)
+    release["passed"] = all(release["parts"].get(f"{i}/{n}", {}).get("status") == "passed" for i in range(1, n + 1))
+    data["release"] = release
+    data["name"] = gpu
+    for key in ("date", "machine", "suites"):  # the pre-release layout's keys live under history now
+        data.pop(key, None)
+    text = json.dumps(data, indent=1) + "\n"
+    STATUS_DIR.mkdir(parents=True, exist_ok=True)
+    (STATUS_DIR / f"{gpu}.json").write_text(text)
+    RELEASE_COPY.mkdir(parents=True, exist_ok=True)
+    (RELEASE_COPY / f"{gpu}.json").write_text(text)
+    return STATUS_DIR / f"{gpu}.json"
+
+
+def _shell_words(words) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def main(argv=None) -> int:
@@ -133,10 +402,56 @@ def main(argv=None) -> int:
     rec.add_argument("junit", nargs="+")
     rec.add_argument("--seconds", type=float)
     rec.add_argument("--venv")
+    sub.add_parser("gpu", help="print the GPU's short name (h100, h200, ...)")
+    plan = sub.add_parser("release-plan", help="what each part of a release runs (default: every part of 3)")
+    plan.add_argument("part", nargs="?", default="3", help="K/N for one part (with --shell), or N for all N parts")
+    plan.add_argument("--gpu", default="h100")
+    plan.add_argument("--commit", default=None, help="the release commit (default: git's HEAD)")
+    plan.add_argument("--shell", action="store_true", help="one part's files as shell variables, for gpu_check.sh")
+    done = sub.add_parser("release-done", help="exit 0 when the part already passed at the commit")
+    done.add_argument("gpu")
+    done.add_argument("part")
+    done.add_argument("--commit", required=True)
+    rrec = sub.add_parser("release-record", help="record a release part's result")
+    rrec.add_argument("gpu")
+    rrec.add_argument("part")
+    rrec.add_argument("--commit", required=True)
+    rrec.add_argument("--logs", required=True, type=Path)
+    rrec.add_argument("--seconds", type=float, required=True)
+    rrec.add_argument("--step", action="append", default=[], help="NAME=EXIT_STATUS of a step the part ran")
     args = parser.parse_args(argv)
     if args.command == "record":
         present = [f for f in args.junit if Path(f).exists()]
         print(f"recorded {record(args.name, present, args.seconds, args.venv)}")
+    elif args.command == "gpu":
+        print(gpu_short_name())
+    elif args.command == "release-plan":
+        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                               text=True).stdout.strip()
+        if args.shell:
+            part = plan_for(args.gpu, args.part, commit)
+            tests = [t for t in part["tests"] if t != "properties"]
+            print(f"PART_TESTS={_shell_words([_shell_words(tests)])}")
+            print(f"PART_PROPERTIES={int('properties' in part['tests'])}")
+            print(f"PART_LESSONS={_shell_words([_shell_words(part['lessons'])])}")
+        else:
+            n = parse_part(args.part)[1] if "/" in args.part else int(args.part)
+            for k in range(1, n + 1):
+                part = plan_for(args.gpu, f"{k}/{n}", commit)
+                est = part["estimate_s"]
+                print(f"part {k}/{n} (estimated: tests {est['tests']} s of test time beside lessons "
+                      f"{est['lessons']} s):\n  tests: {' '.join(part['tests'])}\n  lessons: {' '.join(part['lessons'])}")
+    elif args.command == "release-done":
+        return 0 if release_done(args.gpu, args.part, args.commit) else 1
+    elif args.command == "release-record":
+        steps = {}
+        for item in args.step:
+            name, rc = item.split("=", 1)
+            steps[name] = float(rc) if name.endswith("_seconds") else int(rc)
+        path = release_record(args.gpu, args.part, args.commit, logs=args.logs, step_rcs=steps, seconds=args.seconds)
+        part = json.loads(path.read_text())["release"]["parts"][args.part]
+        print(f"release {args.part} at {args.commit}: {part['status']}; recorded in {path}")
+        return 0 if part["status"] == "passed" else 1
     if args.update_readme:
         print(f"updated {update_readme()}")
     if not args.update_readme and args.command is None:
