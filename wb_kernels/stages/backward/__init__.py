@@ -11,6 +11,7 @@ from ...reference import reference_backward
 from .. import Backward
 from .cuda_cores import flash_gradients
 from .launcher import mma_gradients
+from .versions import VERSIONS  # noqa: F401  (its kept versions by name: versions.py, NOTES.md)
 
 
 def _reference_gradients(q, k, v, out, lse, dout, *, causal=False, key_padding_mask=None, scale=None):

@@ -15,5 +15,6 @@ Lesson: ``notebooks/04_flash.ipynb``; tests: ``tests/test_flash.py``.
 
 from . import one_row_per_thread  # noqa: F401  (registers its kernels, so CI compiles them)
 from .kernel import STAGE
+from .versions import VERSIONS  # noqa: F401  (its kept versions by name: versions.py, NOTES.md)
 
 __all__ = ["STAGE"]

@@ -19,5 +19,6 @@ Lesson: ``notebooks/06_mma.ipynb``; tests: ``tests/test_mma.py``.
 """
 
 from .launcher import STAGE
+from .versions import VERSIONS  # noqa: F401  (its kept versions by name: versions.py, NOTES.md)
 
 __all__ = ["STAGE"]

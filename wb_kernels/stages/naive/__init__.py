@@ -10,5 +10,6 @@ Lesson: ``notebooks/02_naive.ipynb``; tests: ``tests/test_naive.py``.
 """
 
 from .kernel import STAGE
+from .versions import VERSIONS  # noqa: F401  (its kept versions by name: versions.py, NOTES.md)
 
 __all__ = ["STAGE"]

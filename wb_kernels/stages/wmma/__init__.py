@@ -18,5 +18,6 @@ Lesson: ``notebooks/05_wmma.ipynb``; tests: ``tests/test_wmma.py``.
 """
 
 from .launcher import STAGE
+from .versions import VERSIONS  # noqa: F401  (its kept versions by name: versions.py, NOTES.md)
 
 __all__ = ["STAGE"]
