@@ -11,7 +11,9 @@ file the learner opens on purpose. The lesson ships the answers unanswered (``an
 
 A coding puzzle (a kernel stub to complete, or a bug to find) is graded by :func:`check_puzzle` with
 ``wb.check``: the learner's kernel runs (on the simulator when there is no GPU) and its output is held to the
-float64 reference. A stub left as shipped prints "not solved yet", not an error.
+float64 reference. A stub left as shipped prints "not solved yet", not an error. Every grader is wrapped in
+:func:`hands_copies`: the learner's function gets copies of the grader's arrays, never the arrays the grader goes
+on to read (a step that overwrote its inputs could otherwise move the reference to its own wrong answer).
 
 ``tests/test_exercises.py`` holds every rung's solutions to its checks, and checks that the committed lessons
 ship every exercise unanswered.
@@ -19,13 +21,18 @@ ship every exercise unanswered.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-__all__ = ["Exercise", "Puzzle", "THREE_FIGURES", "grade", "check_answers", "check_puzzle", "puzzle_verdict"]
+import numpy as np
+
+__all__ = ["Exercise", "Puzzle", "THREE_FIGURES", "grade", "check_answers", "check_puzzle", "hands_copies",
+           "merged_lse_allowance", "on_copies", "puzzle_verdict"]
 
 # A numeric answer rounded to three significant figures is within half a unit of the third figure: at most 0.5 %
 # from the exact value (1.005 -> 1.00). The default tolerance accepts exactly that much, and no more.
@@ -61,6 +68,61 @@ class Puzzle:
     check: Callable[[object], None]
     solution: str  # the name of the worked answer in the rung's solutions.py
     wrong: Mapping[str, Callable[[], object]]
+    # the package's functions ("module:function") whose code is the puzzle's complete answer too (the solution is
+    # one): the lesson shows none of them before the puzzle cell (tests/test_exercises.py checks it)
+    answers: tuple = ()
+
+
+def _copied(value):
+    """A copy of an array (NumPy or torch), and of the arrays inside a tuple, list or dict; anything else as is."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if type(value).__module__.startswith("torch") and callable(getattr(value, "clone", None)):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(x) for x in value)
+    if isinstance(value, dict):
+        return {key: _copied(x) for key, x in value.items()}
+    return value
+
+
+def on_copies(answer):
+    """The learner's Python function, called with copies of its array arguments (a kernel, a string or any other
+    answer is returned as it is): whatever it writes into its inputs stays with it."""
+    if not (inspect.isfunction(answer) or isinstance(answer, functools.partial)):
+        return answer
+
+    @functools.wraps(answer)
+    def called_on_copies(*args, **kwargs):
+        return answer(*_copied(args), **_copied(kwargs))
+
+    return called_on_copies
+
+
+def hands_copies(grader):
+    """Wrap a puzzle's grader (``grader(answer, ...)``) so that the learner's answer is called through
+    :func:`on_copies`. Every rung's grader is wrapped; ``tests/test_exercises.py`` checks that each is."""
+
+    @functools.wraps(grader)
+    def grade_on_copies(answer, *args, **kwargs):
+        return grader(on_copies(answer), *args, **kwargs)
+
+    grade_on_copies.hands_copies = True
+    return grade_on_copies
+
+
+def merged_lse_allowance(lse_ref, v, merges: int) -> float:
+    """What a correct merge may be off by in its output when it weighs each part by ``exp(lse_part - lse)`` with the
+    merged ``lse`` itself (the formula lessons 07 and 10 teach): that lse is rounded to about ``|lse| * eps``, an
+    error each of the `merges` merges carries into its weights, and so into an output of size up to ``max |v|``. At
+    LSEs near two thousand that is ~1e-13 in float64, far above the 2x rule's tolerance for the other formula
+    (weights from the larger part's lse, divided by their sum), and far below any of the wrong merges' errors."""
+    finite = np.abs(np.asarray(lse_ref, dtype=np.float64))
+    finite = finite[np.isfinite(finite)]
+    if not finite.size:
+        return 0.0
+    largest_v = float(np.abs(np.asarray(v, dtype=np.float64)).max(initial=0.0))
+    return 2.0 * merges * float(finite.max()) * float(np.finfo(np.float64).eps) * largest_v
 
 
 def _unanswered(given) -> bool:

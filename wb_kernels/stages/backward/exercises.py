@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ...exercises import Exercise, Puzzle, check_answers, check_puzzle
+from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies
 from .blockwise import blockwise_backward, recompute_probs
 from .launcher import DEFAULT_VARIANT
 from .slider import flop_ratio, mma_per_tile, saved_bytes
@@ -102,6 +102,7 @@ def _puzzle_result(step):
                               **options)
 
 
+@hands_copies
 def check_tile_step_puzzle(step) -> None:
     """Run the blockwise backward (:func:`~.blockwise.blockwise_backward`, tiles of 8 x 8) with the learner's
     ``step`` in place of ``backward_tile_step`` on :func:`puzzle_problem` and hold dq, dk, dv to the float64
@@ -143,6 +144,13 @@ def _softmax_of_the_tile(scores, lse, allowed):  # the tile's own softmax: right
     return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
 
 
+def _overwrites_its_inputs():  # zeroes dO, then returns no share: were dO the grader's own array, every reference
+    def step(q, k, v, dout, lse, delta, allowed, scale):  # gradient would be 0 too, and "match"
+        dout[...] = 0.0
+        return np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    return step
+
+
 def _the_stub():  # as the lesson ships it: no share of any gradient
     return lambda q, k, v, dout, lse, delta, allowed, scale: (np.zeros_like(q), np.zeros_like(k), np.zeros_like(v))
 
@@ -152,6 +160,7 @@ PUZZLE = Puzzle(
     solution="backward_tile_step",
     wrong={
         "the stub as shipped": _the_stub,
+        "dO overwritten with zeros, no share returned (the inputs are the grader's?)": _overwrites_its_inputs,
         "D forgotten: dS = P * dP": lambda: _step(delta=lambda p, dp, d: 0.0),
         "D from the tile's own P and dP": lambda: _step(delta=lambda p, dp, d: (p * dp).sum(-1, keepdims=True)),
         "D along the keys instead of the rows": lambda: _step(delta=lambda p, dp, d: d[:, None, :]),

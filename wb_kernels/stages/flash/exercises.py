@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from ...check import CheckResult
-from ...exercises import Exercise, Puzzle, check_answers, check_puzzle
+from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies
 from .kernel import STAGE
 from .online_softmax import blockwise_attention
 from .slider import causal_work
@@ -88,6 +88,7 @@ def _puzzle_result(step) -> CheckResult:
                     key_padding_mask=keep[None], verbose=False, raise_on_failure=False)
 
 
+@hands_copies
 def check_online_softmax_puzzle(step) -> None:
     """Run FlashAttention's loop in NumPy (:func:`blockwise_attention`) with the learner's ``step`` in place of
     ``online_softmax_step`` on :func:`puzzle_problem` (keys in blocks of 8, causal, the first block masked) and hold

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...exercises import Exercise, Puzzle, check_answers, check_puzzle
+from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies
 from . import swizzle, warp_model
 
 __all__ = ["EXERCISES", "PUZZLE", "check", "check_fragment_softmax_puzzle", "puzzle_inputs", "softmax_step"]
@@ -108,6 +108,7 @@ def puzzle_inputs():
     return q, k, v, keep
 
 
+@hands_copies
 def check_fragment_softmax_puzzle(step) -> None:
     """Run the register-level model of the kernel (``warp_model.forward``) with the learner's `step` in place of
     ``fragment_softmax_step`` and check its output and LSE against the float64 reference. Prints one line."""

@@ -15,7 +15,7 @@ import numpy as np
 
 from ... import device
 from ...backend import BACKEND
-from ...exercises import Exercise, Puzzle, check_answers, check_puzzle
+from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies
 from .kernel import global_memory_traffic, grid_shapes, naive_forward, scores_kernel, weighted_sum_kernel, workspace_bytes
 
 __all__ = ["EXERCISES", "PUZZLE", "check", "check_scaled_softmax_puzzle", "puzzle_problems"]
@@ -132,6 +132,7 @@ def puzzle_problems():
     return [large, ordinary]
 
 
+@hands_copies
 def check_scaled_softmax_puzzle(scaled_softmax_kernel) -> None:
     """Run the three-kernel attention with the learner's softmax kernel in the middle (``scores_kernel`` launched
     with scale 1, the learner's kernel given the scale) and hold the output and LSE to the float64 reference."""

@@ -13,7 +13,7 @@ from functools import partial
 
 import numpy as np
 
-from ...exercises import Exercise, Puzzle, check_answers
+from ...exercises import Exercise, Puzzle, check_answers, hands_copies
 from .slider import attention_probabilities, materialized_bytes
 
 __all__ = ["EXERCISES", "PUZZLE", "check", "check_attention_puzzle", "puzzle_problems"]
@@ -70,6 +70,7 @@ def puzzle_problems():
     return problems
 
 
+@hands_copies
 def check_attention_puzzle(my_attention) -> None:
     """Run the learner's ``my_attention(q, k, v, key_padding_mask)`` on the puzzle's problems and hold each output
     to the float64 reference (``causal="bottom_right"``) with ``wb.check``'s rule, in float32. Prints one line."""
@@ -109,6 +110,11 @@ def _attention(q, k, v, key_padding_mask, *, alignment="bottom_right", subtract_
     return np.einsum("bhqk,bhkd->bhqd", probs, v)
 
 
+def _overwrites_v(q, k, v, key_padding_mask):  # zeroes v, returns zeros: were v the grader's own array, the
+    v[...] = 0.0                                 # reference would be zeros too, and "match"
+    return np.zeros(q.shape)
+
+
 PUZZLE = Puzzle(
     check=check_attention_puzzle,
     solution="my_attention",
@@ -121,5 +127,6 @@ PUZZLE = Puzzle(
         "ignores the key padding": lambda: partial(_attention, padding=False),
         "off by one: j < i + Lk - Lq": lambda: partial(_attention, offset_shift=-1),
         "the stub as shipped (zeros)": lambda: lambda q, k, v, key_padding_mask: np.zeros(q.shape),
+        "v overwritten with zeros, zeros returned (the inputs are the grader's?)": lambda: _overwrites_v,
     },
 )

@@ -11,7 +11,7 @@ import re
 from types import SimpleNamespace
 
 from ...backend import BACKEND
-from ...exercises import Exercise, Puzzle, check_answers, check_puzzle
+from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies
 from .kernel import make_block_softmax_kernel, make_tiled_weighted_sum_kernel, shared_bytes_per_block, tiled_forward
 
 __all__ = ["EXERCISES", "PUZZLE", "RACES", "check", "check_scores_puzzle"]
@@ -46,6 +46,7 @@ def check(answer_1, answer_2, answer_3) -> None:
 _GPU_TILE, _GPU_LAUNCHES, _GPU_PROBLEM = 32, 8, (2, 4, 300, 290, 128)  # (B, H, Lq, Lk, D)
 
 
+@hands_copies
 def check_scores_puzzle(make_scores_kernel, tile: int = 8) -> None:
     """Run tiled attention with the learner's scores kernel (``make_scores_kernel(tile)``) and our softmax and
     weighted sum, on a problem of several tiles with both masks, and check it against the float64 reference. On a

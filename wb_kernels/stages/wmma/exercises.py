@@ -15,7 +15,7 @@ import numpy as np
 
 from ...backend import BACKEND
 from ...cuda_build import CudaBuildError
-from ...exercises import Exercise, Puzzle, check_answers
+from ...exercises import Exercise, Puzzle, check_answers, hands_copies
 from . import build, tile
 from .fragment_model import ulp
 
@@ -67,6 +67,7 @@ def _what_it_computed(c, a, b) -> str:
     return "C is not A B^T: check which matrix each load names, its layout and its leading dimension"
 
 
+@hands_copies
 def check_tile_puzzle(kernel: str) -> None:
     """Grade the learner's ``wmma_tile_kernel`` (C++ text), which must compute C = A B^T (A, B row-major 16 x 16 fp16,
     C row-major fp32): nvcc must compile it to tensor-core (HMMA) instructions, and run on the CPU against the WMMA
