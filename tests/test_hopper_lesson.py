@@ -178,3 +178,36 @@ def test_every_attention_region_is_shown_once_in_the_files_order():
         assert shown.index(primitive) < shown.index(user)
     ring = [name for name, module, _ in notebook_regions(LESSON) if module.endswith("barrier_ring.py")]
     assert ring == ["mbarrier_model", "ring_loops", "named_barrier_model", "ws_loops"]
+
+
+def _all_cells():
+    return [(c["cell_type"], "".join(c["source"])) for c in json.loads(LESSON.read_text())["cells"]]
+
+
+def test_the_prose_about_flash_ws_kernel_names_every_version_it_runs():
+    """flash_ws_kernel runs the versions its static_assert allows (v2 to v4): a paragraph about that kernel that
+    names only some of them (it once said "v2 and v3") tells the learner v4 is another kernel."""
+    import re
+
+    cells = _all_cells()
+    bounds = {m.groups() for kind, text in cells if kind == "code"
+              for m in re.finditer(r"static_assert\(VERSION >= (\d) && VERSION <= (\d)", text)}
+    assert len(bounds) == 1, bounds
+    low, high = map(int, bounds.pop())
+    versions = [f"v{n}" for n in range(low, high + 1)]
+    paragraphs = [p for kind, text in cells if kind == "markdown" for p in text.split("\n\n")
+                  if "`flash_ws_kernel" in p or p.startswith("### One kernel for")]
+    assert paragraphs
+    missing = {p[:80]: [v for v in versions if not re.search(rf"\b{v}\b", p)] for p in paragraphs}
+    assert not any(missing.values()), missing
+
+
+def test_a_register_past_168_is_claimed_only_beside_a_cell_that_asserts_it():
+    """The lesson once said the consumers reach "past 168" where its own output showed v2's highest register below
+    168: prose that says "past 168" must sit next to a code cell asserting a register number > 168."""
+    cells = _all_cells()
+    for index, (kind, text) in enumerate(cells):
+        if kind == "markdown" and "past 168" in text:
+            neighbours = [cells[i][1] for i in (index - 1, index + 1) if 0 <= i < len(cells) and cells[i][0] == "code"]
+            assert any("> 168" in line for code in neighbours for line in code.splitlines()
+                       if line.lstrip().startswith("assert")), text[:120]
