@@ -7,8 +7,9 @@ import torch
 answer_1 = 16 / 31
 # n = (Hk x 2 bytes) / (2 H x 1/2) x FLOP/s / bytes/s = (8 x 2) / (2 x 32 x 0.5) x 600e12 / 64e9 = 0.5 x 9375.
 answer_2 = (8 * 2) / (2 * 32 * 0.5) * 600e12 / 64e9
-# Rank 2 of 8 holds query chunks 2 and 13 of 16: chunk 2 skips key chunks 3..15 (13), chunk 13 skips 14 and 15 (2).
-answer_3 = 13 + 2
+# Rank 2 of 8 holds query chunks 2 and 13 of 16 (zigzag: r and 2W - 1 - r). The later, chunk 13, sees key chunks
+# 0..12 in full, its own (13) by half, and skips 14 and 15.
+answer_3 = 13
 # Ring: 7 blocks x 2 x Hk = 112 head-blocks; Ulysses: (2 x 32 + 2 x 8) x 7/8 = 70 head-blocks (of L/W tokens, D wide).
 answer_4 = (7 * 2 * 8) / ((2 * 32 + 2 * 8) * 7 / 8)
 
