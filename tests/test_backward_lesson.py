@@ -187,3 +187,31 @@ def test_an_edited_backward_piece_is_what_the_launcher_runs(monkeypatch, capsys)
         region_cells.reset()
     with pytest.raises(KeyError, match="not a piece"):
         region_cells.record_piece(NUMBA_FILE, "backward_launch", "")
+
+
+def _lesson_cells():
+    import json
+
+    lesson = Path(__file__).resolve().parent.parent / "notebooks" / "08_backward.ipynb"
+    return [(c["cell_type"], "".join(c["source"])) for c in json.loads(lesson.read_text())["cells"]]
+
+
+def test_the_determinism_prose_names_the_cell_that_prints_it():
+    """'Two runs may differ in the last bits' points at the cell that prints whether they did: the check cell, which
+    comes before the timing cell (it once said "the cell above", the timings), and claims no gain the timings may
+    not show."""
+    cells = _lesson_cells()
+    prose = next(i for i, (kind, text) in enumerate(cells) if text.startswith("**Determinism against speed.**"))
+    code_above = [text for kind, text in cells[:prose] if kind == "code"]
+    timings, check = code_above[-1], code_above[-2]
+    assert "time_call" in timings and "same bits twice" in check and "same bits twice" not in timings
+    text = cells[prose][1]
+    assert "check cell before the timings" in " ".join(text.split()) and "cell above prints" not in text
+    assert "shows v2 gains" not in " ".join(text.split())
+
+
+def test_the_puzzle_comes_before_the_packages_tile_step():
+    cells = _lesson_cells()
+    puzzle = next(i for i, (kind, text) in enumerate(cells) if "check_tile_step_puzzle(my_backward_tile_step)" in text)
+    region = next(i for i, (kind, text) in enumerate(cells) if text.startswith("# region: backward_tile_step"))
+    assert puzzle < region
