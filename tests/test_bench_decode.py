@@ -481,15 +481,17 @@ def test_decode_figure_draws_the_bar_shapes(tmp_path):
 def test_committed_results_leave_decode_files_out(tmp_path, monkeypatch):
     """The ladder's README table, the dashboard and lesson 03 read the newest file under results/bench/: a decode
     file there must not become it."""
-    monkeypatch.setattr(results_file, "REPO_ROOT", tmp_path)
+    from wb_kernels import results_files  # where the newest committed file is looked for
+
+    monkeypatch.setattr(results_files, "REPO_ROOT", tmp_path)
     decode_file = {**_gpu_results(), "environment": {"backend": "gpu", "date": "2026-12-01"}}
     ladder = {"records": [], "environment": {"backend": "gpu", "date": "2026-11-01"}}
     bench.save_results(decode_file, tmp_path / "results" / "bench" / "b.json")
     bench.save_results(ladder, tmp_path / "results" / "bench" / "a.json")
-    assert results_file.committed_results("gpu").name == "a.json"
-    assert results_file.committed_decode_results() is None
+    assert results_files.committed_results("gpu").name == "a.json"
+    assert results_files.committed_decode_results() is None
     bench.save_results(decode_file, tmp_path / "results" / "decode" / "bench_h100.json")
-    assert results_file.committed_decode_results().name == "bench_h100.json"
+    assert results_files.committed_decode_results().name == "bench_h100.json"
 
 
 def test_decode_bar_lines_judge_each_bar_shape_as_its_record_says():

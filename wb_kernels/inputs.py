@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["random_qkv", "random_padding_mask", "DTYPES"]
+__all__ = ["random_qkv", "random_padding_mask", "paged_copy", "DTYPES"]
 
 # the dtypes of the package's inputs: what random_qkv makes and what wb.check measures errors in
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -80,3 +80,18 @@ def random_padding_mask(B: int, Lk: int, *, keep_fraction: float = 0.7, seed: in
 
         return torch.from_numpy(mask).to(device or "cpu")
     return mask
+
+
+def paged_copy(cache, block_table, page_size: int):
+    """The pool (num_pages, Hk, page_size, D) that holds `cache` (B, Hk, Lk, D) where `block_table` (B, Lk // page_size)
+    says: key t of sequence b at page block_table[b, t // page_size], slot t % page_size. Built one sequence at a time,
+    so that the only memory beyond the pool is one sequence's pages (torch tensors; the decode benchmark's paged rows
+    and the decode rung's tuning script)."""
+    import torch
+
+    B, Hk, Lk, D = cache.shape
+    pages = Lk // page_size
+    pool = torch.empty((B * pages, Hk, page_size, D), dtype=cache.dtype, device=cache.device)
+    for b in range(B):
+        pool.index_copy_(0, block_table[b].long(), cache[b].view(Hk, pages, page_size, D).transpose(0, 1))
+    return pool

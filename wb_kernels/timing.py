@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, fields
 
 from .backend import BACKEND
 
-__all__ = ["Timing", "MemoryUse", "TimingMethod", "DEVICE_TIME", "EVENTS_AROUND_CALL", "time_call", "peak_memory",
-           "synchronize", "on_gpu"]
+__all__ = ["Timing", "MemoryUse", "TimingMethod", "DEVICE_TIME", "EVENTS_AROUND_CALL", "L2Flusher", "time_call",
+           "peak_memory", "free_device_memory", "synchronize", "on_gpu"]
 
 
 def on_gpu() -> bool:
@@ -43,6 +43,18 @@ def synchronize() -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+def free_device_memory() -> None:
+    """Collect Python's garbage and, on a GPU, give PyTorch's cached blocks back: between measurements, so that one
+    problem's buffers do not count against the next one's memory."""
+    import gc
+
+    gc.collect()
+    if on_gpu():
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,7 @@ class Timing:
 FLUSH_MODES = ("read", "write")
 
 
-class _L2Flusher:
+class L2Flusher:
     """Streams a buffer twice the size of the L2 cache through it, evicting whatever the last call left.
 
     mode "write" zeroes it, as most harnesses do (Triton's do_bench, NVBench's cold measurements): the cache is then
@@ -207,7 +219,7 @@ def time_call(fn, *args, warmup: int = 3, repeats: int = 20, flush_l2: bool = Fa
 
     `device`: "cuda" (CUDA events), "cpu" (a host clock), or "auto": cuda when kernels run on a GPU.
     On a GPU: `flush_l2` evicts the L2 cache before each timed call, by reading (`flush_mode` "read": a clean cache)
-    or overwriting ("write": a dirty one, see :class:`_L2Flusher`); `hold_us` > 0 first queues a sleeping kernel of
+    or overwriting ("write": a dirty one, see :class:`L2Flusher`); `hold_us` > 0 first queues a sleeping kernel of
     that length (:func:`hold_device`), so that the events time what the GPU does for the call, without the host's
     time to launch it. Without it, a call whose host work outlasts the flush (a Python wrapper, several launches) is
     charged for the GPU's wait; the host's per-call cost is then for a wall-clock measurement of back-to-back calls.
@@ -222,7 +234,7 @@ def time_call(fn, *args, warmup: int = 3, repeats: int = 20, flush_l2: bool = Fa
     if device == "cuda" or (device == "auto" and on_gpu()):
         import torch
 
-        flush = _L2Flusher(flush_mode) if flush_l2 else None
+        flush = L2Flusher(flush_mode) if flush_l2 else None
         torch.cuda.synchronize()
         for _ in range(repeats):
             hold_device(hold_us)

@@ -18,9 +18,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
-__all__ = ["Tunable", "main", "TOKENS", "HEADS"]
+__all__ = ["Tunable", "main", "sdpa_call", "TOKENS", "HEADS"]
 
 TOKENS = 16 * 1024
 HEADS = 16
@@ -43,15 +43,28 @@ def _flops(B, H, L, D, causal):
     return 4 * B * H * L * L * D / (2 if causal else 1)
 
 
-def _sdpa(backend):
+def sdpa_call(q, k, v, backend_name: Optional[str], **options) -> Callable:
+    """``scaled_dot_product_attention(q, k, v, **options)`` as a zero-argument call, with PyTorch's choice of backend
+    (`backend_name` None) or forced to one (an ``SDPBackend`` name, e.g. "FLASH_ATTENTION"): the baseline every
+    rung's tuning script, the mma profile and the benchmark time."""
     import torch.nn.functional as F
+
+    if backend_name is None:
+        return lambda: F.scaled_dot_product_attention(q, k, v, **options)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    backend = getattr(SDPBackend, backend_name)
+
+    def call():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, **options)
+
+    return call
+
+
+def _sdpa(backend):
     def run(q, k, v, causal):
-        if backend is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        with sdpa_kernel(getattr(SDPBackend, backend)):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return sdpa_call(q, k, v, backend, is_causal=causal)()
 
     return run
 

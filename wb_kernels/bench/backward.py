@@ -44,10 +44,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .measure import (TimingPolicy, _causal_mask_mod, _device, _flex_problem, _free_device_memory, _is_out_of_memory,
-                      _short, finish_results, open_results, sdpa_call, stamp_timing, store_record, time_into)
-from .results import REPO_ROOT, _new_results, _sig, add_speedups, load_results, timing_method
-from .sweeps import _ITEMSIZE, TOKENS, Refused, attention_flops
+from ..attention_costs import ITEMSIZE, attention_flops
+from ..results_files import REPO_ROOT, load_results, round_significant
+from ..timing import free_device_memory
+from ..tuning import sdpa_call
+from .failures import error_line, is_out_of_memory
+from .measure import (TimingPolicy, causal_mask_mod, finish_results, flex_problem, open_results, stamp_timing,
+                      store_record, tensor_device, time_into)
+from .results import add_speedups, new_results, timing_method
+from .sweeps import TOKENS, Refused
 
 __all__ = ["BackwardWorkload", "BACKWARD_PRESETS", "BACKWARD_MODES", "BackwardContender", "backward_contenders",
            "backward_flops", "pass_flops", "linear_memory_bytes", "quadratic_bytes", "plan_backward",
@@ -105,7 +110,7 @@ def linear_memory_bytes(workload: BackwardWorkload, mode: str = "fwd+bwd") -> in
     implementation's choice (a float32 dq accumulator, a workspace); an L x L buffer would be
     :func:`quadratic_bytes`."""
     w = workload
-    item = _ITEMSIZE[w.dtype]
+    item = ITEMSIZE[w.dtype]
     rows = w.B * w.H * w.L
     backward = item * (rows * w.D + 2 * w.B * w.Hk * w.L * w.D) + 4 * rows
     if mode == "bwd":
@@ -118,7 +123,7 @@ def linear_memory_bytes(workload: BackwardWorkload, mode: str = "fwd+bwd") -> in
 def quadratic_bytes(workload: BackwardWorkload) -> int:
     """One L x L buffer per head in the inputs' dtype (P or dS kept whole): what the O(L) backward avoids."""
     w = workload
-    return _ITEMSIZE[w.dtype] * w.B * w.H * w.L * w.L
+    return ITEMSIZE[w.dtype] * w.B * w.H * w.L * w.L
 
 
 def backward_record_key(contender: str, mode: str, workload: BackwardWorkload) -> str:
@@ -227,7 +232,7 @@ def _stage_refusal(name: str, bare: bool) -> Callable:
             try:  # the sizes the stage refuses here (memory, the simulator's time) are skipped, not crashed
                 validate(*_meta_inputs(workload), stage=name, causal=workload.causal)
             except (MemoryError, ValueError, TypeError) as error:
-                return _short(error)
+                return error_line(error)
         return None
 
     return refusal
@@ -239,7 +244,7 @@ def _meta_inputs(workload: BackwardWorkload):
     import torch
 
     w = workload
-    device = "cuda" if _device() == "cuda" else "cpu"
+    device = "cuda" if tensor_device() == "cuda" else "cpu"
     one = torch.zeros(1, dtype=getattr(torch, w.dtype), device=device)
     return (one.expand(w.B, w.H, w.L, w.D), one.expand(w.B, w.Hk, w.L, w.D), one.expand(w.B, w.Hk, w.L, w.D))
 
@@ -303,7 +308,7 @@ def _flex_prepare(q, k, v, dout, workload, mode):
     if workload not in _FLEX_COMPILED:
         _FLEX_COMPILED.clear()
         torch._dynamo.reset()  # see measure._flex_prepare: past the recompile limit it would run unfused
-        block_mask = (create_block_mask(_causal_mask_mod, None, None, workload.L, workload.L, device=q.device)
+        block_mask = (create_block_mask(causal_mask_mod, None, None, workload.L, workload.L, device=q.device)
                       if workload.causal else None)
         _FLEX_COMPILED[workload] = (torch.compile(flex_attention, dynamic=False, fullgraph=True), block_mask)
     compiled, block_mask = _FLEX_COMPILED[workload]
@@ -337,7 +342,7 @@ def backward_contenders() -> dict:
                                         f"SDPA ({backend or 'PyTorch picks'}) + autograd", dtypes, refusal=refusal)
     # fp16 only: each workload compiles its kernels (seconds to tens of seconds), the run's largest fixed cost
     found["flex"] = BackwardContender("flex", "baseline", _flex_prepare, "FlexAttention, compiled, + autograd",
-                                      ("float16",), refusal=gpu_only(_flex_problem()))
+                                      ("float16",), refusal=gpu_only(flex_problem()))
     return found
 
 
@@ -422,7 +427,7 @@ class _Judge:
         line = f"{name} gradients: " + ", ".join(
             f"{what} max |err| {e:.1e} {'≤' if e <= t else '>'} tol {t:.1e}"
             for what, e, t in zip(("dq", "dk", "dv"), errors, self.tols)) + (" ✓" if passed else " ✗")
-        return {"errors": [_sig(e, 3) for e in errors], "tols": [_sig(t, 3) for t in self.tols], "passed": passed,
+        return {"errors": [round_significant(e, 3) for e in errors], "tols": [round_significant(t, 3) for t in self.tols], "passed": passed,
                 "line": line}
 
 
@@ -453,26 +458,26 @@ def measure_one(contender: BackwardContender, workload: BackwardWorkload, mode: 
             grads, memory = peak_memory(call)
     except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
         text = str(error).lower()
-        refused = _is_out_of_memory(error) or "no available kernel" in text or "no viable backend" in text
-        record.update(status="skipped" if refused else "failed", reason=_short(error))
-        _free_device_memory()
+        refused = is_out_of_memory(error) or "no available kernel" in text or "no viable backend" in text
+        record.update(status="skipped" if refused else "failed", reason=error_line(error))
+        free_device_memory()
         return record
     record.update(peak_bytes=int(memory.peak_bytes), peak_device=memory.device,
-                  peak_vs_linear=_sig(memory.peak_bytes / record["linear_bytes"], 3))
+                  peak_vs_linear=round_significant(memory.peak_bytes / record["linear_bytes"], 3))
     record["check"] = judge(contender.name, grads)
     del grads
     if not record["check"]["passed"]:
         if contender.kind != "baseline" and not policy.time_failed_checks:
             record.update(status="failed", reason=f"check: {record['check']['line']}")
-            _free_device_memory()
+            free_device_memory()
             return record
         record["check_failed"] = True
     timing = time_into(record, call, policy)
     if timing is not None:
         seconds = timing.median_ms / 1e3
-        record.update(tflops=_sig(record["flops"] / seconds / 1e12),
-                      tokens_per_s=_sig(workload.B * workload.L / seconds))
-    _free_device_memory()
+        record.update(tflops=round_significant(record["flops"] / seconds / 1e12),
+                      tokens_per_s=round_significant(workload.B * workload.L / seconds))
+    free_device_memory()
     return record
 
 
@@ -485,13 +490,13 @@ def default_backward_output(on_cuda: bool) -> Path:
     folder = REPO_ROOT / "results" / "backward"
     if not on_cuda:
         return folder / "simulator_smoke.json"
-    from .decode import gpu_short_name
+    from ..results_files import gpu_short_name
 
     return folder / f"bench_{gpu_short_name()}.json"
 
 
 def _new_backward(presets, command) -> dict:
-    return {**_new_results(presets, command), "kind": "backward", "notes": BACKWARD_NOTES}
+    return {**new_results(presets, command), "kind": "backward", "notes": BACKWARD_NOTES}
 
 
 def run_backward(presets, out_path, **options) -> dict:
@@ -520,7 +525,7 @@ def _run_backward(presets, out_path, *, policy: Optional[TimingPolicy] = None, r
     started = time.monotonic()
     policy = policy or TimingPolicy()
     table = table if table is not None else backward_contenders()
-    on_cuda = _device() == "cuda"
+    on_cuda = tensor_device() == "cuda"
     out_path = Path(out_path)
     results = open_results(out_path, list(presets), resume=resume, command=command, kind="backward",
                            fresh=_new_backward)
@@ -550,15 +555,15 @@ def _run_backward(presets, out_path, *, policy: Optional[TimingPolicy] = None, r
                     inputs = _inputs(workload, seed, device)
                     judge = _Judge(*inputs, workload)
                 except Exception as error:  # noqa: BLE001 - out of memory, most likely: recorded for each row
-                    why, inputs = f"could not build the inputs or the reference: {_short(error)}", None
-                    _free_device_memory()
+                    why, inputs = f"could not build the inputs or the reference: {error_line(error)}", None
+                    free_device_memory()
             if why is not None:
                 record = dict(_base_record(contender, workload, mode), status="skipped", reason=why)
             else:
                 record = measure_one(contender, workload, mode, inputs, judge, policy, on_cuda)
             store_record(results, dict(record, presets=names), out_path, log, add_speedups)
         inputs = judge = None
-        _free_device_memory()
+        free_device_memory()
         if stopped:
             break
     if on_cuda and not stopped and "overhead" not in results:
@@ -607,11 +612,11 @@ def measure_backward_overhead(seed: int = 0, *, problem=OVERHEAD_PROBLEM, stage:
     rows, sdpa = [], {}
     for (mode, name), call in calls.items():
         median_us = statistics.median(per_call_seconds(call, **timing)) * 1e6
-        row = {"mode": mode, "name": name, "per_call_us": _sig(median_us, 4)}
+        row = {"mode": mode, "name": name, "per_call_us": round_significant(median_us, 4)}
         if name == "sdpa":
             sdpa[mode] = median_us
         else:
-            row.update(ratio_to_sdpa=_sig(median_us / sdpa[mode], 3), meets_bar=median_us <= OVERHEAD_BAR * sdpa[mode])
+            row.update(ratio_to_sdpa=round_significant(median_us / sdpa[mode], 3), meets_bar=median_us <= OVERHEAD_BAR * sdpa[mode])
         rows.append(row)
     return {"problem": f"B{B} H{H} L{L} D{D} {dtype}", "bar": OVERHEAD_BAR, "rows": rows,
             "method": "wall clock around 200 back-to-back calls, one synchronisation at the end; median of 5"}

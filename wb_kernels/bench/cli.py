@@ -31,8 +31,8 @@ from ..timing import DEVICE_TIME
 from .backward import PRESET_GROUPS as BACKWARD_GROUPS
 from .backward import default_backward_output, run_backward, update_backward_readme
 from .decode import default_decode_output, run_decode
-from .measure import TimingPolicy, _device, contenders, run
-from .ncu_traffic import recorded_arguments
+from .measure import TimingPolicy, tensor_device, contenders, run
+from ..results_files import recorded_arguments
 from .results import REPO_ROOT, default_output, load_results, rung_bar_table, update_readme
 from .sweeps import (ALL_PRESETS, BACKWARD_PRESET_HELP, BASELINE_HELP, BASELINES, DECODE_PRESETS, GPU_PRESETS,
                      PRESET_HELP, PRESETS, RUNG_PRESETS, TOKENS, Config, Refused, Sweep)
@@ -138,7 +138,7 @@ def _custom_sweep(args, on_cuda: bool) -> Optional[Sweep]:
 
 def _rung_output(preset: str) -> Path:
     """results/<rung>/bench_<gpu>.json for a rung's preset (sweeps.RUNG_PRESETS; needs a GPU, as the preset does)."""
-    from .decode import gpu_short_name
+    from ..results_files import gpu_short_name
 
     return REPO_ROOT / "results" / RUNG_PRESETS[preset] / f"bench_{gpu_short_name()}.json"
 
@@ -150,7 +150,7 @@ def _listing() -> str:
                      + (" (GPU only)" if stage.needs_gpu else ""))
     lines.append("baselines:")
     table = contenders()
-    on_cuda = _device() == "cuda"
+    on_cuda = tensor_device() == "cuda"
     for name in BASELINES:
         why = table[name].unavailable or ("needs a CUDA GPU" if table[name].needs_gpu and not on_cuda else None)
         lines.append(f"  {name:15s} {BASELINE_HELP[name]}" + (f" -- absent: {why}" if why else ""))
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
             for path in save_all(load_results(args.figures)):
                 print(f"wrote {path}")
             return 0
-        on_cuda = _device() == "cuda"
+        on_cuda = tensor_device() == "cuda"
         presets = list(args.preset or [])
         if "all" in presets:
             presets = [p for p in presets if p != "all"] + list(ALL_PRESETS)

@@ -42,18 +42,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..timing import DEVICE_TIME
-from .measure import (TimingPolicy, _device, _flex_problem, _free_device_memory, _is_out_of_memory, _short,
-                      _torch_reference, finish_results, measure_ceilings, open_results, sdpa_call, stamp_timing,
-                      store_record, time_into, was_slowed)
+from ..inputs import paged_copy
+from ..results_files import gpu_short_name, round_significant, save_results
+from ..timing import DEVICE_TIME, free_device_memory
+from ..tuning import sdpa_call
 from . import flashinfer
-from .results import _new_results, _sig, save_results
+from .failures import error_line, is_out_of_memory
+from .measure import (TimingPolicy, finish_results, flex_problem, measure_ceilings, open_results, stamp_timing,
+                      store_record, tensor_device, time_into, torch_reference, was_slowed)
+from .results import new_results
 from .sweeps import DECODE_BAR, DECODE_PAGE_SIZE, DECODE_PRESETS, DecodeWorkload, decode_record_key
 
-__all__ = ["DecodeContender", "DecodeInputs", "decode_contenders", "make_inputs", "add_pages", "paged_copy",
+__all__ = ["DecodeContender", "DecodeInputs", "decode_contenders", "make_inputs", "add_pages",
            "check_slice_indices", "memory_refusal", "plan_decode", "estimate_seconds", "per_call_seconds",
            "measure_overhead", "add_decode_ratios", "run_decode", "default_decode_output", "DECODE_NOTES",
-           "OVERHEAD_BAR", "NEEDS_GPU", "gpu_short_name", "DECODE_TIMING"]
+           "OVERHEAD_BAR", "NEEDS_GPU", "DECODE_TIMING"]
 
 NEEDS_GPU = "needs a CUDA GPU; this machine runs the CUDA simulator"
 MATH_MAX_BYTES = 2**30  # MATH's cache (K and V repeated to H heads) up to which it is timed
@@ -69,8 +72,8 @@ OVERHEAD_BAR = 2.0  # the issue's bar: per-call wall time at most twice SDPA's
 # - a sleeping kernel of 300 us queued first, so that the flush, the events and the call's launches are all queued
 #   before the GPU reaches them: the events time the device's work. What the host costs per call is measured on its
 #   own, wall clock, back to back (the overhead rows).
-# The benchmark's one timing method (timing.DEVICE_TIME), the same object the prefill presets time with; this name is
-# kept for the decode tuning script.
+# The benchmark's one timing method (timing.DEVICE_TIME), the same object the prefill presets and the decode rung's
+# tuning script (which reads it from wb_kernels.timing) time with.
 DECODE_TIMING = DEVICE_TIME
 
 DECODE_NOTES = {
@@ -145,20 +148,6 @@ def make_inputs(workload: DecodeWorkload, seed: int, device: str) -> DecodeInput
                         seqlens=torch.full((w.B,), w.Lk, dtype=torch.int32, device=device))
 
 
-def paged_copy(cache, block_table, page_size: int):
-    """The pool (num_pages, Hk, page_size, D) that holds `cache` (B, Hk, Lk, D) where `block_table` (B, Lk // page_size)
-    says: key t of sequence b at page block_table[b, t // page_size], slot t % page_size. Built one sequence at a time,
-    so that the only memory beyond the pool is one sequence's pages."""
-    import torch
-
-    B, Hk, Lk, D = cache.shape
-    pages = Lk // page_size
-    pool = torch.empty((B * pages, Hk, page_size, D), dtype=cache.dtype, device=cache.device)
-    for b in range(B):
-        pool.index_copy_(0, block_table[b].long(), cache[b].view(Hk, pages, page_size, D).transpose(0, 1))
-    return pool
-
-
 def add_pages(inputs: DecodeInputs, workload: DecodeWorkload, seed: int, page_size: int = DECODE_PAGE_SIZE) -> None:
     """Give `inputs` the paged copy of its cache, with a shuffled block table, then drop the contiguous cache (only
     the paged contenders come after this; the peak is the contiguous cache and the pools, not more)."""
@@ -185,7 +174,7 @@ def _build_pages(inputs: DecodeInputs, workload: DecodeWorkload, seed: int) -> O
     except Exception as error:  # noqa: BLE001 - recorded in the paged rows
         inputs.k_pages = inputs.v_pages = inputs.block_table = None
         _release()
-        return f"could not build the paged cache: {_short(error)}"
+        return f"could not build the paged cache: {error_line(error)}"
     return None
 
 
@@ -225,7 +214,7 @@ def _make_check_slice(inputs: DecodeInputs, workload: DecodeWorkload) -> _CheckS
     h = torch.tensor(heads, device=device)[None, :]
     kv = h // (workload.H // workload.Hk)  # query head h reads KV head h // (H / Hk)
     q, k, v = inputs.q[b, h][:, :, None], inputs.k[b, kv], inputs.v[b, kv]
-    return _CheckSlice(sequences, heads, q, k, v, _torch_reference(q, k, v, False))
+    return _CheckSlice(sequences, heads, q, k, v, torch_reference(q, k, v, False))
 
 
 def _check(name: str, out_bhd, piece: _CheckSlice):
@@ -349,7 +338,7 @@ def decode_contenders() -> dict:
                                       _sdpa_prepare(backend))
     table["flex"] = DecodeContender("flex", "baseline", "flex_attention(q (B, H, 1, D), k, v, enable_gqa=True), "
                                     "compiled for the shape", _flex_prepare, needs_gpu=True,
-                                    unavailable=_flex_problem())
+                                    unavailable=flex_problem())
     # FlashInfer's batch decode on the same paged pools (HND layout) as wb.decode: its CUDA-core kernel, and its
     # tensor-core one (use_tensor_cores=True, which its documentation recommends for large GQA groups)
     for name, tensor_cores in (("flashinfer", False), ("flashinfer-tc", True)):
@@ -418,8 +407,8 @@ def memory_refusal(workload: DecodeWorkload, paged: bool, free_bytes: Optional[i
 def _release() -> None:
     """Give the device memory of dropped tensors back (a garbage collection, then torch's cache emptied): between
     measurements on a GPU, where the next workload may need all of it; nothing to give back off a GPU."""
-    if _device() == "cuda":
-        _free_device_memory()
+    if tensor_device() == "cuda":
+        free_device_memory()
 
 
 def _free_bytes(on_cuda: bool) -> Optional[int]:
@@ -520,12 +509,12 @@ def measure_one(contender: DecodeContender, workload: DecodeWorkload, layout: st
     except Exception as error:  # noqa: BLE001 - recorded, the run goes on
         text = str(error).lower()
         # (flashinfer's CUDA-core decode has kernels for GQA groups up to 8 query heads: MQA's 32 is refused)
-        refused = (_is_out_of_memory(error) or "no available kernel" in text or "no viable backend" in text
+        refused = (is_out_of_memory(error) or "no available kernel" in text or "no viable backend" in text
                    or "unsupported group_size" in text)
         said = _warning_lines(caught)
         # (a library's message may name its cache under the home folder: shown as ~, as the build messages do)
         record.update(status="skipped" if refused else "failed",
-                      reason=(_short(error) + (f" [warnings: {' | '.join(said)}]" if said else "")).replace(
+                      reason=(error_line(error) + (f" [warnings: {' | '.join(said)}]" if said else "")).replace(
                           str(Path.home()) + "/", "~/"))
         _release()
         return record
@@ -534,10 +523,10 @@ def measure_one(contender: DecodeContender, workload: DecodeWorkload, layout: st
         try:  # an output of the wrong shape or kind fails the check with an exception: the record says which
             verdict = _check(contender.name, as_bhd(result) if as_bhd is not None else result, piece)
         except Exception as error:  # noqa: BLE001 - recorded, the run goes on
-            record.update(status="failed", reason=f"check: {_short(error)}")
+            record.update(status="failed", reason=f"check: {error_line(error)}")
             _release()
             return record
-        record["check"] = {"max_err": _sig(verdict.max_err, 3), "tol": _sig(verdict.tol, 3),
+        record["check"] = {"max_err": round_significant(verdict.max_err, 3), "tol": round_significant(verdict.tol, 3),
                            "passed": verdict.passed, "line": verdict.line(), "slice": piece.describe()}
         if not verdict.passed:
             if contender.kind == "stage" and not policy.time_failed_checks:
@@ -551,7 +540,7 @@ def measure_one(contender: DecodeContender, workload: DecodeWorkload, layout: st
     if timing is None:
         return record
     moved = workload.kv_bytes * (2 if contender.kind == "ceiling" else 1)
-    record["gbps"] = _sig(moved / (timing.median_ms / 1e3) / 1e9)
+    record["gbps"] = round_significant(moved / (timing.median_ms / 1e3) / 1e9)
     return record  # what it allocated goes back to torch's cache with `call`, for the next contender's use
 
 
@@ -572,12 +561,12 @@ def add_decode_ratios(results: dict) -> dict:
         best_peer = min(peers, key=lambda r: r["median_ms"]) if peers else None
         for r in group:
             if copy is not None:
-                r["fraction_of_copy"] = _sig(r["gbps"] / copy["gbps"], 3)
+                r["fraction_of_copy"] = round_significant(r["gbps"] / copy["gbps"], 3)
             if best is not None and r["kind"] != "ceiling":
-                r["vs_best_sdpa"] = {"backend": best["contender"], "ratio": _sig(best["median_ms"] / r["median_ms"], 3)}
+                r["vs_best_sdpa"] = {"backend": best["contender"], "ratio": round_significant(best["median_ms"] / r["median_ms"], 3)}
             if best_peer is not None and r["kind"] == "stage":
                 r["vs_best_peer"] = {"peer": best_peer["contender"], "layout": best_peer["layout"],
-                                     "ratio": _sig(best_peer["median_ms"] / r["median_ms"], 3)}
+                                     "ratio": round_significant(best_peer["median_ms"] / r["median_ms"], 3)}
     return results
 
 
@@ -625,12 +614,12 @@ def _overhead_row(name: str, problem: str, call, check, sdpa_us: Optional[float]
             row["check_failed"] = True
         samples = per_call_seconds(call, **timing)
     except Exception as error:  # noqa: BLE001 - recorded, the run goes on
-        row.update(status="failed", reason=_short(error))
+        row.update(status="failed", reason=error_line(error))
         return row
-    row.update(status="ok", per_call_us=_sig(statistics.median(samples) * 1e6, 4),
-               samples_us=[_sig(s * 1e6, 4) for s in samples])
+    row.update(status="ok", per_call_us=round_significant(statistics.median(samples) * 1e6, 4),
+               samples_us=[round_significant(s * 1e6, 4) for s in samples])
     if sdpa_us:
-        row.update(sdpa_per_call_us=sdpa_us, ratio_to_sdpa=_sig(row["per_call_us"] / sdpa_us, 3), bar=OVERHEAD_BAR,
+        row.update(sdpa_per_call_us=sdpa_us, ratio_to_sdpa=round_significant(row["per_call_us"] / sdpa_us, 3), bar=OVERHEAD_BAR,
                    meets_bar=row["per_call_us"] <= OVERHEAD_BAR * sdpa_us)
     return row
 
@@ -657,18 +646,18 @@ def measure_overhead(seed: int = 0, policy: Optional[TimingPolicy] = None, *, de
     from ..check import check
     from ..inputs import random_qkv
     from ..stages import available_stages
-    from .measure import _reference_first_head
+    from .measure import reference_first_head
 
     plan = iter(_overhead_plan(attention, workload))
     if device is None:
-        if _device() != "cuda":
+        if tensor_device() != "cuda":
             return {"rows": [{"name": name, "problem": problem, "status": "skipped", "reason": "wall-clock overhead "
                               f"of GPU launches: {NEEDS_GPU}"} for name, problem in plan]}
         device = "cuda"
     rows = []
     B, H, L, D, dtype = attention
     q, k, v = random_qkv(B, H, L, D, dtype=dtype, framework="torch", device=device, seed=seed)
-    ref = _reference_first_head(q, k, v, False)
+    ref = reference_first_head(q, k, v, False)
 
     def check_attention(name):
         return lambda out: check(name, out[:1, :1], q[:1, :1], k[:1, :1], v[:1, :1], ref=ref, verbose=False,
@@ -722,14 +711,6 @@ def default_decode_output(on_cuda: bool) -> Path:
     return folder / f"bench_{gpu_short_name()}.json"
 
 
-def gpu_short_name() -> str:
-    """h100, h200, a100, b200 (or gpu): the GPU's name in results files' names, as the tuning files use it."""
-    import torch
-
-    name = torch.cuda.get_device_name(0)
-    return next((g for g in ("H100", "H200", "A100", "B200") if g in name), "gpu").lower()
-
-
 def run_decode(workloads, out_path, *, presets=("decode",), policy: Optional[TimingPolicy] = None,
                resume: bool = True, seed: int = 0, progress: bool = True, time_budget: Optional[float] = None,
                overhead: bool = True, ceilings: bool = True, table: Optional[dict] = None,
@@ -742,7 +723,7 @@ def run_decode(workloads, out_path, *, presets=("decode",), policy: Optional[Tim
     started = time.monotonic()
     policy = policy or TimingPolicy()
     table = table if table is not None else decode_contenders()
-    on_cuda = _device() == "cuda"
+    on_cuda = tensor_device() == "cuda"
     device = "cuda" if on_cuda else "cpu"
     out_path = Path(out_path)
     results = open_results(out_path, list(presets), resume=resume, command=command, kind="decode", fresh=_new_decode)
@@ -789,7 +770,7 @@ def run_decode(workloads, out_path, *, presets=("decode",), policy: Optional[Tim
 
 
 def _new_decode(presets, command) -> dict:
-    return {**_new_results(presets, command), "kind": "decode", "notes": DECODE_NOTES, "overhead": None}
+    return {**new_results(presets, command), "kind": "decode", "notes": DECODE_NOTES, "overhead": None}
 
 
 def _run_workload(workload, group, results, out_path, policy, seed, device, on_cuda, time_budget, started,
@@ -822,7 +803,7 @@ def _run_workload(workload, group, results, out_path, policy, seed, device, on_c
             inputs = make_inputs(workload, seed, device)
             piece = _make_check_slice(inputs, workload)
         except Exception as error:  # noqa: BLE001 - out of memory, most likely: recorded for each contender
-            why = f"could not build the inputs: {_short(error)}"
+            why = f"could not build the inputs: {error_line(error)}"
     if why is not None:
         for contender, layout in runnable:
             record(contender, layout, status="skipped", reason=why)

@@ -34,11 +34,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..attention_costs import ITEMSIZE, attention_flops, minimum_bytes
+from ..results_files import environment, load_results, round_significant, save_results
 from ..stages import available_stages
-from ..timing import DEVICE_TIME, TimingMethod
+from ..timing import DEVICE_TIME, TimingMethod, free_device_memory
+from ..tuning import sdpa_call
 from . import flashinfer
-from .results import _new_results, _sig, add_speedups, environment, load_results, save_results
-from .sweeps import _ITEMSIZE, BASELINES, Config, Refused, attention_flops, minimum_bytes, record_key
+from .failures import SizeRefused, error_line, is_out_of_memory
+from .results import add_speedups, new_results
+from .sweeps import BASELINES, Config, Refused, record_key
 
 __all__ = ["Contender", "contenders", "TimingPolicy", "DEVICE_TIME", "measure", "measure_ceilings", "plan", "run",
            "stamp_timing"]
@@ -62,24 +66,6 @@ class Contender:
     needs_gpu: bool = False
     unavailable: Optional[str] = None  # why it cannot run here at all (not installed, ...)
     workspace_bytes: Optional[Callable] = None
-
-
-def sdpa_call(q, k, v, backend_name: Optional[str], **options) -> Callable:
-    """``scaled_dot_product_attention(q, k, v, **options)`` as a zero-argument call, with PyTorch's choice of backend
-    (`backend_name` None) or forced to one (an ``SDPBackend`` name, e.g. "FLASH_ATTENTION")."""
-    import torch.nn.functional as F
-
-    if backend_name is None:
-        return lambda: F.scaled_dot_product_attention(q, k, v, **options)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, backend_name)
-
-    def call():
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, **options)
-
-    return call
 
 
 def _gqa_options(q, k) -> dict:
@@ -140,7 +126,7 @@ def _vllm_prepare(q, k, v, causal):
     return call, (lambda out: out.reshape(B, L, H, D).transpose(1, 2))
 
 
-def _causal_mask_mod(batch, head, q_index, kv_index):
+def causal_mask_mod(batch, head, q_index, kv_index):
     """FlexAttention's mask_mod for top-left causal attention: query i sees keys j <= i."""
     return q_index >= kv_index
 
@@ -159,7 +145,7 @@ def _flex_prepare(q, k, v, causal):
 
     torch._dynamo.reset()
     compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-    block_mask = (create_block_mask(_causal_mask_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
+    block_mask = (create_block_mask(causal_mask_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
                   if causal else None)
 
     gqa = _gqa_options(q, k)
@@ -171,7 +157,7 @@ def _flex_prepare(q, k, v, causal):
     return call, None
 
 
-def _flex_problem() -> Optional[str]:
+def flex_problem() -> Optional[str]:
     """Why FlexAttention cannot run here (its module is missing in torch before 2.5, and torch.compile
     generates its kernel with triton), or None."""
     return _import_problem("torch.nn.attention.flex_attention") or _import_problem("triton")
@@ -237,7 +223,7 @@ def contenders() -> dict:
     for name, stage in available_stages().items():
         found[name] = _stage_contender(stage)
         found.update({f"{name}-{version}": _stage_contender(stage, version) for version in stage.versions})
-    problems = {"flex": _flex_problem(), "flash_attn": _import_problem("flash_attn"),
+    problems = {"flex": flex_problem(), "flash_attn": _import_problem("flash_attn"),
                 "vllm": _import_problem("vllm.vllm_flash_attn"), "flashinfer-fa2": flashinfer.problem(),
                 "flashinfer-fa3": flashinfer.fa3_problem()}
     for name, contender in _baselines().items():
@@ -249,13 +235,13 @@ def contenders() -> dict:
 # Inputs, reference, check
 # ----------------------------------------------------------------------------------------------
 
-def _device() -> str:
+def tensor_device() -> str:
     from ..timing import on_gpu
 
     return "cuda" if on_gpu() else "cpu"
 
 
-def _reference_first_head(q, k, v, causal):
+def reference_first_head(q, k, v, causal):
     """float64 reference (out, lse) for batch 0, head 0, as NumPy arrays (1, 1, L, D) and (1, 1, L).
 
     On the CPU this is :func:`wb_kernels.reference`. On a GPU the same formula runs in float64 on
@@ -265,10 +251,10 @@ def _reference_first_head(q, k, v, causal):
         from ..reference import reference
 
         return reference(q[:1, :1], k[:1, :1], v[:1, :1], causal=causal)
-    return _torch_reference(q[:1, :1], k[:1, :1], v[:1, :1], causal)
+    return torch_reference(q[:1, :1], k[:1, :1], v[:1, :1], causal)
 
 
-def _torch_reference(q, k, v, causal):
+def torch_reference(q, k, v, causal):
     """The float64 reference in PyTorch (same conventions as :func:`wb_kernels.reference`, no padding)."""
     import torch
 
@@ -300,7 +286,7 @@ class _InputCache:
         if config.shape_key != self.shape:
             self.clear()
             q, k, v = random_qkv(config.B, config.H, config.L, config.D, dtype="float64", framework="torch",
-                                 device=_device(), seed=self.seed)
+                                 device=tensor_device(), seed=self.seed)
             # grouped-query attention: k and v keep their first Hk heads
             self.master = (q, k[:, :config.kv_heads], v[:, :config.kv_heads])
             self.shape = config.shape_key
@@ -311,17 +297,7 @@ class _InputCache:
 
     def clear(self):
         self.shape, self.master, self.by_dtype = None, None, {}
-        _free_device_memory()
-
-
-def _free_device_memory():
-    import gc
-
-    gc.collect()
-    if _device() == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
+        free_device_memory()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,26 +330,6 @@ class TimingPolicy:
     @property
     def hold_us(self) -> float:
         return self.method.hold_us
-
-
-class SizeRefused(Exception):
-    """A stage's validate() refused the configuration (memory, simulator time): recorded as skipped."""
-
-    def __init__(self, original: BaseException):
-        super().__init__(str(original))
-        self.original = original
-
-
-def _short(error: BaseException) -> str:
-    if isinstance(error, SizeRefused):
-        error = error.original
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
-
-
-def _is_out_of_memory(error: BaseException) -> bool:
-    text = str(error).lower()
-    return isinstance(error, MemoryError) or "out of memory" in text or "out_of_memory" in text
 
 
 # A burst: something outside the call (another process on the GPU, a clock or power event) slows a run of samples
@@ -431,7 +387,7 @@ def timed(call, policy: TimingPolicy, attempts: Optional[list] = None):
             tries.append(time_call(call, warmup=warmup, repeats=repeats, **how))
     kept = min(reversed(tries), key=lambda t: slowed_samples(t.samples_ms))  # on a tie, the latest
     if attempts is not None:
-        attempts.extend({"median_ms": _sig(t.median_ms), "slowed": slowed_samples(t.samples_ms)}
+        attempts.extend({"median_ms": round_significant(t.median_ms), "slowed": slowed_samples(t.samples_ms)}
                         for t in tries if t is not kept)
     return kept
 
@@ -444,12 +400,12 @@ def time_into(record: dict, call, policy: TimingPolicy):
     try:
         timing = timed(call, policy, retaken)
     except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
-        record.update(status="skipped" if _is_out_of_memory(error) else "failed", reason=_short(error))
-        _free_device_memory()
+        record.update(status="skipped" if is_out_of_memory(error) else "failed", reason=error_line(error))
+        free_device_memory()
         return None
-    record.update(status="ok", device=timing.device, repeats=len(timing.samples_ms), median_ms=_sig(timing.median_ms),
-                  iqr_ms=_sig(timing.iqr_ms), min_ms=_sig(timing.min_ms), max_ms=_sig(timing.max_ms),
-                  samples_ms=[_sig(s, 4) for s in timing.samples_ms],
+    record.update(status="ok", device=timing.device, repeats=len(timing.samples_ms), median_ms=round_significant(timing.median_ms),
+                  iqr_ms=round_significant(timing.iqr_ms), min_ms=round_significant(timing.min_ms), max_ms=round_significant(timing.max_ms),
+                  samples_ms=[round_significant(s, 4) for s in timing.samples_ms],
                   l2_flushed=policy.flush_l2 and timing.device == "cuda")
     if retaken:  # a burst slowed an attempt (timed): what each attempt not kept measured
         record["retaken"] = {"attempts": retaken, "kept_slowed": slowed_samples(timing.samples_ms),
@@ -471,8 +427,8 @@ def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPol
               "dtype": config.dtype, "B": config.B, "H": config.H, "Hk": config.kv_heads, "Lq": config.L,
               "Lk": config.L, "D": config.D, "causal": config.causal}
     flops = attention_flops(config.B, config.H, config.L, config.L, config.D, config.causal)
-    nbytes = minimum_bytes(config.B, config.H, config.L, config.L, config.D, _ITEMSIZE[config.dtype], config.kv_heads)
-    record.update(flops=flops, bytes_min=nbytes, intensity=_sig(flops / nbytes))
+    nbytes = minimum_bytes(config.B, config.H, config.L, config.L, config.D, ITEMSIZE[config.dtype], config.kv_heads)
+    record.update(flops=flops, bytes_min=nbytes, intensity=round_significant(flops / nbytes))
     if contender.workspace_bytes is not None:
         record["workspace_bytes"] = int(contender.workspace_bytes(config.B, config.H, config.L, config.L, config.D))
 
@@ -484,12 +440,12 @@ def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPol
             result, memory = peak_memory(call)
     except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
         text = str(error).lower()
-        if isinstance(error, SizeRefused) or _is_out_of_memory(error) or "no available kernel" in text \
+        if isinstance(error, SizeRefused) or is_out_of_memory(error) or "no available kernel" in text \
                 or "no viable backend" in text:
-            record.update(status="skipped", reason=_short(error))
+            record.update(status="skipped", reason=error_line(error))
         else:
-            record.update(status="failed", reason=_short(error))
-        _free_device_memory()
+            record.update(status="failed", reason=error_line(error))
+        free_device_memory()
         return record
 
     out = as_bhld(result) if as_bhld is not None else result
@@ -498,13 +454,13 @@ def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPol
     record["output_bytes"] = int(out.numel() * out.element_size())
     verdict = check(contender.name, out[:1, :1], q[:1, :1], k[:1, :1], v[:1, :1], causal=config.causal,
                     ref=ref, verbose=False, raise_on_failure=False)
-    record["check"] = {"max_err": _sig(verdict.max_err, 3), "tol": _sig(verdict.tol, 3), "passed": verdict.passed,
+    record["check"] = {"max_err": round_significant(verdict.max_err, 3), "tol": round_significant(verdict.tol, 3), "passed": verdict.passed,
                        "line": verdict.line()}
     del result, out
     if not verdict.passed and contender.kind == "stage":
         if not policy.time_failed_checks:
             record.update(status="failed", reason=f"check: {verdict.line()}")
-            _free_device_memory()
+            free_device_memory()
             return record
         record["check_failed"] = True
 
@@ -512,12 +468,12 @@ def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPol
     if timing is None:
         return record
     seconds = timing.median_ms / 1e3
-    record.update(tflops=_sig(flops / seconds / 1e12), tokens_per_s=_sig(config.B * config.L / seconds))
+    record.update(tflops=round_significant(flops / seconds / 1e12), tokens_per_s=round_significant(config.B * config.L / seconds))
     if not verdict.passed:
         record["check_failed"] = True
         record["note"] = (f"{contender.kind} outside the check tolerance; timed anyway"
                           + (" (--time-failed-checks)" if contender.kind == "stage" else ""))
-    _free_device_memory()
+    free_device_memory()
     return record
 
 
@@ -541,16 +497,16 @@ def measure_ceilings(size: int = 8192, copy_bytes: int = 2**30) -> dict:
             t = time_call(torch.matmul, a, b, warmup=3, repeats=10 if dtype == "float32" else 20)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = previous
-        ceilings[f"{dtype}_matmul_tflops"] = _sig(2.0 * size ** 3 / (t.median_ms / 1e3) / 1e12)
+        ceilings[f"{dtype}_matmul_tflops"] = round_significant(2.0 * size ** 3 / (t.median_ms / 1e3) / 1e12)
         del a, b
     source = torch.empty(copy_bytes // 4, dtype=torch.float32, device="cuda").normal_()
     target = torch.empty_like(source)
     t = time_call(target.copy_, source, warmup=3, repeats=20)
-    ceilings["copy_gbps"] = _sig(2.0 * copy_bytes / (t.median_ms / 1e3) / 1e9)  # read + write
+    ceilings["copy_gbps"] = round_significant(2.0 * copy_bytes / (t.median_ms / 1e3) / 1e9)  # read + write
     ceilings["matmul_size"] = size
     ceilings["copy_bytes"] = copy_bytes
     del source, target
-    _free_device_memory()
+    free_device_memory()
     return ceilings
 
 
@@ -571,7 +527,7 @@ def plan(sweeps, table: dict, *, explicit: tuple = ()) -> tuple:
                                   f"nor a baseline ({', '.join(BASELINES)})")
                 notes[name] = "not a stage of this package yet"
                 continue
-            if contender.needs_gpu and _device() != "cuda":
+            if contender.needs_gpu and tensor_device() != "cuda":
                 if name in explicit:
                     raise Refused(f"stage {name!r} runs only on a CUDA GPU, and this machine runs the CUDA "
                                   "simulator: run it on a GPU, or leave it out here" if contender.kind == "stage" else
@@ -581,7 +537,7 @@ def plan(sweeps, table: dict, *, explicit: tuple = ()) -> tuple:
             if contender.unavailable:
                 notes[name] = contender.unavailable
                 continue
-            if name == "reference" and _device() == "cuda" and name not in explicit:
+            if name == "reference" and tensor_device() == "cuda" and name not in explicit:
                 continue  # the float64 CPU reference is the judge, not a contender, on a GPU
             for config in sweep.configs:
                 if contender.dtypes is not None and config.dtype not in contender.dtypes:
@@ -619,7 +575,7 @@ def run(sweeps, out_path, *, policy: TimingPolicy | None = None, resume: bool = 
     log(f"{len(jobs)} measurements planned, {len(jobs) - len(todo)} already in {out_path}, {len(todo)} to run "
         f"on {results['environment']['device']}")
 
-    on_cuda = _device() == "cuda"
+    on_cuda = tensor_device() == "cuda"
     if on_cuda and ceilings and results.get("ceilings") is None:
         log("measuring the roofline ceilings (fp16/bf16/fp32 matmul, copy)")
         results["ceilings"] = measure_ceilings()
@@ -645,7 +601,7 @@ def run(sweeps, out_path, *, policy: TimingPolicy | None = None, resume: bool = 
         ref_key = (config.shape_key, config.dtype, config.causal)
         if ref_key not in ref_cache:
             ref_cache.clear()
-            ref_cache[ref_key] = _reference_first_head(*inputs, config.causal)
+            ref_cache[ref_key] = reference_first_head(*inputs, config.causal)
         record = measure(contender, config, inputs, ref_cache[ref_key], policy)
         store_record(results, dict(record, presets=sweep_names), out_path, log, add_speedups)
     cache.clear()
@@ -654,7 +610,7 @@ def run(sweeps, out_path, *, policy: TimingPolicy | None = None, resume: bool = 
 
 
 def open_results(out_path: Path, presets: list, *, resume: bool, command: Optional[str], kind: Optional[str] = None,
-                 fresh=_new_results) -> dict:
+                 fresh=new_results) -> dict:
     """The results file to add to: `out_path` as it is when resuming (it must come from this machine, and be of
     this `kind`: None for the attention presets, "decode"), else a new one; `presets` added to its list."""
     if resume and out_path.exists():

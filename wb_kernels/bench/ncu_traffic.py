@@ -18,8 +18,6 @@ per FLOP, the GPU, the versions, the date and the command.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import re
 import shutil
@@ -27,7 +25,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .sweeps import attention_flops
+from ..attention_costs import attention_flops
+from ..nsight import (ENVIRONMENT_TAG, SHARED_MEMORY_METRICS, UNIT_SCALE, environment_from, ncu_csv_rows,
+                      ncu_version, recorded_command, unit_scale)
+from ..results_files import recorded_arguments, shown_path
 
 __all__ = ["METRICS", "KERNEL_NAME", "ENVIRONMENT_TAG", "UNIT_SCALE", "kernel_regex", "ncu_command", "unit_scale",
            "ncu_csv_rows", "recorded_command", "shown_path", "recorded_arguments", "parse_ncu_csv", "missing_metrics_message", "environment_from", "ncu_version",
@@ -35,23 +36,11 @@ __all__ = ["METRICS", "KERNEL_NAME", "ENVIRONMENT_TAG", "UNIT_SCALE", "kernel_re
 
 # One list, so that the command, the parser and the result agree. Every name is checked against the CSV: a
 # metric this ncu does not know stops the run with its name (`ncu --query-metrics` lists the known ones).
-METRICS = (
-    "sm__sass_data_bytes_mem_shared.sum",  # bytes between registers and shared memory, every shared instruction
-    "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",  # passes of the shared-memory pipe: what its time is made of
-    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",  # the extra passes that bank conflicts cost
-    "smsp__sass_inst_executed_op_shared_ld.sum",  # LDS: shared loads of one value per thread
-    "smsp__sass_inst_executed_op_shared_st.sum",  # STS: shared stores
-    "smsp__sass_inst_executed_op_ldsm.sum",  # LDSM (ldmatrix): a warp loads whole 8x8 tiles into mma fragments
-    "smsp__sass_inst_executed_op_ldgsts.sum",  # LDGSTS (cp.async): global to shared without passing registers
+METRICS = SHARED_MEMORY_METRICS + (
     "gpu__time_duration.sum",  # the kernel's duration under ncu (clocks as they run, caches flushed per pass)
 )
 KERNEL_NAME = "flash_{stage}_kernel"  # the __global__ function of every CUDA C++ rung (flash_wmma_kernel<...>)
 DEFAULT_PROBLEM = {"B": 4, "H": 16, "L": 4096, "D": 128, "dtype": "float16", "causal": False}
-ENVIRONMENT_TAG = "wb_ncu_environment "  # the child's line that carries where it ran, among ncu's output
-
-# ncu --print-units base still names a unit per value; these scale it to bytes and seconds.
-UNIT_SCALE = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6,
-               "msecond": 1e-3, "second": 1.0, "ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
 def kernel_regex(stages) -> str:
@@ -79,36 +68,6 @@ def ncu_command(ncu: str, stages, problem: dict, warmup: int) -> list:
             "--launch-count", str(len(stages)), *child]
 
 
-def recorded_command(command_line: list) -> list:
-    """`command_line` as a results file records it: ncu and this Python by their file names (``ncu``, ``python3``),
-    not by where this machine keeps them (the command still runs them by their full paths)."""
-    return [Path(part).name if n == 0 or part == sys.executable else part for n, part in enumerate(command_line)]
-
-
-def shown_path(path, root: Path) -> str:
-    """`path` relative to the repository `root` when it lies inside, else its file name alone (no machine paths in
-    results)."""
-    try:
-        return Path(path).resolve().relative_to(root).as_posix()
-    except ValueError:
-        return Path(path).name
-
-
-def recorded_arguments(argv, root: Path, path_options=("--json",)) -> str:
-    """The command-line arguments as a results file records them: the value of each option of `path_options`
-    (``--json PATH`` or ``--json=PATH``) as :func:`shown_path` shows it."""
-    given = list(argv)
-    for n, argument in enumerate(given):
-        option, equals, value = argument.partition("=")
-        if option not in path_options:
-            continue
-        if equals:
-            given[n] = f"{option}={shown_path(value, root)}"
-        elif n + 1 < len(given):
-            given[n + 1] = shown_path(given[n + 1], root)
-    return " ".join(given)
-
-
 def _value(row: dict, kernel: str) -> float:
     text = (row.get("Metric Value") or "").replace(",", "").strip()
     try:
@@ -116,22 +75,6 @@ def _value(row: dict, kernel: str) -> float:
     except ValueError:
         raise ValueError(f"ncu gave no number for {row.get('Metric Name')} of {kernel}: {text!r}") from None
     return value * unit_scale(row)
-
-
-def unit_scale(row: dict) -> float:
-    """What multiplies a row's value to bytes or seconds (1 for a unit :data:`UNIT_SCALE` does not name)."""
-    return UNIT_SCALE.get((row.get("Metric Unit") or "").strip(), 1.0)
-
-
-def ncu_csv_rows(text: str) -> list:
-    """The rows (dicts by column name) of the table in ``ncu --csv`` output: from its header (the line naming
-    "Kernel Name" and "Metric Name") on, the quoted lines only, so that the program's own output is skipped.
-    Raises ValueError when there is no such table."""
-    lines = text.splitlines()
-    start = next((n for n, line in enumerate(lines) if '"Kernel Name"' in line and '"Metric Name"' in line), None)
-    if start is None:
-        raise ValueError('no ncu CSV table (a header with "Kernel Name" and "Metric Name") in the output')
-    return list(csv.DictReader(io.StringIO("\n".join(line for line in lines[start:] if line.startswith('"')))))
 
 
 def parse_ncu_csv(text: str, stages) -> dict:
@@ -175,14 +118,6 @@ def missing_metrics_message(ncu_output: str):
     return ("ncu does not know " + (", ".join(named) if named else "a metric of METRICS") + " on this GPU or in this "
             "version (ncu --query-metrics lists the names it knows); edit METRICS in wb_kernels/bench/ncu_traffic.py."
             "\nncu said:\n" + "\n".join(refused))
-
-
-def environment_from(text: str):
-    """The environment a ``--child`` run printed on its :data:`ENVIRONMENT_TAG` line among ncu's output, else None."""
-    for line in text.splitlines():
-        if line.startswith(ENVIRONMENT_TAG):
-            return json.loads(line[len(ENVIRONMENT_TAG):])
-    return None
 
 
 def build_result(measured: dict, problem: dict, environment: dict, *, command: str, ncu_command_line=None,
@@ -255,15 +190,6 @@ def _check_stages(parser, stages, problem: dict) -> None:
             parser.error(f"stage {stage!r} takes {', '.join(info.dtypes)}, not {problem['dtype']}")
         if info.head_dims is not None and problem["D"] not in info.head_dims:
             parser.error(f"stage {stage!r} takes head dims {', '.join(map(str, info.head_dims))}, not {problem['D']}")
-
-
-def ncu_version(ncu: str):
-    """The last line of ``ncu --version`` (None when ncu does not answer)."""
-    try:
-        text = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), None)
 
 
 def _positive(text: str) -> int:

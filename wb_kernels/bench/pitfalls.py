@@ -12,8 +12,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from .measure import _free_device_memory, _short
-from .results import _nvidia_smi, _sig
+from ..results_files import nvidia_smi, round_significant
+from ..timing import free_device_memory
+from .failures import error_line
 
 __all__ = ["mistake_sizes", "honesty_demos", "HONESTY_TOPICS", "NO_DEMOS", "honesty_lines", "samples_figure",
            "TIMING_MODES", "MODE_NAMES", "timing_modes", "timing_modes_lines", "timing_modes_figure", "demos_path"]
@@ -47,9 +48,9 @@ def _event_ms(fn, repeats: int, flush=None, prime: bool = False) -> list:
 def _stats(samples) -> dict:
     ordered = sorted(samples)
     quartiles = statistics.quantiles(ordered, n=20) if len(ordered) >= 4 else [ordered[0]] * 19
-    return {"n": len(ordered), "median_ms": _sig(statistics.median(ordered)), "mean_ms": _sig(statistics.fmean(ordered)),
-            "min_ms": _sig(ordered[0]), "max_ms": _sig(ordered[-1]), "p5_ms": _sig(quartiles[0]),
-            "p25_ms": _sig(quartiles[4]), "p75_ms": _sig(quartiles[14]), "p95_ms": _sig(quartiles[18])}
+    return {"n": len(ordered), "median_ms": round_significant(statistics.median(ordered)), "mean_ms": round_significant(statistics.fmean(ordered)),
+            "min_ms": round_significant(ordered[0]), "max_ms": round_significant(ordered[-1]), "p5_ms": round_significant(quartiles[0]),
+            "p25_ms": round_significant(quartiles[4]), "p75_ms": round_significant(quartiles[14]), "p95_ms": round_significant(quartiles[18])}
 
 
 def honesty_demos() -> dict:
@@ -60,10 +61,10 @@ def honesty_demos() -> dict:
     import torch
     import torch.nn.functional as F
 
-    from ..timing import _L2Flusher
+    from ..timing import L2Flusher
 
     demos = {}
-    flush = _L2Flusher()
+    flush = L2Flusher()
     big = dict(B=4, H=16, L=4096, D=128, dtype="float16")  # the host's baseline configuration
     small = dict(B=1, H=16, L=1024, D=64, dtype="float16")  # 6 MiB of inputs: fits in the 50 MiB L2
 
@@ -103,12 +104,12 @@ def honesty_demos() -> dict:
                                  time.perf_counter()))() for _ in range(20)]
         demos["warmup"] = {
             "what": "wall-clock time of the first call vs the median of the next 20 (synchronized)",
-            "numba_kernel_first_ms": _sig(first_ms), "numba_kernel_steady_median_ms": _sig(statistics.median(steady_ms)),
-            "sdpa_first_ms": _sig(sdpa_first),
-            "sdpa_steady_median_ms": _sig(statistics.median([(s[3] - s[0]) * 1e3 for s in sdpa_steady])),
+            "numba_kernel_first_ms": round_significant(first_ms), "numba_kernel_steady_median_ms": round_significant(statistics.median(steady_ms)),
+            "sdpa_first_ms": round_significant(sdpa_first),
+            "sdpa_steady_median_ms": round_significant(statistics.median([(s[3] - s[0]) * 1e3 for s in sdpa_steady])),
             "sdpa_shape": "B1 H16 L1536 D128 fp16"}
     except Exception as error:  # noqa: BLE001
-        demos["warmup"] = {"error": _short(error)}
+        demos["warmup"] = {"error": error_line(error)}
 
     # 2. Asynchrony: a CPU timer without synchronization measures only the launch.
     q, k, v = qkv(**big)
@@ -130,9 +131,9 @@ def honesty_demos() -> dict:
         with_sync.append((time.perf_counter() - t0) * 1e3)
     events = _event_ms(call, 20)
     demos["async"] = {"what": "SDPA B4 H16 L4096 D128 fp16 timed three ways, medians of 20",
-                      "cpu_timer_no_sync_ms": _sig(statistics.median(no_sync)),
-                      "cpu_timer_with_sync_ms": _sig(statistics.median(with_sync)),
-                      "cuda_events_ms": _sig(statistics.median(events))}
+                      "cpu_timer_no_sync_ms": round_significant(statistics.median(no_sync)),
+                      "cpu_timer_with_sync_ms": round_significant(statistics.median(with_sync)),
+                      "cuda_events_ms": round_significant(statistics.median(events))}
 
     # 3. Medians: 300 repeats of a short call; the mean is pulled by a few slow samples.
     qs, ks, vs = qkv(**small)
@@ -141,7 +142,7 @@ def honesty_demos() -> dict:
         short_call()
     samples = _event_ms(short_call, 300)
     demos["medians"] = {"what": "SDPA B1 H16 L1024 D64 fp16, 300 CUDA-event samples, no flush",
-                        **_stats(samples), "samples_ms": [_sig(s, 4) for s in samples]}
+                        **_stats(samples), "samples_ms": [round_significant(s, 4) for s in samples]}
 
     # 4. L2: a small problem timed right after the same call finds its inputs in the L2 cache.
     hot = _event_ms(short_call, 50, prime=True)
@@ -150,10 +151,10 @@ def honesty_demos() -> dict:
     other = torch.empty_like(buffer)
     copy_hot = _event_ms(lambda: other.copy_(buffer), 50, prime=True)
     copy_cold = _event_ms(lambda: other.copy_(buffer), 50, flush=flush)
-    copy_gbps = lambda ms: _sig(2 * buffer.numel() * 4 / (ms / 1e3) / 1e9)  # noqa: E731
+    copy_gbps = lambda ms: round_significant(2 * buffer.numel() * 4 / (ms / 1e3) / 1e9)  # noqa: E731
     demos["l2"] = {"what": "the same call right after itself (warm L2) vs right after an L2 flush",
                    "sdpa_shape": "B1 H16 L1024 D64 fp16 (6 MiB of inputs)",
-                   "sdpa_warm_ms": _sig(statistics.median(hot)), "sdpa_flushed_ms": _sig(statistics.median(cold)),
+                   "sdpa_warm_ms": round_significant(statistics.median(hot)), "sdpa_flushed_ms": round_significant(statistics.median(cold)),
                    "copy_mib": 16, "copy_warm_gbps": copy_gbps(statistics.median(copy_hot)),
                    "copy_flushed_gbps": copy_gbps(statistics.median(copy_cold)),
                    "l2_bytes": int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0))}
@@ -163,17 +164,17 @@ def honesty_demos() -> dict:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     torch.cuda.synchronize()
-    clock_idle = _nvidia_smi("clocks.sm")
+    clock_idle = nvidia_smi("clocks.sm")
     time.sleep(2.0)
     after_idle = _event_ms(lambda: torch.matmul(a, b), 120)
-    clock_busy = _nvidia_smi("clocks.sm")
+    clock_busy = nvidia_smi("clocks.sm")
     demos["clocks"] = {"what": "fp16 matmul 8192^3 timed call by call right after 2 s of idle",
-                       "first_ms": _sig(after_idle[0]), "first5_median_ms": _sig(statistics.median(after_idle[:5])),
-                       "last20_median_ms": _sig(statistics.median(after_idle[-20:])),
-                       "min_ms": _sig(min(after_idle)), "max_ms": _sig(max(after_idle)),
-                       "samples_ms": [_sig(s, 4) for s in after_idle],
+                       "first_ms": round_significant(after_idle[0]), "first5_median_ms": round_significant(statistics.median(after_idle[:5])),
+                       "last20_median_ms": round_significant(statistics.median(after_idle[-20:])),
+                       "min_ms": round_significant(min(after_idle)), "max_ms": round_significant(max(after_idle)),
+                       "samples_ms": [round_significant(s, 4) for s in after_idle],
                        "sm_clock_mhz_idle": clock_idle, "sm_clock_mhz_busy": clock_busy,
-                       "sm_clock_mhz_max": _nvidia_smi("clocks.max.sm")}
+                       "sm_clock_mhz_max": nvidia_smi("clocks.max.sm")}
 
     # 6. Zeros vs random data: the same matmul on zeros draws less power and may run faster.
     za = torch.zeros_like(a)
@@ -187,14 +188,14 @@ def honesty_demos() -> dict:
     sdpa_zeros = _event_ms(lambda: F.scaled_dot_product_attention(zq, zk, zv), 30, flush=flush)
     flop = 2.0 * 8192 ** 3
     demos["zeros"] = {"what": "the same work on random inputs and on zeros, CUDA-event medians",
-                      "matmul_random_ms": _sig(statistics.median(random_ms)),
-                      "matmul_zeros_ms": _sig(statistics.median(zeros_ms)),
-                      "matmul_random_tflops": _sig(flop / statistics.median(random_ms) / 1e9),
-                      "matmul_zeros_tflops": _sig(flop / statistics.median(zeros_ms) / 1e9),
-                      "sdpa_random_ms": _sig(statistics.median(sdpa_random)),
-                      "sdpa_zeros_ms": _sig(statistics.median(sdpa_zeros))}
+                      "matmul_random_ms": round_significant(statistics.median(random_ms)),
+                      "matmul_zeros_ms": round_significant(statistics.median(zeros_ms)),
+                      "matmul_random_tflops": round_significant(flop / statistics.median(random_ms) / 1e9),
+                      "matmul_zeros_tflops": round_significant(flop / statistics.median(zeros_ms) / 1e9),
+                      "sdpa_random_ms": round_significant(statistics.median(sdpa_random)),
+                      "sdpa_zeros_ms": round_significant(statistics.median(sdpa_zeros))}
     del a, b, za, zb
-    _free_device_memory()
+    free_device_memory()
     return demos
 
 

@@ -5,29 +5,24 @@ the roofline's ceilings, the honesty demonstrations and one record per measureme
 atomically after every measurement (:func:`save_results`), so a run cut short can be resumed.
 Also the newest committed file (:func:`committed_results`) and the README table built from it. The decode
 presets' files (``"kind": "decode"``, under ``results/decode/``) have a README table of their own
-(:func:`decode_readme_table`).
+(:func:`decode_readme_table`). Reading and writing a file, the record of where it was measured and the newest
+committed one are :mod:`wb_kernels.results_files`' (rungs' scripts use them too); this module re-exports them.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import importlib.metadata
-import json
-import math
-import os
-import re
-import platform
-import subprocess
 from pathlib import Path
 from typing import Optional
 
-from ..backend import BACKEND
+from ..results_files import (REPO_ROOT, committed_decode_results, committed_results, environment, git_commit,
+                             load_results, round_significant, save_results)
 from ..stages import available_stages
 from ..timing import EVENTS_AROUND_CALL, TimingMethod
 from .sweeps import BASELINES, PUBLIC_CONFIGS, Config, Refused, record_key
 
 __all__ = ["SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README_END", "README_BASELINES",
-           "environment", "git_commit", "load_results", "save_results", "add_speedups", "default_output",
+           "environment", "git_commit", "load_results", "save_results", "add_speedups", "new_results", "default_output",
            "committed_results",
            "readme_table", "decode_readme_table", "decode_bar_lines", "rung_bar_table", "update_readme",
            "committed_decode_results",
@@ -36,7 +31,6 @@ __all__ = ["SCHEMA_VERSION", "REPO_ROOT", "RESULTS_DIR", "README_START", "README
            "MixedTiming"]
 
 SCHEMA_VERSION = 1
-REPO_ROOT = Path(__file__).resolve().parents[2]  # wb_kernels/bench/results.py -> the repository
 RESULTS_DIR = REPO_ROOT / "results" / "bench"  # one JSON per benchmark run; other results/ files are not ours
 README_START = "<!-- perf-table:start -->"
 README_END = "<!-- perf-table:end -->"
@@ -53,104 +47,6 @@ README_DECODE_BAR_START = "<!-- perf-table-decode-bar:start -->"
 README_DECODE_BAR_END = "<!-- perf-table-decode-bar:end -->"
 
 
-# Numbers are stored with 5 significant digits (3 or 4 for samples and ratios): the timings are not
-# more precise than that, and the committed files stay readable in a diff.
-def _sig(x: float, digits: int = 5):
-    if x is None or not math.isfinite(x) or x == 0:
-        return x
-    return round(x, -int(math.floor(math.log10(abs(x)))) + digits - 1)
-
-
-# The driver version here, the SM clocks in the pitfalls' clock demonstration.
-def _nvidia_smi(query: str) -> Optional[str]:
-    try:
-        text = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", "0"],
-                              capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception:  # noqa: BLE001 - no nvidia-smi: the field stays empty
-        return None
-    return text or None
-
-
-def _version(package: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def environment() -> dict:
-    """Where and with what the numbers were measured."""
-    import numpy
-    import torch
-
-    from .. import __version__
-    from ..backend import device_name
-    from ..timing import on_gpu
-
-    env = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "backend": BACKEND.name, "device": device_name(), "python": platform.python_version(),
-        "torch": torch.__version__, "numpy": numpy.__version__, "numba": _version("numba"),
-        "numba_cuda": _version("numba-cuda"), "wb_kernels": __version__,
-    }
-    if on_gpu():
-        props = torch.cuda.get_device_properties(0)
-        env.update(gpu=torch.cuda.get_device_name(0), compute_capability=f"{props.major}.{props.minor}",
-                   sm_count=props.multi_processor_count, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                   cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
-                   driver=_nvidia_smi("driver_version"), triton=_version("triton"), flash_attn=_version("flash-attn"),
-                   vllm=_version("vllm"), flashinfer=_version("flashinfer-python"))
-    else:
-        env.update(gpu=None, cuda=torch.version.cuda, driver=None)
-    env["git_commit"] = git_commit()
-    return env
-
-
-# What a run writes (results, figures, executed lessons, logs) is not a change to the code that ran.
-_RUN_OUTPUTS = ("results", "figures", "notebooks", "logs", "gpu-out")
-
-
-def git_commit(root=REPO_ROOT) -> Optional[str]:
-    """The short commit of the tree at `root` that is running, with ``+dirty`` when files that git tracks (or
-    new ones it does not ignore) differ from it outside the folders a run writes to; None when `root` is not the
-    top of a git checkout (a copy without .git, or one inside some other repository).
-
-    ``WB_GIT_COMMIT`` in the environment overrides it: a machine that gets a copy of the files, whose .git (if
-    any) is not the one they were committed in, is told the commit by whoever copied them.
-    """
-    if os.environ.get("WB_GIT_COMMIT"):
-        told = os.environ["WB_GIT_COMMIT"]
-        return told[:7] if re.fullmatch(r"[0-9a-f]{40}", told) else told  # a full hash: its short form, as git's
-
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=20)
-
-    try:
-        top = git("rev-parse", "--show-toplevel")
-        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != Path(root).resolve():
-            return None
-        commit = git("rev-parse", "--short", "HEAD").stdout.strip()
-        status = git("status", "--porcelain", "--", ".", *(f":(exclude){name}" for name in _RUN_OUTPUTS))
-    except Exception:  # noqa: BLE001 - no git here: the field stays empty
-        return None
-    if not commit:
-        return None
-    return commit + ("+dirty" if status.returncode != 0 or status.stdout.strip() else "")
-
-
-def load_results(path) -> dict:
-    return json.loads(Path(path).read_text())
-
-
-def save_results(results: dict, path) -> None:
-    """Write atomically: a sweep killed mid-write leaves the previous complete file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    os.replace(temporary, path)
-
-
 def add_speedups(results: dict) -> dict:
     """For every timed record: ``speedup_vs[baseline]`` = baseline's median / this median (>1: faster)."""
     timed = {}
@@ -160,12 +56,12 @@ def add_speedups(results: dict) -> dict:
     for group in timed.values():
         baselines = {name: r for name, r in group.items() if r["kind"] == "baseline"}
         for r in group.values():
-            r["speedup_vs"] = {name: _sig(b["median_ms"] / r["median_ms"], 4)
+            r["speedup_vs"] = {name: round_significant(b["median_ms"] / r["median_ms"], 4)
                                for name, b in baselines.items() if name != r["contender"]}
     return results
 
 
-def _new_results(presets, command=None) -> dict:
+def new_results(presets, command=None) -> dict:
     return {"schema": SCHEMA_VERSION, "environment": environment(), "presets": list(presets), "command": command,
             "ceilings": None, "honesty": None, "unavailable": {}, "records": []}
 
@@ -178,32 +74,6 @@ def default_output(kind: str) -> Path:
         slug = "-".join(part for part in slug.split("-") if part and part != "nvidia")
         return RESULTS_DIR / f"{slug}_{_dt.date.today().isoformat()}.json"
     return RESULTS_DIR / "simulator_smoke.json"
-
-
-def committed_results(kind: str = "gpu") -> Optional[Path]:
-    """The newest benchmark results file of that kind ("gpu" or "simulator") under results/bench/, or None: the
-    full runs the README, the dashboard and the ladder's lessons read. A rung's own runs (e.g. the ``mma`` preset in
-    results/mma/) are read by its lesson by name. Other JSON files (tuning logs, ...) lack "records" and are ignored."""
-    return _newest("bench", kind, decode=False)
-
-
-def committed_decode_results() -> Optional[Path]:
-    """The newest GPU results file of the decode presets under results/decode/, or None."""
-    return _newest("decode", "gpu", decode=True)
-
-
-def _newest(folder: str, backend: str, *, decode: bool) -> Optional[Path]:
-    """The newest results file under results/<folder>/ from `backend`, of the decode presets or not."""
-    found = []
-    for path in sorted((REPO_ROOT / "results" / folder).glob("*.json")):
-        try:
-            data = load_results(path)
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and "records" in data and (data.get("kind") == "decode") == decode \
-                and data.get("environment", {}).get("backend") == backend:
-            found.append((data["environment"].get("date", ""), path))
-    return max(found)[1] if found else None
 
 
 # ----------------------------------------------------------------------------------------------

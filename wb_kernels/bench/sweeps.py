@@ -2,7 +2,7 @@
 
 A :class:`Config` is one problem (shapes, dtype, masking), a :class:`Sweep` is contenders x configs,
 and :data:`PRESETS` names the sweeps ``--preset`` runs. Also here: the counts every record carries
-(:func:`attention_flops`, :func:`minimum_bytes`), the key a record is stored under
+(:func:`attention_flops`, :func:`minimum_bytes`, from :mod:`wb_kernels.attention_costs`), the key a record is stored under
 (:func:`record_key`), the baselines' names, and :class:`Refused`. The decode presets' problems are
 :class:`DecodeWorkload` (:data:`DECODE_PRESETS`; measured by :mod:`wb_kernels.bench.decode`). Plain data, no
 torch, so that ``--help``, ``--list`` and the README table read it without touching a device.
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from ..attention_costs import ITEMSIZE, attention_flops, minimum_bytes
 
 __all__ = ["Config", "Sweep", "PRESETS", "PRESET_HELP", "GPU_PRESETS", "ALL_PRESETS", "PUBLIC_CONFIGS",
            "LADDER_LENGTHS", "TOKENS", "BASELINES", "BASELINE_HELP", "attention_flops", "minimum_bytes", "record_key",
@@ -59,19 +61,6 @@ class Sweep:
     configs: tuple  # of Config
 
 
-def attention_flops(B: int, H: int, Lq: int, Lk: int, D: int, causal: bool) -> float:
-    """Multiply-adds of QK^T and PV, 2 FLOPs each: 4*B*H*Lq*Lk*D, halved for causal (the usual count)."""
-    flops = 4.0 * B * H * Lq * Lk * D
-    return flops / 2 if causal else flops
-
-
-def minimum_bytes(B: int, H: int, Lq: int, Lk: int, D: int, itemsize: int, Hk: Optional[int] = None) -> float:
-    """The traffic no exact kernel can avoid: read q, k, v once and write the output once (k and v have Hk heads;
-    None: H)."""
-    return float(itemsize) * B * D * (2 * H * Lq + 2 * (H if Hk is None else Hk) * Lk)
-
-
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 def _tokens_configs(lengths, D, dtypes, causals, H=16, tokens=TOKENS, Hk=None):
@@ -215,7 +204,7 @@ class DecodeWorkload:
 
     @property
     def kv_bytes(self) -> float:
-        return decode_kv_bytes(self.B, self.Hk, self.Lk, self.D, _ITEMSIZE[self.dtype])
+        return decode_kv_bytes(self.B, self.Hk, self.Lk, self.D, ITEMSIZE[self.dtype])
 
     @property
     def family(self) -> tuple:

@@ -369,8 +369,7 @@ def main(argv=None) -> int:
               f"{run['seconds']:.1f} s ({run['tokens_per_s']:.0f} tokens/s)")
     print("curves differ by at most {max_abs_diff:.2e}; final {final_mean_diff:.2e}".format(**result["comparison"]))
     if args.json:
-        from ..bench.ncu_traffic import recorded_arguments
-        from ..bench.results import REPO_ROOT, environment
+        from ..results_files import REPO_ROOT, environment, recorded_arguments
 
         text = corpus_text()
         now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -419,7 +419,7 @@ def fill_for_timing(cache: dec.KVCache, context: int, seed: int = 0) -> None:
     cache.host_max_len, cache.host_uniform = context, True
 
 
-def _cudagraph_skips() -> int:
+def cudagraph_skips() -> int:
     """How many times Inductor has declined to put a compiled graph in a CUDA graph, in this process."""
     from torch._dynamo.utils import counters
 
@@ -463,7 +463,7 @@ def time_static(model: dec.Decoder, mode: str, attend, *, batch: int, context: i
     else:
         state = [tokens]
         if mode == "compile":
-            skips_before = _cudagraph_skips()
+            skips_before = cudagraph_skips()
             runner = CompiledDecoder(model, attend, cache=cache, **(compile_options or {}))
             runner.resume(batch, context)
             captured = _on_cuda(model) and not compile_options  # reduce-overhead's CUDA-graph trees
@@ -481,7 +481,7 @@ def time_static(model: dec.Decoder, mode: str, attend, *, batch: int, context: i
             first_call_s = time.perf_counter() - started
     _synchronize(model)
     setup_s = time.perf_counter() - started
-    if mode == "compile" and captured and _cudagraph_skips() > skips_before:
+    if mode == "compile" and captured and cudagraph_skips() > skips_before:
         captured = False  # Inductor ran the step without its CUDA graphs (its log says why)
     total_ms = dec.time_steps(step, steps, _on_cuda(model))
     return {"ms_per_step": total_ms / steps, "tokens_per_s": batch * steps / (total_ms / 1e3),

@@ -21,9 +21,9 @@ __all__ = ["ROUNDING_ULPS", "compare_greedy", "compare_runners", "greedy_note"]
 
 
 def _round(x: float, digits: int = 5):
-    from ..bench.results import _sig
+    from ..results_files import round_significant
 
-    return _sig(x, digits)
+    return round_significant(x, digits)
 
 
 

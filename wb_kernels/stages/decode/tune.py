@@ -71,7 +71,7 @@ from pathlib import Path
 import wb_kernels  # noqa: F401  (first: chooses the backend)
 from wb_kernels import timing
 from wb_kernels.cuda_build import build_flags
-from wb_kernels.bench.decode import DECODE_TIMING
+from wb_kernels.timing import DEVICE_TIME as DECODE_TIMING  # the decode benchmark's timing, the same object
 from wb_kernels.stages.decode import build
 from wb_kernels.stages.decode.launcher import (_cuda_launch_plan, cuda_blocks_per_sm, cuda_row_chunks, cuda_split_plan,
                                                decode_bytes)
@@ -546,7 +546,7 @@ def measure_trace(kernel: str = "mma", variant=None, reps: int = 5) -> list:
     blocks (`variant`: an MMA_VARIANTS build's knobs on top of the trace's; the mma kernel only)."""
     import torch
 
-    from wb_kernels.bench.decode import paged_copy
+    from wb_kernels.inputs import paged_copy
 
     define = {"mma": "-DWB_DECODE_MMA_TRACE", "split": "-DWB_DECODE_SPLIT_TRACE"}[kernel]
     flags = (variant or MMA_VARIANTS[0]).flags(build_flags()) + [define]
@@ -631,7 +631,7 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    from wb_kernels.bench.results import environment
+    from wb_kernels.results_files import environment
 
     if args.mma_sweep_child is not None:  # one variant, in a process of its own (measure_mma_sweep)
         variant = {v.name: v for v in MMA_VARIANTS}[args.mma_sweep_child]

@@ -513,7 +513,7 @@ def measure_link(ranks: Ranks, *, megabytes: int, warmup: int, repeats: int) -> 
 def _environment(ranks: Ranks, stage: str) -> dict:
     import torch
 
-    from ...bench.results import environment
+    from ...results_files import environment
 
     env = environment()
     nccl = torch.cuda.nccl.version() if ranks.cuda else None  # a tuple (2, 27, 5); an int in old versions
@@ -525,7 +525,7 @@ def _environment(ranks: Ranks, stage: str) -> dict:
 
 def _results_path(out_dir: Path, ranks: Ranks) -> Path:
     if ranks.cuda:
-        from ...bench.decode import gpu_short_name
+        from ...results_files import gpu_short_name
 
         return out_dir / f"scaling_{gpu_short_name()}x{ranks.world}.json"
     return out_dir / f"scaling_cpux{ranks.world}.json"
@@ -564,7 +564,7 @@ def run_benchmark(args, ranks: Ranks) -> dict:
     """Every (problem, method) of the preset not yet in the results file, within the time budget; the results."""
     import torch
 
-    from ...bench.results import save_results
+    from ...results_files import save_results
     from .sharding import predicted_efficiency, ring_work
 
     import wb_kernels as wb

@@ -9,7 +9,7 @@ calls the contender ``--warmup`` times unprofiled (the extension's build and loa
 ``cudaProfilerStart`` and ``cudaProfilerStop``; ncu runs with ``--profile-from-start off`` and so profiles exactly
 the kernels of that one call, whatever they are named (the mma kernel's launches are also filtered by name,
 ``flash_mma_kernel``). The contenders are called as the benchmark times them: the mma stage's launcher
-(``launcher.forward``), and ``scaled_dot_product_attention`` forced to one backend (``bench.measure.sdpa_call``).
+(``launcher.forward``), and ``scaled_dot_product_attention`` forced to one backend (``wb_kernels.tuning.sdpa_call``).
 
 ncu runs with ``--clock-control none`` (the GPU at the clocks the benchmark sees) and its default cache control
 (caches flushed before each replay pass). The metrics (:data:`METRICS`, each with what it says) are checked against
@@ -30,8 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from ...bench import ncu_traffic
-from ...bench.sweeps import attention_flops
+from ... import nsight
+from ...attention_costs import attention_flops
+from ...results_files import shown_path
 
 __all__ = ["METRICS", "STALL_REASONS", "CONTENDERS", "DEFAULT_SHAPES", "metric_base", "known_metric_bases",
            "unknown_metrics", "refused_metrics", "parse_ncu_csv", "main_kernel", "summary", "ncu_command", "build_result", "main"]
@@ -40,7 +41,7 @@ __all__ = ["METRICS", "STALL_REASONS", "CONTENDERS", "DEFAULT_SHAPES", "metric_b
 STALL_REASONS = ("barrier", "branch_resolving", "dispatch_stall", "drain", "imc_miss", "lg_throttle",
                  "long_scoreboard", "math_pipe_throttle", "membar", "mio_throttle", "misc", "no_instruction",
                  "not_selected", "selected", "short_scoreboard", "sleeping", "tex_throttle", "wait")
-_SHARED = tuple(m for m in ncu_traffic.METRICS if m != "gpu__time_duration.sum")  # the traffic run's shared-memory set
+_SHARED = nsight.SHARED_MEMORY_METRICS  # the benchmark's traffic run measures the same set
 METRICS = (
     "gpu__time_duration.sum",  # the kernel's duration under ncu (one replay pass; not the benchmark's timing)
     "sm__cycles_elapsed.avg.per_second",  # the SM clock the kernel ran at
@@ -138,17 +139,17 @@ def _number(text: str):
 def parse_ncu_csv(text: str) -> list:
     """Every profiled kernel in ``ncu --csv --print-units base`` output (other lines, the program's among them, are
     skipped), in launch order: ``[{"id", "name", "metrics": {metric: value}}]``. Bytes stay bytes, times become
-    seconds (``ncu_traffic``'s unit table), percentages stay percentages; a value that is not a number is kept as
+    seconds (``nsight.UNIT_SCALE``), percentages stay percentages; a value that is not a number is kept as
     text. Raises ValueError when there is no ncu table at all."""
     kernels: dict = {}
-    for row in ncu_traffic.ncu_csv_rows(text):
+    for row in nsight.ncu_csv_rows(text):
         if not row.get("Metric Name"):
             continue
         key = row.get("ID") or str(len(kernels))
         kernel = kernels.setdefault(key, {"id": key, "name": row.get("Kernel Name") or "", "metrics": {}})
         value = _number(row.get("Metric Value"))
         if isinstance(value, float):
-            value *= ncu_traffic.unit_scale(row)
+            value *= nsight.unit_scale(row)
         kernel["metrics"][row["Metric Name"]] = value
     return sorted(kernels.values(), key=lambda k: int(k["id"]) if str(k["id"]).isdigit() else 0)
 
@@ -238,7 +239,7 @@ def _call(contender: str, q, k, v):
         from .launcher import forward
 
         return lambda: forward(q, k, v)
-    from ...bench.measure import sdpa_call
+    from ...tuning import sdpa_call
 
     return sdpa_call(q, k, v, _SDPA_BACKENDS[contender])
 
@@ -260,9 +261,9 @@ def run_child(contender: str, shape, dtype: str, warmup: int) -> None:
     call()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()  # ... to here: the kernels of this one call
-    from ...bench.results import environment
+    from ...results_files import environment
 
-    print(ncu_traffic.ENVIRONMENT_TAG + json.dumps(environment()), flush=True)
+    print(nsight.ENVIRONMENT_TAG + json.dumps(environment()), flush=True)
     print(_CHILD_TAG + json.dumps({"contender": contender, "shape": list(shape), "dtype": dtype}), flush=True)
 
 
@@ -290,7 +291,7 @@ def profile_one(ncu: str, contender: str, shape, dtype: str, warmup: int, metric
     metrics = list(metrics)
     for _ in range(4):
         command = ncu_command(ncu, contender, shape, dtype, warmup, metrics)
-        record["ncu_command"] = ncu_traffic.recorded_command(command)  # no machine paths in the results
+        record["ncu_command"] = nsight.recorded_command(command)  # no machine paths in the results
         print("running:", " ".join(command[:12]), "...", contender, shape, file=sys.stderr, flush=True)
         start = time.monotonic()
         try:
@@ -320,7 +321,7 @@ def profile_one(ncu: str, contender: str, shape, dtype: str, warmup: int, metric
                            for k in kernels],
                   metrics={m: measured.get(m) for m in METRICS},
                   missing=[m for m in METRICS if not isinstance(measured.get(m), float)],
-                  environment=ncu_traffic.environment_from(done.stdout))
+                  environment=nsight.environment_from(done.stdout))
     record["summary"] = summary(record)
     return record
 
@@ -346,7 +347,7 @@ def build_result(runs: list, *, command: str, ncu_version, metrics_missing, envi
     }
 
 
-_shown = ncu_traffic.shown_path  # the name tests/test_mma.py calls
+_shown = shown_path  # the name tests/test_mma.py calls
 
 
 def _shape(text: str):
@@ -380,7 +381,7 @@ def main(argv=None) -> int:
         run_child(args.contenders[0], args.shapes[0], args.dtype, args.warmup)
         return 0
     from ...backend import BACKEND
-    from ...bench.results import REPO_ROOT, save_results
+    from ...results_files import REPO_ROOT, recorded_arguments, save_results
 
     if not BACKEND.is_gpu:
         parser.error("profiling needs a CUDA GPU, and this machine runs the CUDA simulator")
@@ -391,7 +392,7 @@ def main(argv=None) -> int:
     runs = []
     out = args.json
     # the output as the repository names it, not as this machine does
-    command = "python -m wb_kernels.stages.mma.profile " + ncu_traffic.recorded_arguments(
+    command = "python -m wb_kernels.stages.mma.profile " + recorded_arguments(
         argv if argv is not None else sys.argv[1:], REPO_ROOT)
     for shape in args.shapes:
         for contender in args.contenders:
@@ -403,7 +404,7 @@ def main(argv=None) -> int:
                 f"occupancy {s['achieved_occupancy_pct']}%" if run["status"] == "ok" and s.get("duration_ms")
                 else f" ({run.get('reason', '')})"), flush=True)
             result = build_result([dict(r) for r in runs], command=command,
-                                  ncu_version=ncu_traffic.ncu_version(args.ncu),
+                                  ncu_version=nsight.ncu_version(args.ncu),
                                   metrics_missing=set(missing).union(*(r.get("refused", []) for r in runs)))
             if out is None:
                 gpu = (result.get("gpu") or "gpu").lower()

@@ -199,7 +199,7 @@ def loop_smem_prediction(variant, B: int, H: int, L: int) -> dict:
     the ``cp.async`` copies of the Q tile and of every K and V tile into shared memory (16 bytes a lane, 512 a warp
     instruction). The epilogue's staging of O (once per block) is left out. Counts are warp instructions, as Nsight
     Compute's ``smsp__sass_inst_executed_op_ldsm`` and ``..._ldgsts`` count them."""
-    from ...bench.sweeps import attention_flops
+    from ...attention_costs import attention_flops
 
     D, warps = variant.head_dim, variant.num_warps
     blocks = B * H * -(-L // variant.block_m)
