@@ -10,8 +10,10 @@ Files:
   flight per lane, the KV group's query heads in registers), built with torch's ``load_inline``; what ``wb.decode``
   runs on a GPU for float16/bfloat16 at D 64 or 128;
 - ``launcher.py``: launching them, the paged-cache helpers, and this stage's ``wb.attention`` entry;
-- ``slider.py``: the logic behind the lesson's figures and slider (a decode step's FLOPs and bytes on the roofline,
-  the merge's weights, splits and blocks per workload against the SMs, a paged cache against contiguous ones);
+- ``costs.py``: what a decode step costs (FLOPs and bytes, the merge's weights, splits and blocks per workload against
+  the SMs, a paged cache against contiguous ones); ``figures.py``: the lesson's figures drawn from them;
+  ``committed_runs.py``: the committed GPU runs the lesson reads; ``slider.py``: the lesson's slider, and every name
+  the lesson reads as ``decode_slider``;
 - ``tune.py``: builds, checks and times the CUDA kernels' launch settings and split counts on a GPU (``--mma-sweep``:
   the tensor-core kernel's builds A/B'd in one run);
 - ``exercises.py`` and ``solutions.py``: the lesson's exercises and its puzzle (the merge), their worked answers;
@@ -19,9 +21,10 @@ Files:
 - the decode entry point itself is ``wb.decode`` (``wb_kernels/decoding.py``).
 
 The LLaMA-shaped decoder that lesson 07 generates with is a user of this rung, not part of it:
-``wb_kernels/models/llama_decoder.py`` and its tokens-per-second benchmark ``wb_kernels/models/decoder_tokens.py``.
+``wb_kernels/models/llama_decoder.py`` and its tokens-per-second benchmark ``wb_kernels/bench/decoder_tokens.py``.
 What code outside the rung may use (the benchmark's contenders) is exported here: ``decode_forward`` (the launcher
-behind ``wb.decode``, without its validation) and the CUDA kernel's dtypes and head dims.
+behind ``wb.decode``, without its validation), the CUDA kernel's dtypes and head dims, and ``decoder_table`` (the
+decoder benchmark's file as the lesson prints it, which the benchmark's README section prints too).
 
 Lesson: ``notebooks/07_decode.ipynb``; tests: ``tests/test_decode.py``.
 """
@@ -29,6 +32,7 @@ Lesson: ``notebooks/07_decode.ipynb``; tests: ``tests/test_decode.py``.
 import math
 
 from .. import Stage
+from .committed_runs import decoder_table
 from .launcher import CUDA_KERNEL_DTYPES, CUDA_KERNEL_HEAD_DIMS, decode_forward, forward
 from .splitkv import split_bounds
 
@@ -53,4 +57,4 @@ STAGE = Stage(
     linear_memory=True,
 )
 
-__all__ = ["STAGE", "split_bounds", "decode_forward", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS"]
+__all__ = ["STAGE", "split_bounds", "decode_forward", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "decoder_table"]
