@@ -2,10 +2,14 @@
 
 What every CUDA C++ rung shares:
 
-- :class:`EditableSource`: a ``.cu`` file of the package that a lesson shows region by region (``// region: NAME``).
-  A notebook cell that starts with ``# region: NAME (wb_kernels/stages/<rung>/<file>.cu)`` holds C++; once
+- :class:`EditableSource`: a ``.cu`` file of the package and the package's headers it includes
+  (``#include "file.cuh"``, recursively), which a lesson shows region by region (``// region: NAME``). A notebook
+  cell that starts with ``# region: NAME (wb_kernels/stages/<rung>/<file>.cu)`` (or ``.cuh``) holds C++; once
   :func:`enable_region_cells` has run, running the cell records the learner's version of that region, and the
-  next build or compile of that file uses it.
+  next build or compile of every source that includes the file uses it. What nvcc compiles is one text, the headers
+  put in behind ``#line`` directives, so the cache key below covers every file.
+- :class:`Extension`: a rung's extension (source, exported functions) with the ``build`` and ``extension``
+  functions every rung's ``build.py`` offers.
 - :func:`build_extension` (needs a CUDA GPU and a CUDA build of torch): ``torch.utils.cpp_extension.load_inline``
   turns a source into a Python extension. Its name carries a hash of the source and the flags, so an edited source
   (or other flags) is a new extension and is rebuilt, and an unchanged one is loaded from the cache in
@@ -39,9 +43,9 @@ from .cuda_toolchain import NvccNotFound, find_cuobjdump, find_nvcc  # noqa: F40
 from .sync import PACKAGE_ROOT, install_input_transformer, lines_changed, module_regions, replace_region
 
 __all__ = [
-    "CudaBuildError", "NvccNotFound", "EditableSource", "enable_region_cells", "record_region_cell", "build_flags",
+    "CudaBuildError", "NvccNotFound", "EditableSource", "Extension", "enable_region_cells", "record_region_cell", "build_flags",
     "extension_name", "build_extension", "find_nvcc", "find_cuobjdump", "compile_cubin", "PtxasEntry",
-    "ptxas_entries", "sass_lines", "trim_compiler_output", "gencode", "serialized_wgmma",
+    "ptxas_entries", "sass_lines", "trim_compiler_output", "gencode", "serialized_wgmma", "source_files",
 ]
 
 
@@ -52,74 +56,174 @@ class CudaBuildError(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 # A source, with the learner's edits
 
-_SOURCES: dict = {}  # name as lessons write it -> EditableSource
+_OWNERS: dict = {}  # every file of every source, as lessons name it ("wb_kernels/stages/<rung>/<file>") -> a source of it
+_EDITS: dict = {}  # file as lessons name it -> {region name: the text the learner ran in the lesson}
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$')
+_LINE_DIRECTIVE = re.compile(r'^#line (\d+) "([^"]+)"$')
+
+
+def _lesson_name(path: Path) -> str:
+    """`path` as lessons name it: relative to the repository ("wb_kernels/stages/<rung>/<file>")."""
+    try:
+        return Path(path).resolve().relative_to(PACKAGE_ROOT.parent).as_posix()
+    except ValueError:
+        return Path(path).as_posix()
 
 
 class EditableSource:
-    """A ``.cu`` file of the package and the regions a learner edited in this Python process."""
+    """A ``.cu`` file of the package (the translation unit), the package's headers it includes with
+    ``#include "file.cuh"`` (found next to the including file, looked for recursively), and the regions a learner
+    edited in any of those files in this Python process.
+
+    What nvcc compiles is one text: the ``.cu`` file with each of its headers put in place of its ``#include`` line
+    (each header once), behind ``#line`` directives, so that compiler messages name the right file and line. A
+    source's cache key (:func:`extension_name` of that text) therefore covers every file, with the learner's edits.
+    A region cell may name any of the files (``# region: NAME (wb_kernels/stages/<rung>/<file>.cuh)``); region names
+    are unique across a source's files, so :meth:`set_region` finds the file by the name alone."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.name = self.path.relative_to(PACKAGE_ROOT.parent).as_posix()  # "wb_kernels/stages/<rung>/<file>.cu"
         self.file_name = self.path.name  # what compiler messages call it
-        self._edits: dict = {}  # region name -> text the learner ran in the lesson
-        _SOURCES[self.name] = self
+        for file in self.files():
+            _OWNERS.setdefault(file, self)
+
+    # -- the files
+    def _key(self, path: Path) -> str:
+        return self.name if Path(path) == self.path else _lesson_name(path)
+
+    def _includes(self, path: Path) -> list:
+        """The package's headers `path` includes with quotes, in order (a quoted name that is no file there is left
+        to the compiler)."""
+        found = []
+        for line in Path(path).read_text().splitlines():
+            match = _LOCAL_INCLUDE.match(line)
+            if match and (Path(path).parent / match.group(1)).is_file():
+                found.append((Path(path).parent / match.group(1)).resolve())
+        return found
+
+    def files(self) -> dict:
+        """{file as lessons name it: path}: the ``.cu`` file first, then every header it includes, recursively."""
+        found, pending = {}, [self.path]
+        while pending:
+            path = pending.pop(0)
+            if self._key(path) in found:
+                continue
+            found[self._key(path)] = path
+            pending.extend(self._includes(path))
+        return found
+
+    def _file_of_region(self, name: str) -> str:
+        holders = [file for file, path in self.files().items() if name in module_regions(path)]
+        if not holders:
+            every = sorted(r for path in self.files().values() for r in module_regions(path))
+            raise KeyError(f"{self.name} and its headers have no region {name!r}; they have {every}")
+        return holders[0]
+
+    # -- the text nvcc compiles
+    def _expand(self, path: Path, edits: dict, done: set) -> str:
+        key = self._key(path)
+        done.add(key)
+        text = Path(path).read_text()
+        for name, body in edits.get(key, {}).items():
+            text = self._replace_region(text, name, body, key)
+        lines, out = text.split("\n"), []
+        for number, line in enumerate(lines, start=1):
+            if line.strip() == "#pragma once":  # a header's guard: it is put in once here, and a main file warns of it
+                out.append("")
+                continue
+            match = _LOCAL_INCLUDE.match(line)
+            header = (Path(path).parent / match.group(1)) if match else None
+            if header is None or not header.is_file():
+                out.append(line)
+                continue
+            header = header.resolve()
+            if self._key(header) not in done:  # each header once, as include guards would have it
+                out.append(f'#line 1 "{header.name}"')
+                out.append(self._expand(header, edits, done).rstrip("\n"))
+            out.append(f'#line {number + 1} "{Path(path).name}"')
+        return "\n".join(out)
+
+    def _source(self, edits: dict) -> str:
+        return self._expand(self.path, edits, set())
 
     def package_source(self) -> str:
-        """The file as the package ships it."""
-        return self.path.read_text()
+        """The files as the package ships them, the headers put in: what nvcc compiles."""
+        return self._source({})
 
-    def _replace_region(self, source: str, name: str, text: str) -> str:
+    def _replace_region(self, source: str, name: str, text: str, file: str | None = None) -> str:
         try:
             return replace_region(source, name, text, comment="//")
         except KeyError:
-            raise KeyError(f"{self.name} has no region {name!r}") from None
+            raise KeyError(f"{file or self.name} has no region {name!r}") from None
+
+    def _edits(self) -> dict:
+        return {file: dict(_EDITS[file]) for file in self.files() if _EDITS.get(file)}
 
     def current_source(self) -> str:
         """The package source with every region the learner edited in this Python process put in."""
-        source = self.package_source()
-        for name, text in self._edits.items():
-            source = self._replace_region(source, name, text)
-        return source
+        return self._source(self._edits())
 
     def source_with(self, name: str, text: str) -> str:
         """The package source with `text` in region `name` (a one-off version, e.g. a puzzle's answer)."""
-        return self._replace_region(self.package_source(), name, text)
+        return self._source({self._file_of_region(name): {name: text}})
 
-    def set_region(self, name: str, text: str, verbose: bool = True) -> bool:
-        """Use `text` for region `name` in later builds; returns (and prints) whether it differs from the package."""
-        shipped = module_regions(self.path)
+    def set_region(self, name: str, text: str, verbose: bool = True, file: str | None = None) -> bool:
+        """Use `text` for region `name` (of `file`, by default the file that has it) in later builds; returns (and
+        prints) whether it differs from the package."""
+        file = file or self._file_of_region(name)
+        shipped = module_regions(self.files()[file])
         if name not in shipped:
-            raise KeyError(f"{self.name} has no region {name!r}; it has {sorted(shipped)}")
+            raise KeyError(f"{file} has no region {name!r}; it has {sorted(shipped)}")
         text = text.strip("\n")
         if text == shipped[name]:
-            self._edits.pop(name, None)
+            _EDITS.get(file, {}).pop(name, None)
             if verbose:
-                print(f"region {name}: as in {self.name}")
+                print(f"region {name}: as in {file}")
             return False
-        self._edits[name] = text
+        _EDITS.setdefault(file, {})[name] = text
         if verbose:
             changed = lines_changed(shipped[name], text)
-            print(f"region {name}: edited ({changed} line(s) differ from {self.name}); "
+            print(f"region {name}: edited ({changed} line(s) differ from {file}); "
                   "the next build compiles your version")
         return True
 
     def reset_regions(self) -> None:
         """Forget the learner's edits: builds use the package source again."""
-        self._edits.clear()
+        for file in self.files():
+            _EDITS.pop(file, None)
 
     def edited_regions(self) -> list:
-        return sorted(self._edits)
+        return sorted(name for edits in self._edits().values() for name in edits)
 
 
-_REGION_CELL = re.compile(r"^# region: (\w+) \((wb_kernels/[\w/.]+\.cu)\)\s*$")
+def source_files(source: str, file_name: str) -> dict:
+    """{file name: text} of the files a compiled `source` names in its ``#line`` directives (and `file_name`, the
+    file its first lines belong to), each with the lines of it that `source` holds at their line numbers (a line
+    that `source` replaced, an ``#include`` say, is blank). The compiler reads these files to show an offending line,
+    and ninja counts them among the build's dependencies. A source without directives is `file_name` as it is."""
+    if "#line " not in source:
+        return {file_name: source}
+    files: dict = {}
+    current, number = file_name, 1
+    for line in source.split("\n"):
+        match = _LINE_DIRECTIVE.match(line)
+        if match:
+            number, current = int(match.group(1)), match.group(2)
+            continue
+        files.setdefault(current, {})[number] = line
+        number += 1
+    return {name: "\n".join(lines.get(i, "") for i in range(1, max(lines) + 1)) + "\n" for name, lines in files.items()}
+
+
+_REGION_CELL = re.compile(r"^# region: (\w+) \((wb_kernels/[\w/.]+\.cuh?)\)\s*$")
 
 
 def _region_cell_transform(lines: list) -> list:
-    """IPython input transformer: a cell headed ``# region: NAME (wb_kernels/stages/<rung>/<file>.cu)`` holds
-    C++; turn it into the Python call that records it."""
+    """IPython input transformer: a cell headed ``# region: NAME (wb_kernels/stages/<rung>/<file>.cu)`` (or a
+    ``.cuh`` header of it) holds C++; turn it into the Python call that records it."""
     match = _REGION_CELL.match(lines[0].rstrip("\n")) if lines else None
-    if match is None or match.group(2) not in _SOURCES:
+    if match is None or match.group(2) not in _OWNERS:
         return lines
     name, source = match.groups()
     text = "".join(lines[1:])
@@ -127,8 +231,9 @@ def _region_cell_transform(lines: list) -> list:
 
 
 def record_region_cell(source: str, name: str, text: str) -> None:
-    """What a C++ region cell runs: ``set_region``, returning nothing (so the cell shows one line)."""
-    _SOURCES[source].set_region(name, text)
+    """What a C++ region cell runs: ``set_region`` for region `name` of file `source`, returning nothing (so the
+    cell shows one line)."""
+    _OWNERS[source].set_region(name, text, file=source)
 
 
 def enable_region_cells() -> bool:
@@ -220,18 +325,26 @@ _trim_compiler_output = trim_compiler_output  # the old name, which tests/test_w
 _loaded: dict = {}
 
 
+def _write_source_files(directory: Path, source: str, file_name: str) -> None:
+    """Every file :func:`source_files` finds in `source`, written to `directory` only where it changed."""
+    for name, text in source_files(source, file_name).items():
+        named_copy = directory / name
+        if not named_copy.exists() or named_copy.read_text() != text:
+            named_copy.write_text(text)
+
+
 def prepare_build_directory(build_dir: Path, source: str, file_name: str) -> str:
     """Make `build_dir` and return the text to hand to load_inline: `source` behind ``#line 1 "<file_name>"``,
-    so that compiler messages point at lines of that file, not of load_inline's copy.
+    so that compiler messages point at lines of that file, not of load_inline's copy (and a source with headers put
+    in by :class:`EditableSource`, at lines of theirs).
 
     The directive makes nvcc list `file_name` among the dependencies it reports to ninja; a dependency
     that does not exist marks the build out of date, and every new process then recompiled the extension
     (a minute) instead of loading it. So the source is also written there under that name, and rewritten only
-    when it changed, so that its timestamp stays older than the library built from it."""
+    when it changed, so that its timestamp stays older than the library built from it; so are the headers the
+    source's ``#line`` directives name (:func:`source_files`)."""
     build_dir.mkdir(parents=True, exist_ok=True)
-    named_copy = build_dir / file_name
-    if not named_copy.exists() or named_copy.read_text() != source:
-        named_copy.write_text(source)
+    _write_source_files(build_dir, source, file_name)
     return f'#line 1 "{file_name}"\n{source}'
 
 
@@ -279,6 +392,45 @@ def build_extension(source: str, *, file_name: str, declarations: str, functions
     return module
 
 
+class Extension:
+    """A rung's extension as its ``build.py`` describes it: the source (an :class:`EditableSource`; `compose`, when
+    given, turns its text into what nvcc compiles), the C++ declarations of the functions it exports, and which text
+    :meth:`build` compiles by default (`default`: "current", the learner's edits put in, or "package"). A rung's
+    ``build`` and ``extension`` are this object's methods."""
+
+    def __init__(self, source: EditableSource, declarations: str, functions: list, *, compose=None,
+                 default: str = "current"):
+        if default not in ("current", "package"):
+            raise ValueError(f"default={default!r}: 'current' or 'package'")
+        self.source, self.declarations, self.functions = source, declarations, list(functions)
+        self._compose = compose or (lambda text: text)
+        self.default = default
+        self._module = None
+
+    def package_source(self) -> str:
+        """What nvcc compiles for the package's files as shipped."""
+        return self._compose(self.source.package_source())
+
+    def current_source(self) -> str:
+        """What nvcc compiles with the learner's edits (the lesson's region cells) put in."""
+        return self._compose(self.source.current_source())
+
+    def build(self, source: str | None = None, *, flags: list | None = None, verbose: bool = False):
+        """Compile (or load from the disk cache) the extension from `source` (by default the package's text, or the
+        learner's edits put in: see the class); returns the Python module. Needs a CUDA GPU and a CUDA torch."""
+        if source is None:
+            source = self.current_source() if self.default == "current" else self.package_source()
+        return build_extension(source, file_name=self.source.file_name, declarations=self.declarations,
+                               functions=self.functions, flags=flags, verbose=verbose, display_name=self.source.name)
+
+    def extension(self):
+        """The package's extension (the learner's edits left out), built or loaded from the disk cache once per
+        process: what ``wb.attention`` and ``wb.decode`` call, without reading or hashing the source on every call."""
+        if self._module is None:
+            self._module = self.build(self.package_source())
+        return self._module
+
+
 # ---------------------------------------------------------------------------------------------
 # Without a GPU: nvcc alone
 
@@ -313,11 +465,14 @@ def compile_cubin(arch: str, source: str, file_name: str, display_name: str | No
     if key in _cubins and Path(_cubins[key][0]).exists():
         return _cubins[key]
     workdir = Path(tempfile.mkdtemp(prefix="wb_nvcc_"))
-    cu = workdir / file_name
-    cu.write_text(source)
+    # the compiled text behind a #line directive naming `file_name`, and the files its directives name beside it, so
+    # that messages name flash_wmma.cu (relative: not a temp dir) and show its lines, headers put in or not
+    _write_source_files(workdir, source, file_name)
+    cu = workdir / "wb_compiled_source.cu"
+    cu.write_text(f'#line 1 "{file_name}"\n{source}')
     cubin = workdir / f"{Path(file_name).stem}_sm{arch}.cubin"
     command = [nvcc, "-std=c++17", "-O3", "--use_fast_math", "-DWB_KERNEL_ONLY", *extra_flags, "-cubin",
-               *gencode(arch), "-Xptxas", "-v", "-o", cubin.name, cu.name]  # relative: messages name flash_wmma.cu, not a temp dir
+               *gencode(arch), "-Xptxas", "-v", "-o", cubin.name, cu.name]
     result = subprocess.run(command, capture_output=True, text=True, cwd=workdir)
     log = result.stdout + result.stderr
     if result.returncode != 0:

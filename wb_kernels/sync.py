@@ -105,9 +105,23 @@ def notebook_regions(notebook_path) -> list:
     return [(name, module, text) for _, _, name, module, text in _region_cells(notebook)]
 
 
+def _moved_to(relative_path: str, name: str):
+    """None when ``relative_path`` has region `name`; else the one file of its folder that has it now (a file split
+    in several, a region moved to a header), as lessons name it. Raises KeyError when none or several have it."""
+    path = PACKAGE_ROOT.parent / relative_path
+    if path.is_file() and name in module_regions(path):
+        return None
+    holders = [other for other in sorted(path.parent.glob("*")) if other.suffix in (".py", ".cu", ".cuh")
+               and name in module_regions(other)]
+    if len(holders) != 1:
+        raise KeyError(f"{relative_path} has no region {name!r}, and {len(holders)} files beside it have one")
+    return holders[0].relative_to(PACKAGE_ROOT.parent).as_posix()
+
+
 def resync_notebook(notebook_path) -> list:
     """Rewrite every region cell of a lesson from the package (after a kernel changed there); keeps the
-    cells' outputs. Returns the names of the regions whose text changed.
+    cells' outputs. A region that moved to another file of its folder (a file split in several) gets that file's
+    name in its cell's header. Returns the names of the regions whose cell changed.
 
         python -m wb_kernels.sync notebooks/02_naive.ipynb ...
     """
@@ -115,8 +129,11 @@ def resync_notebook(notebook_path) -> list:
     notebook = json.loads(path.read_text())
     changed = []
     for cell, header, name, module, text in _region_cells(notebook):
+        moved = _moved_to(module, name)
+        if moved is not None:
+            module, header = moved, f"# region: {name} ({moved})"
         package_text = region_source(module, name)
-        if text != package_text:
+        if text != package_text or moved is not None:
             cell["source"] = (header + "\n" + package_text).splitlines(keepends=True)
             changed.append(name)
     if changed:  # the layout Jupyter itself writes, so that a resync shows as a small diff

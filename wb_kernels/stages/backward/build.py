@@ -14,12 +14,11 @@ right file and line).
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...cuda_build import CudaBuildError, EditableSource, build_extension, compile_cubin, ptxas_entries
+from ...cuda_build import CudaBuildError, EditableSource, Extension, compile_cubin, ptxas_entries
 from ...sync import module_regions
 from ..mma import build as mma_build
 
@@ -85,31 +84,15 @@ def _with_forward_regions(source: str) -> str:
     return (source[:match.start()] + "\n".join(pieces) + f'\n#line {resume} "{LINE_NAME}"' + source[match.end():])
 
 
-def package_source() -> str:
-    """The file as the package ships it, with the forward's shared regions put in: what nvcc compiles."""
-    return _with_forward_regions(SOURCE.package_source())
-
-
-def current_source() -> str:
-    """The file with the learner's edits (the lesson's region cells), the forward's shared regions put in."""
-    return _with_forward_regions(SOURCE.current_source())
-
-
-def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
-    """Compile (or load from the cache) the backward's extension; returns the Python module. Needs a CUDA GPU.
-
-    `source` defaults to :func:`current_source` (the package's file with the learner's edits), as the mma stage's
-    ``build`` does; what ``wb.attention`` runs is :func:`extension`, the package's file as shipped.
-    """
-    source = current_source() if source is None else source
-    return build_extension(source, file_name=LINE_NAME, declarations=_CPP_DECLARATION, functions=_FUNCTIONS,
-                           flags=flags, verbose=verbose, display_name=SOURCE_NAME)
-
-
-@functools.cache
-def extension():
-    """The package's extension (the learner's edits left out), built or loaded once per process."""
-    return build(package_source())
+# The text nvcc compiles is the file with the forward's shared regions put in: package_source() as shipped,
+# current_source() with the learner's edits (the lesson's region cells); build(source=None, *, flags=None,
+# verbose=False) compiles current_source() by default, as the mma stage's does; extension() is the package's, once
+# per process: what wb.attention runs
+EXTENSION = Extension(SOURCE, _CPP_DECLARATION, _FUNCTIONS, compose=_with_forward_regions)
+package_source = EXTENSION.package_source
+current_source = EXTENSION.current_source
+build = EXTENSION.build
+extension = EXTENSION.extension
 
 
 def shared_memory_bytes(variant: Variant, kernel: str) -> int:

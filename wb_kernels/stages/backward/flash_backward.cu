@@ -462,6 +462,8 @@ template __global__ void wb::convert_dq_kernel<__nv_bfloat16>(const float*, __nv
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include "../host_checks.cuh"
+
 namespace wb {
 
 template <typename Kernel>
@@ -536,12 +538,7 @@ std::vector<torch::Tensor> flash_backward(torch::Tensor q, torch::Tensor k, torc
                 lse.size(0) == B && lse.size(1) == H && lse.size(2) == Lq,
                 "flash_backward: lse must be a contiguous CUDA float32 tensor (B, H, Lq)");
     TORCH_CHECK(std::isfinite(scale), "flash_backward: the scale must be finite (got ", scale, ")");
-    const bool has_mask = key_keep.numel() > 0;
-    if (has_mask) {
-        TORCH_CHECK(key_keep.is_cuda() && key_keep.scalar_type() == torch::kUInt8 && key_keep.is_contiguous() &&
-                    key_keep.dim() == 2 && key_keep.size(0) == B && key_keep.size(1) == Lk,
-                    "flash_backward: key_keep must be a contiguous CUDA uint8 tensor (B, Lk)");
-    }
+    const uint8_t* keep = wb::key_keep_pointer(key_keep, B, Lk, "flash_backward");  // nullptr: no mask
     const c10::cuda::CUDAGuard guard(q.device());
     auto dq = torch::empty_like(q);
     auto dk = torch::empty_like(k);
@@ -569,7 +566,7 @@ std::vector<torch::Tensor> flash_backward(torch::Tensor q, torch::Tensor k, torc
     params.dq = version == 2 ? dq_accum.data_ptr() : dq.data_ptr();
     params.dk = dk.data_ptr();
     params.dv = dv.data_ptr();
-    params.key_keep = has_mask ? key_keep.data_ptr<uint8_t>() : nullptr;
+    params.key_keep = keep;
     params.B = static_cast<int>(B);
     params.H = static_cast<int>(H);
     params.Lq = static_cast<int>(Lq);

@@ -509,6 +509,8 @@ WB_FOR_EACH_MMA_VARIANT(WB_INSTANTIATE_BOTH)
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include "../host_checks.cuh"
+
 namespace wb {
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int ROW_TILES, int BLOCK_N, bool Q_IN_REGISTERS>
@@ -562,12 +564,7 @@ std::vector<torch::Tensor> flash_mma_forward(torch::Tensor q, torch::Tensor k, t
     TORCH_CHECK(k.size(0) == B && k.size(1) > 0 && H % k.size(1) == 0 && k.size(3) == D && v.sizes() == k.sizes(),
                 "flash_mma: k and v must be (B, Hk, Lk, D) with q's B and D, and Hk dividing H");
     TORCH_CHECK(scale > 0, "flash_mma: the launcher passes a positive scale (got ", scale, ")");
-    const bool has_mask = key_keep.numel() > 0;
-    if (has_mask) {
-        TORCH_CHECK(key_keep.is_cuda() && key_keep.scalar_type() == torch::kUInt8 && key_keep.is_contiguous() &&
-                    key_keep.dim() == 2 && key_keep.size(0) == B && key_keep.size(1) == Lk,
-                    "flash_mma: key_keep must be a contiguous CUDA uint8 tensor (B, Lk)");
-    }
+    const uint8_t* keep = wb::key_keep_pointer(key_keep, B, Lk, "flash_mma");  // nullptr: no mask
     const c10::cuda::CUDAGuard guard(q.device());
     auto out = torch::empty_like(q);
     auto lse = torch::empty({B, H, Lq}, q.options().dtype(torch::kFloat32));
@@ -579,7 +576,7 @@ std::vector<torch::Tensor> flash_mma_forward(torch::Tensor q, torch::Tensor k, t
     params.v = v.data_ptr();
     params.out = out.data_ptr();
     params.lse = lse.data_ptr<float>();
-    params.key_keep = has_mask ? key_keep.data_ptr<uint8_t>() : nullptr;
+    params.key_keep = keep;
     params.B = static_cast<int>(B);
     params.H = static_cast<int>(H);
     params.Lq = static_cast<int>(Lq);

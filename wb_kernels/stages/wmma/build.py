@@ -11,13 +11,12 @@
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...cuda_build import (CudaBuildError, EditableSource, build_extension, compile_cubin, enable_region_cells,
-                           ptxas_entries, sass_lines)
+from ...cuda_build import (CudaBuildError, EditableSource, Extension, compile_cubin, enable_region_cells, ptxas_entries,
+                           sass_lines)
 
 __all__ = ["SOURCE", "SOURCE_PATH", "SOURCE_NAME", "LINE_NAME", "VARIANTS", "KernelResources", "package_source",
            "current_source", "set_region", "reset_regions", "edited_regions", "enable_region_cells", "build", "extension",
@@ -42,25 +41,12 @@ current_source = SOURCE.current_source
 set_region = SOURCE.set_region
 reset_regions = SOURCE.reset_regions
 edited_regions = SOURCE.edited_regions
+# build(source=None, *, flags=None, verbose=False): the extension, by default from current_source() (the learner's
+# edits put in); extension(): the package's (edits left out), once per process: what wb.attention calls
+EXTENSION = Extension(SOURCE, _CPP_DECLARATION, _FUNCTIONS)
+build = EXTENSION.build
+extension = EXTENSION.extension
 
-
-def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
-    """Compile (or load from the cache) the tensor-core kernel's extension; returns the Python module.
-
-    `source` defaults to :func:`current_source` (the package's kernel with the learner's edits).
-    Needs a CUDA GPU and a CUDA build of torch.
-    """
-    source = current_source() if source is None else source
-    return build_extension(source, file_name=LINE_NAME, declarations=_CPP_DECLARATION, functions=_FUNCTIONS,
-                           flags=flags, verbose=verbose, display_name=SOURCE_NAME)
-
-
-
-@functools.cache
-def extension():
-    """The package's kernel (the learner's edits left out), built or loaded from the disk cache once per process:
-    what ``wb.attention`` calls, without reading or hashing the source again on every call."""
-    return build(package_source())
 
 @dataclass(frozen=True)
 class KernelResources:

@@ -454,6 +454,8 @@ WB_FOR_EACH_VARIANT(WB_INSTANTIATE_ALL)
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include "../host_checks.cuh"
+
 namespace wb {
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, bool Q_IN_REGISTERS, int ROW_FRAGS>
@@ -505,12 +507,7 @@ std::vector<torch::Tensor> flash_wmma_forward(torch::Tensor q, torch::Tensor k, 
     TORCH_CHECK(D == 64 || D == 128, "flash_wmma: head dim must be 64 or 128, got ", D);
     TORCH_CHECK(k.size(0) == B && k.size(1) > 0 && H % k.size(1) == 0 && k.size(3) == D && v.sizes() == k.sizes(),
                 "flash_wmma: k and v must be (B, Hk, Lk, D) with q's B and D, and Hk dividing H");
-    const bool has_mask = key_keep.numel() > 0;
-    if (has_mask) {
-        TORCH_CHECK(key_keep.is_cuda() && key_keep.scalar_type() == torch::kUInt8 && key_keep.is_contiguous() &&
-                    key_keep.dim() == 2 && key_keep.size(0) == B && key_keep.size(1) == Lk,
-                    "flash_wmma: key_keep must be a contiguous CUDA uint8 tensor (B, Lk)");
-    }
+    const uint8_t* keep = wb::key_keep_pointer(key_keep, B, Lk, "flash_wmma");  // nullptr: no mask
     const c10::cuda::CUDAGuard guard(q.device());
     auto out = torch::empty_like(q);
     auto lse = torch::empty({B, H, Lq}, q.options().dtype(torch::kFloat32));
@@ -521,7 +518,7 @@ std::vector<torch::Tensor> flash_wmma_forward(torch::Tensor q, torch::Tensor k, 
     params.v = v.data_ptr();
     params.out = out.data_ptr();
     params.lse = lse.data_ptr<float>();
-    params.key_keep = has_mask ? key_keep.data_ptr<uint8_t>() : nullptr;
+    params.key_keep = keep;
     params.B = static_cast<int>(B);
     params.H = static_cast<int>(H);
     params.Lq = static_cast<int>(Lq);
