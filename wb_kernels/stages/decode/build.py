@@ -1,29 +1,35 @@
-"""The CUDA C++ decode kernel's build: ``flash_decode.cu`` described to the shared :mod:`wb_kernels.cuda_build`.
+"""The CUDA C++ decode kernels' build: ``decode_host.cu`` and the headers it includes, described to the shared
+:mod:`wb_kernels.cuda_build`.
+
+The files (``stages/decode/``): ``decode_params.cuh`` (the parameters, NaN tests, 16-byte loads), ``decode_merge.cuh``
+(the merges of a sequence's splits), ``decode_split_kernel.cuh`` (the split kernel), ``decode_mma_kernel.cuh`` (the
+tensor-core kernel for MQA and large groups): device code another kernel can include; ``decode_host.cu``: the
+extension's translation unit (launches, torch entry points). :data:`SOURCE` is all of them: what nvcc compiles is
+``decode_host.cu`` with its headers put in (:class:`~wb_kernels.cuda_build.EditableSource`).
 
 - :func:`extension` (needs a CUDA GPU and a CUDA build of torch): the extension with ``flash_decode_forward``, built
   once per process from the package's source (the first build takes a minute or more, and says so) and cached on
   disk; later calls return the loaded module without reading or hashing the source again (per-call overhead).
-- :func:`enable_region_cells`: lets lesson 07's C++ cells (``# region: NAME (wb_kernels/stages/decode/flash_decode.cu)``)
-  run; each records the learner's version of that region, which :func:`nvcc_compile_report` then compiles.
+- :func:`enable_region_cells`: lets lesson 07's C++ cells (``# region: NAME (wb_kernels/stages/decode/<file>)``, any
+  of the files above) run; each records the learner's version of that region, which :func:`nvcc_compile_report`
+  then compiles.
 - :func:`nvcc_compile_report` (needs only nvcc): registers, spills and shared memory of every kernel the launcher can
   choose, for a CPU-only machine and CI.
 """
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...cuda_build import (CudaBuildError, EditableSource, build_extension, compile_cubin, enable_region_cells,
-                           ptxas_entries)
+from ...cuda_build import CudaBuildError, EditableSource, Extension, compile_cubin, enable_region_cells, ptxas_entries
 
 __all__ = ["SOURCE", "SOURCE_NAME", "extension", "build", "nvcc_compile_report", "KernelResources",
            "package_source", "KEYS_PER_STEP", "enable_region_cells", "current_source"]
 
-SOURCE = EditableSource(Path(__file__).resolve().parent / "flash_decode.cu")
-SOURCE_NAME = SOURCE.name  # "wb_kernels/stages/decode/flash_decode.cu"
+SOURCE = EditableSource(Path(__file__).resolve().parent / "decode_host.cu")  # and the headers it includes
+SOURCE_NAME = SOURCE.name  # "wb_kernels/stages/decode/decode_host.cu"
 LINE_NAME = SOURCE.file_name
 _FUNCTIONS = ["flash_decode_forward", "flash_decode_blocks_per_sm", "flash_decode_mma_forward",
               "flash_decode_mma_blocks_per_sm"]
@@ -43,19 +49,11 @@ KEYS_PER_STEP = 8 * 4 * 2
 
 package_source = SOURCE.package_source
 current_source = SOURCE.current_source  # with the regions a learner edited in the lesson (enable_region_cells)
-
-
-def build(source: str | None = None, *, flags: list | None = None, verbose: bool = False):
-    """Compile (or load from the disk cache) the extension from `source` (default: the package's); returns it."""
-    source = package_source() if source is None else source
-    return build_extension(source, file_name=LINE_NAME, declarations=_CPP_DECLARATION, functions=_FUNCTIONS,
-                           flags=flags, verbose=verbose, display_name=SOURCE_NAME)
-
-
-@functools.cache
-def extension():
-    """The package's extension, looked up once per process: what every ``wb.decode`` call uses."""
-    return build()
+# build(source=None, *, flags=None, verbose=False): the extension from `source` (default: the package's);
+# extension(): the package's, looked up once per process: what every wb.decode call uses
+EXTENSION = Extension(SOURCE, _CPP_DECLARATION, _FUNCTIONS, default="package")
+build = EXTENSION.build
+extension = EXTENSION.extension
 
 
 @dataclass(frozen=True)
