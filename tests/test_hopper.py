@@ -2,8 +2,8 @@
 
 On the CPU (CI):
 - the TMA's 128-byte swizzle in NumPy (``tma_swizzle``): the address-bit formula is the mma rung's chunk XOR;
-- the compile check with nvcc alone, for sm_90a: every kernel of ``hopper_lab.cu`` compiles without spills and with
-  the watchdog; its SASS holds ``HGMMA`` (wgmma), ``UTMALDG`` (the TMA load) and the mbarrier's ``SYNCS``; a wgmma
+- the compile check with nvcc alone, for sm_90a: every kernel of ``hopper_host.cu`` (with the headers it includes)
+  compiles without spills and with the watchdog; its SASS holds ``HGMMA`` (wgmma), ``UTMALDG`` (the TMA load) and the mbarrier's ``SYNCS``; a wgmma
   that ptxas serializes (a printf in the kernel) fails the build; the CUDA 13.0 toolkit's nvcc too, when present;
 - the ring model (``barrier_ring``): correct schedules finish under many interleavings, and each classic mistake
   (wrong parity, wrong byte count, a missing release, a wrong arrival count) raises instead of hanging.
@@ -116,7 +116,7 @@ def test_v1_packs_p_from_s_without_moving_data_between_threads(step):
 
 
 def test_the_source_indexes_registers_as_the_python_transcription_says():
-    """The expressions wgmma_fragments.py transcribes, as they stand in hopper_lab.cu: if the kernel changes them,
+    """The expressions wgmma_fragments.py transcribes, as they stand in the kernels: if the kernel changes them,
     this fails until the transcription (and the layout tests above) follow."""
     source = hb.package_source()
     for expression in (

@@ -1,4 +1,10 @@
-"""The Hopper rung's build: ``hopper_lab.cu`` described to the shared :mod:`wb_kernels.cuda_build` (rung ``hopper``).
+"""The Hopper rung's build: ``hopper_host.cu`` and the headers it includes, described to the shared
+:mod:`wb_kernels.cuda_build` (rung ``hopper``).
+
+The files (``stages/hopper/``): ``hopper_primitives_lab.cuh`` (v0, the primitives lab: the mbarrier, TMA, wgmma,
+setmaxnreg and named-barrier wrappers and their unit kernels), ``hopper_attention.cuh`` (the attention versions
+v1-v4, built on the lab), ``hopper_host.cu`` (the extension's translation unit: tensor maps and the torch entry
+points of both). :data:`SOURCE` is all of them (:class:`~wb_kernels.cuda_build.EditableSource`).
 
 - :func:`build` (needs a Hopper GPU and a CUDA build of torch): the extension with ``hopper_tma_tile`` and
   ``hopper_wgmma_gemm``, built for ``-gencode arch=compute_90a,code=sm_90a`` (wgmma exists only on that target), by
@@ -16,13 +22,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...cuda_build import (CudaBuildError, EditableSource, build_extension, build_flags, compile_cubin, gencode,
+from ...cuda_build import (CudaBuildError, EditableSource, Extension, build_flags, compile_cubin, gencode,
                            ptxas_entries, sass_lines, serialized_wgmma)
 
 __all__ = ["SOURCE", "SOURCE_NAME", "ARCH", "WATCHDOG_SECONDS", "GEMM_VARIANTS", "GemmVariant", "KernelResources",
            "package_source", "build_options", "build", "extension", "nvcc_compile_report", "sass", "check_wgmma_not_serialized"]
 
-SOURCE = EditableSource(Path(__file__).resolve().parent / "hopper_lab.cu")
+SOURCE = EditableSource(Path(__file__).resolve().parent / "hopper_host.cu")  # and the headers it includes
 SOURCE_NAME = SOURCE.name
 LINE_NAME = SOURCE.file_name
 ARCH = "sm_90a"  # wgmma and setmaxnreg: Hopper's architecture-specific target
@@ -39,6 +45,7 @@ _CPP_DECLARATION = (
 )
 
 package_source = SOURCE.package_source
+_EXTENSION = Extension(SOURCE, _CPP_DECLARATION, _FUNCTIONS, default="package")  # build() below adds Hopper's checks
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,7 @@ class GemmVariant:
                 f"B {'MN' if self.b_mn_major else 'K'}-major")
 
 
-# As WB_FOR_EACH_GEMM_VARIANT in hopper_lab.cu lists them
+# As WB_FOR_EACH_GEMM_VARIANT in hopper_host.cu lists them
 GEMM_VARIANTS = tuple(GemmVariant(*v) for v in (
     (64, 1, False, False), (64, 4, False, False), (128, 4, False, False), (64, 1, True, False), (64, 4, True, False),
     (128, 4, True, False), (64, 4, False, True), (128, 4, False, True), (64, 4, True, True), (128, 4, True, True)))
@@ -92,8 +99,7 @@ def build(source: str | None = None, *, watchdog_seconds: float | None = WATCHDO
                            f"sm_{major}{minor}: use stage='mma', FlashAttention-2 with mma.sync, which runs on sm_80+")
     options = build_options(watchdog_seconds)
     check_wgmma_not_serialized(source, options)
-    return build_extension(source, file_name=LINE_NAME, declarations=_CPP_DECLARATION, functions=_FUNCTIONS,
-                           flags=build_flags(gencode(ARCH)) + options, verbose=verbose, display_name=SOURCE_NAME)
+    return _EXTENSION.build(source, flags=build_flags(gencode(ARCH)) + options, verbose=verbose)
 
 
 @functools.cache

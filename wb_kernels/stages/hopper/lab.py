@@ -1,4 +1,5 @@
-"""The primitives lab's Python side (rung ``hopper``, v0): each launcher runs one small kernel of ``hopper_lab.cu``.
+"""The primitives lab's Python side (rung ``hopper``, v0): each launcher runs one small kernel of
+``hopper_primitives_lab.cuh``.
 
 Needs a Hopper GPU and a CUDA build of torch. A kernel that waits on an mbarrier hangs when the barrier is wrong:
 the extension is built with the watchdog (``build.WATCHDOG_SECONDS``), and the tests run every launcher in a
@@ -22,7 +23,7 @@ __all__ = ["tma_tile", "wgmma_gemm", "register_split", "named_barrier_turns", "f
            "flash_v4", "SPLIT_LIVE"]
 
 TILE_BYTES = 64 * 128
-SPLIT_LIVE = 200  # values each consumer thread of register_split_kernel keeps live (hopper_lab.cu's SPLIT_LIVE)
+SPLIT_LIVE = 200  # values each consumer thread of register_split_kernel keeps live (the kernel's SPLIT_LIVE)
 
 
 def tma_tile(x, row0: int = 0, column0: int = 0, *, expect_bytes: int | None = None, module=None):

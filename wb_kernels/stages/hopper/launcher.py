@@ -1,11 +1,11 @@
 """Stage 09: FlashAttention on Hopper by hand, TMA + mbarriers + wgmma in CUDA C++ (lesson 09_hopper).
 
-The kernels are in ``hopper_lab.cu``, built by ``build.py`` for ``sm_90a`` the first time the stage runs (cached
-afterwards); ``lab.py`` launches them. This module is what ``wb.attention(..., stage="hopper")`` runs: a version of
-:data:`VERSIONS`, chosen by the head dim (:data:`DEFAULT_VERSION_BY_HEAD_DIM`), on CUDA torch tensors in float16 or
-bfloat16 with head dim 64 or 128 (K and V may have fewer heads: grouped-query attention, read in place; causal
-top-left or bottom-right). It needs a Hopper GPU (sm_90: H100, H200); on any other GPU the build refuses, naming
-``stage="mma"``, which runs on sm_80 and newer.
+The kernels are in ``hopper_attention.cuh`` (their torch entry point in ``hopper_host.cu``), built by ``build.py`` for
+``sm_90a`` the first time the stage runs (cached afterwards); ``lab.py`` launches them. This module is what
+``wb.attention(..., stage="hopper")`` runs: a version of :data:`VERSIONS`, chosen by the head dim
+(:data:`DEFAULT_VERSION_BY_HEAD_DIM`), on CUDA torch tensors in float16 or bfloat16 with head dim 64 or 128 (K and V
+may have fewer heads: grouped-query attention, read in place; causal top-left or bottom-right). It needs a Hopper GPU
+(sm_90: H100, H200); on any other GPU the build refuses, naming ``stage="mma"``, which runs on sm_80 and newer.
 """
 
 from __future__ import annotations
