@@ -1,4 +1,4 @@
-"""Lesson 07 (decode): the decoder's tokens-per-second benchmark (``wb_kernels/models/decoder_tokens.py``), its greedy
+"""Lesson 07 (decode): the decoder's tokens-per-second benchmark (``wb_kernels/bench/decoder_tokens.py``), its greedy
 check and the reader the lesson prints from. On the CPU: the smoke run (TINY, wb.decode on the simulator)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from wb_kernels.models import llama_decoder as dec
 from wb_kernels.stages.decode import slider
-from wb_kernels.models import decoder_tokens as tokens
+from wb_kernels.bench import decoder_tokens as tokens
 
 ROW_FIELDS = ("key", "kind", "config", "dtype", "batch", "context", "mode", "layout", "page_size", "attend", "steps",
               "warmup", "status", "tokens_per_s", "ms_per_step", "attention_ms_per_step", "attention_share",
@@ -43,7 +43,7 @@ def test_smoke_run_writes_a_complete_file(smoke):
     results = json.loads(out.read_text())
     assert results["schema"] == 1 and results["kind"] == "decoder_tokens" and results["mode"] == "smoke"
     assert results["complete"] is True and results["elapsed_s"] > 0
-    assert results["command"].startswith("python -m wb_kernels.models.decoder_tokens --smoke")
+    assert results["command"].startswith("python -m wb_kernels.bench.decoder_tokens --smoke")
     env = results["environment"]
     for key in ("date", "torch", "cuda", "device", "gpu", "git_commit", "backend"):
         assert key in env, key
@@ -176,7 +176,7 @@ def test_greedy_check_finds_the_step_where_a_wrong_attention_diverges(tiny_model
     # noise is not rounding: the check must not excuse it as a near tie
     assert not record["agree_to_rounding"] and not first["near_tie"]
     assert first["logit_max_abs_diff"] > 1e-2
-    assert "suspect" in tokens._greedy_note(record)
+    assert "suspect" in tokens.greedy_note(record)
 
 
 def test_a_near_tie_is_reported_as_one(tiny_model):
@@ -187,7 +187,7 @@ def test_a_near_tie_is_reported_as_one(tiny_model):
               "first_divergence": {"step": 5, "sequence": 1, "reference_token": 3, "other_token": 7,
                                    "reference_top2_margin": 1e-7, "logit_max_abs_diff": 2e-7, "near_tie": True,
                                    "sequences_diverged": 1}}
-    note = tokens._greedy_note(record)
+    note = tokens.greedy_note(record)
     assert "step 5" in note and "near tie" in note and "suspect" not in note
 
 

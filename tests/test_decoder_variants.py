@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from wb_kernels.models import decoder_graphs as dg
-from wb_kernels.models import decoder_tokens as tokens
+from wb_kernels.bench import decoder_tokens as tokens
+from wb_kernels.bench import decoder_variants as variants
 from wb_kernels.models import llama_decoder as dec
 
 ON_CUDA = torch.cuda.is_available()
@@ -154,12 +155,12 @@ def test_a_spent_budget_starts_no_variant(tmp_path):
 
 
 def test_the_deadline_stops_what_runs_past_it():
-    with pytest.raises(tokens._OutOfTime):
-        with tokens._deadline(0.05):
+    with pytest.raises(variants._OutOfTime):
+        with variants._deadline(0.05):
             time.sleep(2)
-    with tokens._deadline(None):  # no budget: nothing armed
+    with variants._deadline(None):  # no budget: nothing armed
         time.sleep(0.01)
-    with tokens._deadline(5.0):  # disarmed on the way out: no alarm later
+    with variants._deadline(5.0):  # disarmed on the way out: no alarm later
         pass
     time.sleep(0.01)
 
@@ -187,7 +188,7 @@ def test_the_smoke_run_of_the_variants(variants_smoke):
     code, results, printed = variants_smoke
     assert code == 0 and results["kind"] == "decoder_variants" and results["mode"] == "smoke"
     assert results["complete"] is True and results["roofline_bar"] == 0.6
-    assert results["command"].startswith("python -m wb_kernels.models.decoder_tokens --smoke --variants default")
+    assert results["command"].startswith("python -m wb_kernels.bench.decoder_tokens --smoke --variants default")
     records = results["records"]
     assert [r["variant"] for r in records] == list(dg.DEFAULT_VARIANTS)
     for r in records:

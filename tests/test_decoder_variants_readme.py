@@ -11,7 +11,7 @@ import json
 import pytest
 
 from wb_kernels.bench.results import REPO_ROOT
-from wb_kernels.models import decoder_tokens as tokens
+from wb_kernels.bench import decoder_tokens as tokens
 
 COMMITTED = REPO_ROOT / "results" / "decode" / "decoder_variants_h100.json"
 
@@ -82,7 +82,7 @@ def test_readme_has_the_variants_block_and_it_matches_the_committed_file():
     relative = str(COMMITTED.relative_to(REPO_ROOT))
     expected = tokens.variants_readme_line(json.loads(COMMITTED.read_text()), source=relative)
     assert block == expected, (
-        "README.md's variants line is stale: run python -c \"from wb_kernels.models import decoder_tokens as t; "
+        "README.md's variants line is stale: run python -c \"from wb_kernels.bench import decoder_tokens as t; "
         f"t.update_variants_readme('{relative}')\"")
 
 

@@ -2,21 +2,21 @@
 batch and under ``torch.compile``, with its attention by SDPA, by ``wb.decode`` and by FlashInfer's paged decode where
 it is installed (lesson 07_decode reads the committed file; the README shows its roofline chart).
 
-    python -m wb_kernels.models.decoder_tokens --time-budget 300   # on a GPU: results/decode/decoder_<gpu>.json and
+    python -m wb_kernels.bench.decoder_tokens --time-budget 300   # on a GPU: results/decode/decoder_<gpu>.json and
                                                                    # figures/07_decoder_roofline_<gpu>.png
-    python -m wb_kernels.models.decoder_tokens --sweep-configs none --configs llama_1b    # the eager rows only
-    python -m wb_kernels.models.decoder_tokens --smoke  # TINY on the CPU in float32: seconds, for the tests
+    python -m wb_kernels.bench.decoder_tokens --sweep-configs none --configs llama_1b    # the eager rows only
+    python -m wb_kernels.bench.decoder_tokens --smoke  # TINY on the CPU in float32: seconds, for the tests
 
 On a GPU, by default, in float16:
 
 1. **Eager** (the decoder as it is, every step launched from Python): ``LLAMA_1B`` and ``LLAMA_1B_D128``, batch 1 and
-   16, prompts (the context) of 1024 and 8192 tokens, each timed by :func:`~.llama_decoder.time_decode` (a real
+   16, prompts (the context) of 1024 and 8192 tokens, each timed by :func:`~wb_kernels.models.llama_decoder.time_decode` (a real
    prefill, 32 greedy decode steps after 3 untimed ones, CUDA events) five times: ``sdpa_attend`` and ``wb_attend``
    on a contiguous cache and on a paged one (pages of 16 keys, shuffled), and ``FlashInferAttend`` on the paged one
    (where flashinfer is installed; elsewhere the row says why it is missing). These rows also give the attention's
    ms and share of the step. Then the greedy check of each model (:func:`compare_greedy`).
 2. **The roofline sweep** (``LLAMA_1B``, batch 1, 8 and 64, contexts 1k, 8k and 32k): the step without its host
-   overhead (:mod:`.decoder_graphs`), on a static cache filled with random keys and values: one CUDA graph per batch
+   overhead (:mod:`wb_kernels.models.decoder_graphs`), on a static cache filled with random keys and values: one CUDA graph per batch
    with SDPA and with ``wb.decode`` (while ``wb.decode`` is not graph-safe, its rows say so and why), on both
    layouts, and with FlashInfer on the paged one (``FlashInferGraphAttend``: its run captured, planned on the host
    before every replay, as vLLM's and SGLang's FlashInfer backends do); then ``torch.compile(mode="reduce-overhead")``
@@ -25,7 +25,7 @@ On a GPU, by default, in float16:
    must give the very same tokens).
 
 Every row records tokens/s, ms per step, the bytes a step must read (every weight once, and the KV cache at the mean
-context of its timed steps) and the fraction of the step's roofline reached (:func:`~.llama_decoder.
+context of its timed steps) and the fraction of the step's roofline reached (:func:`~wb_kernels.models.llama_decoder.
 decode_step_roofline` at the copy bandwidth and fp16 matmul peak measured in the same run by
 :func:`wb_kernels.bench.measure_ceilings`), and its speed over SDPA's in the same mode and layout.
 
@@ -49,67 +49,65 @@ import functools
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from . import llama_decoder as dec
-from .decoder_graphs import (COMPILE_VARIANTS, DEFAULT_VARIANTS, CompiledDecoder, EagerRunner, GraphedDecoder,
-                             time_static, variant_names, wb_decode_graph_support)
-from .decoder_greedy import ROUNDING_ULPS, compare_greedy, compare_runners, greedy_note as _greedy_note  # noqa: F401
+from ..models import llama_decoder as dec
+from ..models.decoder_graphs import (COMPILE_VARIANTS, DEFAULT_VARIANTS, CompiledDecoder, EagerRunner, GraphedDecoder,
+                                     time_static, wb_decode_graph_support)
+from ..models.decoder_greedy import ROUNDING_ULPS, compare_greedy, compare_runners, greedy_note
+from ..results_files import REPO_ROOT, environment, gpu_short_name, load_results, round_significant, save_results
+from ..timing import free_device_memory
+from .failures import error_line
+from .results import SCHEMA_VERSION
+from .decoder_shared import (ATTENDS, CONFIGS, MAX_STEPS, NOTES, Settings, graph_attend, json_roundtrip, log_line,
+                             measure_run_ceilings, roofline_fields, warm_up_kernels)
+
+# the compiled step's variants are run by this command too (``--variants``): their names, as lesson 07 reads them
+from .decoder_variants import (GPU_VARIANT_SETTINGS, README_VARIANTS_END, README_VARIANTS_START,
+                               SMOKE_VARIANT_SETTINGS, VariantSettings, best_variant, check_variant_settings,
+                               estimate_variant_seconds, run_variants, update_variants_readme, variant_plan,
+                               variants_readme_line, variants_main, variants_summary)
 
 __all__ = ["CONFIGS", "Settings", "GPU_SETTINGS", "SMOKE_SETTINGS", "ATTENDS", "check_settings", "compare_greedy",
-           "run_tokens", "default_output", "main"]
+           "compare_runners", "ROUNDING_ULPS", "run_tokens", "default_output", "main",
+           # from decoder_variants
+           "GPU_VARIANT_SETTINGS", "SMOKE_VARIANT_SETTINGS", "VariantSettings", "README_VARIANTS_START",
+           "README_VARIANTS_END", "best_variant", "check_variant_settings", "estimate_variant_seconds", "run_variants",
+           "update_variants_readme", "variant_plan", "variants_readme_line", "variants_summary"]
 
-CONFIGS = {"tiny": dec.TINY, "llama_1b": dec.LLAMA_1B, "llama_1b_d128": dec.LLAMA_1B_D128}
-ATTENDS = {"sdpa": dec.sdpa_attend, "wb": dec.wb_attend, "flashinfer": dec.FlashInferAttend()}
 LAYOUTS = ("contiguous", "paged")
+
+
 # FlashInfer's batch decode reads a paged cache only: it runs on that layout, beside SDPA and wb on both
 ATTEND_LAYOUTS = {"flashinfer": ("paged",)}
+
+
 KIND = "decoder_tokens"  # the results file's "kind": not a decode-kernel benchmark (those are "decode")
+
 
 # Upper bounds of the settings: with them no single row can run for long, whatever the command line says.
 MAX_BATCH = 256
-MAX_STEPS = 1024
+
+
 MAX_GREEDY_TOKENS = 256
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What one run measures."""
-
-    configs: tuple  # names in CONFIGS
-    dtype: str  # a torch dtype's name
-    device: str
-    batches: tuple
-    contexts: tuple  # prompt lengths: the timed steps see context + 1 to context + steps keys
-    steps: int  # timed decode steps per row
-    warmup: int  # untimed decode steps before them
-    page_size: int
-    greedy_batch: int
-    greedy_prompt: int
-    greedy_tokens: int  # new tokens per sequence in the greedy check (the first comes from the prefill)
-    seed: int = 0
-    # The roofline sweep: the step without its host overhead (a CUDA graph per batch, torch.compile), on a static
-    # cache filled with random keys and values to `context` (no prefill: a 64 x 32k prefill would not fit)
-    sweep_configs: tuple = ()
-    sweep_batches: tuple = ()
-    sweep_contexts: tuple = ()
-    compile_cells: tuple = ()  # ((batch, context), ...) of the sweep where torch.compile runs too (each compiles)
-    compile_backend: str = "inductor"  # "inductor": mode="reduce-overhead"; "eager": traced only (the CPU smoke)
-    num_splits: int | None = None  # wb.decode's split count in a graph (None: its choice from the capacity)
 
 
 GPU_SETTINGS = Settings(configs=("llama_1b", "llama_1b_d128"), dtype="float16", device="cuda", batches=(1, 16),
                         contexts=(1024, 8192), steps=32, warmup=3, page_size=16, greedy_batch=8, greedy_prompt=1024,
                         greedy_tokens=32, sweep_configs=("llama_1b",), sweep_batches=(1, 8, 64),
                         sweep_contexts=(1024, 8192, 32768), compile_cells=((1, 1024),))
+
+
 # TINY on the CPU; wb_attend runs on the CUDA simulator there (about a tenth of a second per call), so few steps.
 SMOKE_SETTINGS = Settings(configs=("tiny",), dtype="float32", device="cpu", batches=(2,), contexts=(16,), steps=3,
                           warmup=1, page_size=4, greedy_batch=2, greedy_prompt=8, greedy_tokens=4,
                           sweep_configs=("tiny",), sweep_batches=(2,), sweep_contexts=(16,), compile_cells=((2, 16),),
                           compile_backend="eager")
+
+
 # The contenders of the sweep, (mode, layout, attend): hand-captured graphs with SDPA and wb.decode on both layouts,
 # and torch.compile(mode="reduce-overhead") with SDPA and wb.decode (where compile_cells say): Inductor fuses the
 # step's elementwise operators (norms, RoPE, SiLU) into a few kernels, which a hand-captured graph replays one by one
@@ -117,54 +115,6 @@ SWEEP_CONTENDERS = (("graph", "contiguous", "sdpa"), ("graph", "paged", "sdpa"),
                     ("graph", "paged", "wb"), ("graph", "paged", "flashinfer"), ("compile", "contiguous", "sdpa"),
                     ("compile", "contiguous", "wb"), ("compile", "paged", "wb"))
 
-NOTES = {
-    "modes": "eager: the decoder as it is, every step launched from Python (time_decode: a real prefill of the "
-             "prompt, then the steps); graph: the step captured in one CUDA graph per batch (decoder_graphs."
-             "GraphedDecoder: a static cache, the attention told the cache's capacity, the greedy token picked "
-             "inside the graph); compile: torch.compile(mode='reduce-overhead', fullgraph=True) of the same step "
-             "(decoder_graphs.CompiledDecoder, weights and cache marked static; compile_s: its first call). The "
-             "graph and compile rows (the roofline sweep) start from a static cache filled with random keys and "
-             "values up to `context` (no prefill: how fast a step runs does not depend on the cache's values); a "
-             "graph row of wb.decode is skipped while wb.decode is not graph-safe (wb_graph_support). captured: "
-             "whether the timed steps were CUDA-graph replays (false on the CPU; for compile, false when Inductor "
-             "declined to capture, which its log says why)",
-    "rows": "time_decode: `steps` greedy decode steps of `batch` random prompts of `context` tokens, after `warmup` "
-            "untimed steps; on a GPU one pair of CUDA events around the steps and one around each attention call, "
-            "read after the run. tokens_per_s = batch * steps / time; attention_share = the attention calls' time "
-            "over the steps' time",
-    "attends": "sdpa: llama_decoder.sdpa_attend (a paged cache is first gathered into a contiguous copy, then PyTorch's "
-               "scaled_dot_product_attention with its FLASH, EFFICIENT and MATH backends: cuDNN's re-plans for every new key "
-               "length, that is on every decode step, about 60 ms per call on an H100, see tune_*.json's "
-               "sdpa_growing_cache); wb: llama_decoder.wb_attend, wb.decode (on a GPU in float16/bfloat16, the "
-               "CUDA C++ kernel of flash_decode.cu), with the host's longest length as max_seqlen; flashinfer: "
-               "llama_decoder.FlashInferAttend, FlashInfer's BatchDecodeWithPagedKVCacheWrapper (the attention vLLM and "
-               "SGLang serve with) on the paged cache only, planned once per step and reused by every layer, as "
-               "serving engines do (in a graph: llama_decoder.FlashInferGraphAttend, a wrapper made with "
-               "use_cuda_graph=True whose run is captured, planned on the host before every replay with the length "
-               "every sequence has then); where flashinfer is not installed its rows say so",
-    "layouts": "contiguous: (B, Hk, capacity, D) per layer; paged: pools of page_size keys, the pages of the "
-               "sequences handed out in a shuffled order",
-    "vs_sdpa": "this row's tokens_per_s over SDPA's on the same model, batch, context and layout (>1: faster); "
-               "vs_sdpa_contiguous: over SDPA's on the contiguous cache; vs_flashinfer (wb's paged rows): over "
-               "FlashInfer's on the same paged cache",
-    "roofline": "decode_step_roofline at the mean context of the timed steps (context + (steps + 1) / 2): every "
-                "weight and the whole KV cache read once per step at the copy bandwidth of this run's ceilings, or "
-                "the matmul FLOPs at its fp16 peak when that is longer; fraction_of_roofline = its step time over "
-                "the measured one",
-    "greedy": "the same random prompts, greedy, with the reference and the other attention in lockstep (each fed "
-              "its own tokens). step 0 is the prefill's prediction (SDPA for every attention), step s >= 1 the "
-              "s-th decode step. Logits are compared while a sequence's two runs have the same context: "
-              "agree_to_rounding = their largest |difference| / the largest |logit| <= rounding_tolerance (16 x "
-              "the dtype's eps: a guess with room, not a derived bound). At the first differing step: the "
-              "reference's top-2 logit margin and that sequence's largest |logit difference|; near_tie = "
-              "agree_to_rounding and margin <= 2 * that difference, so rounding can account for the flip (random "
-              "weights make near ties common); otherwise the attention is suspect",
-}
-
-
-# ----------------------------------------------------------------------------------------------
-# The settings
-# ----------------------------------------------------------------------------------------------
 
 def check_settings(settings: Settings) -> None:
     """Raise ValueError, saying which setting and why, for settings this benchmark does not run."""
@@ -294,31 +244,8 @@ def estimate_seconds(settings: Settings) -> float:
 
 def default_output(smoke: bool) -> Path:
     """results/decode/decoder_<gpu>.json (decoder_h100.json, ...), or results/decode/decoder_smoke.json."""
-    from ..bench.decode import gpu_short_name
-    from ..bench.results import REPO_ROOT
 
     return REPO_ROOT / "results" / "decode" / f"decoder_{'smoke' if smoke else gpu_short_name()}.json"
-
-
-# ----------------------------------------------------------------------------------------------
-# The run
-# ----------------------------------------------------------------------------------------------
-
-def _round(x: float, digits: int = 5):
-    from ..bench.results import _sig
-
-    return _sig(x, digits)
-
-
-def _log(progress: bool, text: str) -> None:
-    if progress:
-        print(text, file=sys.stderr, flush=True)
-
-
-def _free_memory() -> None:
-    from ..bench.measure import _free_device_memory
-
-    _free_device_memory()
 
 
 def _fits(config, settings: Settings, batch: int, context: int, paged: bool, *, prefill: bool = True) -> str | None:
@@ -341,69 +268,15 @@ def _fits(config, settings: Settings, batch: int, context: int, paged: bool, *, 
             + f" need about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free")
 
 
-def _warm_up_kernels(model: dec.Decoder, settings: Settings, progress: bool) -> None:
-    """Run wb_attend once on each layout before anything is timed: its first call on a GPU loads (or builds) the
-    CUDA extension, which must not land in a row's time; time_decode's own warm-up steps then warm the rest. Off a
-    GPU there is nothing to load (the simulator runs the kernels as Python). Either way wb.decode's operator is
-    defined here, which a compiler cannot do while it traces (``python -m`` imports wb_kernels before torch, and on
-    the CPU no eager call of wb.decode need come before the first compiled one)."""
-    from ..ops import register
-
-    register()
-    if settings.device != "cuda":
-        return
-    _log(progress, "loading wb.decode's kernels (on a GPU the CUDA extension is built on first use when it is not "
-                   "cached: a minute or two)")
-    started = time.perf_counter()
-    prompt = torch.zeros((1, 8), dtype=torch.long)
-    for paged in (False, True):
-        model.generate(prompt, 2, dec.wb_attend, paged=paged, page_size=settings.page_size)
-    _log(progress, f"wb.decode ready after {time.perf_counter() - started:.1f} s")
-
-
-def _ceilings(settings: Settings) -> dict:
-    """The copy bandwidth (and, on a GPU, the matmul peaks) the rooflines use, measured now. On a GPU the decode
-    benchmark's own ceilings; on the CPU a host copy, so that a smoke run's file has the same fields."""
-    if settings.device == "cuda":
-        from ..bench.measure import measure_ceilings
-
-        return measure_ceilings()
-    from ..bench.results import _sig
-    from ..timing import time_call
-
-    copy_bytes = 2**26
-    source = torch.ones(copy_bytes // 4)
-    target = torch.empty_like(source)
-    timing = time_call(target.copy_, source, warmup=2, repeats=5, device="cpu")
-    return {"copy_gbps": _sig(2.0 * copy_bytes / (timing.median_ms / 1e3) / 1e9), "copy_bytes": copy_bytes,
-            "note": "a host memory copy (a smoke run on the CPU): the rooflines' fractions mean nothing here"}
-
-
 def _attend_problem(attend_name: str, settings: Settings) -> str | None:
     """Why an attention cannot run in this run (FlashInfer: not installed, or the run is not on a CUDA GPU), or None."""
     if attend_name != "flashinfer":
         return None
-    from ..bench.flashinfer import problem
+    from .flashinfer import problem
 
     if settings.device != "cuda":
         return f"flashinfer runs on a CUDA GPU; this run is on the {settings.device}"
     return problem()
-
-
-def _roofline_fields(config, settings, batch, mean_context, ms_per_step, ceilings) -> dict:
-    """The step's roofline at `mean_context` keys and the fraction of it reached: every row's last fields."""
-    itemsize = torch.empty((), dtype=getattr(torch, settings.dtype)).element_size()
-    peak = ceilings.get(f"{settings.dtype}_matmul_tflops")
-    roofline = dec.decode_step_roofline(config, batch=batch, context_len=round(mean_context), dtype_bytes=itemsize,
-                                        bandwidth_bytes_per_s=ceilings["copy_gbps"] * 1e9,
-                                        peak_flops_per_s=peak * 1e12 if peak else None)
-    return {"bytes_per_step": roofline["bytes_per_step"],
-            "roofline": {"context": round(mean_context), "step_ms": _round(roofline["step_time_s"] * 1e3, 4),
-                         "tokens_per_s": _round(roofline["tokens_per_s"], 4),
-                         "bytes_per_step": roofline["bytes_per_step"], "weight_bytes": roofline["weight_bytes"],
-                         "kv_cache_bytes": roofline["kv_cache_bytes"], "kv_share": _round(roofline["kv_share"], 3),
-                         "bandwidth_gbps": ceilings["copy_gbps"], "peak_tflops": peak},
-            "fraction_of_roofline": _round(roofline["step_time_s"] * 1e3 / ms_per_step, 3)}
 
 
 def _row_head(config_name, settings, batch, context, mode, layout, attend_name) -> dict:
@@ -414,7 +287,7 @@ def _row_head(config_name, settings, batch, context, mode, layout, attend_name) 
 
 
 def _row(config_name, settings, model, batch, context, layout, attend_name, ceilings) -> dict:
-    """An eager row: :func:`~.llama_decoder.time_decode` (a real prefill, then the steps as the decoder runs them)."""
+    """An eager row: :func:`~wb_kernels.models.llama_decoder.time_decode` (a real prefill, then the steps as the decoder runs them)."""
     config = CONFIGS[config_name]
     row = _row_head(config_name, settings, batch, context, "eager", layout, attend_name)
     why = _fits(config, settings, batch, context, layout == "paged") or _attend_problem(attend_name, settings)
@@ -425,26 +298,15 @@ def _row(config_name, settings, model, batch, context, layout, attend_name, ceil
                                  attend=ATTENDS[attend_name], paged=layout == "paged", warmup=settings.warmup,
                                  page_size=settings.page_size, seed=settings.seed)
     except Exception as error:  # noqa: BLE001 - recorded, the run goes on
-        from ..bench.measure import _short
 
-        return {**row, "status": "failed", "reason": _short(error)}
+        return {**row, "status": "failed", "reason": error_line(error)}
     finally:
-        _free_memory()
-    row.update(status="ok", **{name: _round(timing[name], 4) for name in
+        free_device_memory()
+    row.update(status="ok", **{name: round_significant(timing[name], 4) for name in
                                ("tokens_per_s", "ms_per_step", "attention_ms_per_step", "attention_share")})
-    row.update(_roofline_fields(config, settings, batch, context + (settings.steps + 1) / 2, timing["ms_per_step"],
+    row.update(roofline_fields(config, settings, batch, context + (settings.steps + 1) / 2, timing["ms_per_step"],
                                 ceilings))
     return row
-
-
-def graph_attend(attend_name: str, settings: Settings):
-    """The attention a graph or a compiled step calls: SDPA as it is; wb.decode with the settings' split count;
-    FlashInfer's graph form (a new one per runner: it holds that runner's wrappers and their plans)."""
-    if attend_name == "flashinfer":
-        return dec.FlashInferGraphAttend()
-    if attend_name == "wb" and settings.num_splits is not None:
-        return functools.partial(dec.wb_attend, num_splits=settings.num_splits)
-    return ATTENDS[attend_name]
 
 
 def _compile_options(settings: Settings) -> dict:
@@ -475,18 +337,17 @@ def _sweep_row(config_name, settings, model, batch, context, mode, layout, atten
                              page_size=settings.page_size, seed=settings.seed,
                              compile_options=_compile_options(settings) if mode == "compile" else None)
     except Exception as error:  # noqa: BLE001 - recorded, the run goes on
-        from ..bench.measure import _short
 
-        return {**row, "status": "failed", "reason": _short(error)}
+        return {**row, "status": "failed", "reason": error_line(error)}
     finally:
         if mode == "compile":
             torch._dynamo.reset()  # its graphs hold the cache's addresses: nothing later reuses them
-        _free_memory()
-    row.update(status="ok", tokens_per_s=_round(timing["tokens_per_s"], 4), ms_per_step=_round(timing["ms_per_step"], 4),
+        free_device_memory()
+    row.update(status="ok", tokens_per_s=round_significant(timing["tokens_per_s"], 4), ms_per_step=round_significant(timing["ms_per_step"], 4),
                attention_ms_per_step=None, attention_share=None, captured=timing["captured"],
-               capacity=timing["capacity"], setup_s=_round(timing["setup_s"], 3),
-               first_call_s=_round(timing["first_call_s"], 3))
-    row.update(_roofline_fields(config, settings, batch, timing["mean_context"], timing["ms_per_step"], ceilings))
+               capacity=timing["capacity"], setup_s=round_significant(timing["setup_s"], 3),
+               first_call_s=round_significant(timing["first_call_s"], 3))
+    row.update(roofline_fields(config, settings, batch, timing["mean_context"], timing["ms_per_step"], ceilings))
     return row
 
 
@@ -511,13 +372,15 @@ def add_ratios(results: dict) -> dict:
         for field, other_mode, layout, attend in wanted:
             other = ok.get(f"{base}|{other_mode}|{layout}|{attend}")
             if other is not None:
-                r[field] = _round(r["tokens_per_s"] / other["tokens_per_s"], 3)
+                r[field] = round_significant(r["tokens_per_s"] / other["tokens_per_s"], 3)
     return results
 
 
 # The greedy check's attentions against SDPA on the contiguous cache, eager: wb on both layouts, FlashInfer on the
 # paged one; then the sweep's modes (mode, layout, attend), each against the same eager SDPA
 GREEDY_OTHERS = (("wb", "contiguous"), ("wb", "paged"), ("flashinfer", "paged"))
+
+
 GREEDY_MODES = (("graph", "contiguous", "sdpa"), ("graph", "contiguous", "wb"), ("graph", "paged", "wb"),
                 ("graph", "paged", "flashinfer"), ("compile", "contiguous", "sdpa"), ("compile", "contiguous", "wb"))
 
@@ -553,13 +416,12 @@ def _greedy(config_name, settings, model, done=frozenset()) -> list:
             record.update(status="ok", **compare_greedy(model, prompt, settings.greedy_tokens, dec.sdpa_attend,
                                                         ATTENDS[attend_name], other_paged=layout == "paged",
                                                         page_size=settings.page_size))
-            record["note"] = _greedy_note(record)
+            record["note"] = greedy_note(record)
         except Exception as error:  # noqa: BLE001 - recorded, the run goes on
-            from ..bench.measure import _short
 
-            record.update(status="failed", reason=_short(error))
+            record.update(status="failed", reason=error_line(error))
         finally:
-            _free_memory()
+            free_device_memory()
         records.append(record)
     return records
 
@@ -614,7 +476,7 @@ def greedy_mode(config_name, settings, model, mode: str, layout: str, attend_nam
             cache = model.new_cache(prompt.shape[0], capacity, paged=layout == "paged", page_size=settings.page_size)
             other = CompiledDecoder(model, attend, cache=cache, **_compile_options(settings))
         record.update(status="ok", **compare_runners(reference, other, prompt, settings.greedy_tokens, model.dtype))
-        record["note"] = _greedy_note(record)
+        record["note"] = greedy_note(record)
         if "vs_uncaptured" in record:
             same = record["vs_uncaptured"]
             record["note"] += (". Against the same step uncaptured: " + (
@@ -622,20 +484,18 @@ def greedy_mode(config_name, settings, model, mode: str, layout: str, attend_nam
                 f"the tokens differ (logits by up to {same['max_logit_diff']:.3g}): the graph does not replay its "
                 "step, a bug"))
     except Exception as error:  # noqa: BLE001 - recorded, the run goes on
-        from ..bench.measure import _short
 
-        record.update(status="failed", reason=_short(error))
+        record.update(status="failed", reason=error_line(error))
     finally:
         if mode == "compile":
             torch._dynamo.reset()
-        _free_memory()
+        free_device_memory()
     return record
 
 
 def _open(settings: Settings, out_path: Path, *, smoke: bool, command, resume: bool, log) -> dict:
     """The results to add to: `out_path` as it is when it holds a run of the same settings on this device that did
     not finish (a run stopped by its time budget), else a new one."""
-    from ..bench.results import SCHEMA_VERSION, environment, load_results
 
     env = environment()
     if resume and out_path.exists():
@@ -661,13 +521,6 @@ def _open(settings: Settings, out_path: Path, *, smoke: bool, command, resume: b
             "ceilings": None, "wb_graph_support": None, "records": [], "greedy": [], "complete": False}
 
 
-def json_roundtrip(value):
-    """`value` as it reads back from JSON (tuples become lists): what a resumed run compares its settings with."""
-    import json
-
-    return json.loads(json.dumps(value))
-
-
 def _row_line(row: dict, done: int, total: int) -> str:
     head = (f"  [{done}/{total}] {row['config']} B={row['batch']} context={row['context']} {row['mode']} "
             f"{row['layout']} {row['attend']}: ")
@@ -685,12 +538,11 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
 
     `time_budget` (seconds): no row or check starts after it; the file then says ``complete: false``, and the same
     call (the same command) resumes it, skipping what it holds."""
-    from ..bench.results import save_results
 
     check_settings(settings)
     started = time.monotonic()
     out_path = Path(out_path)
-    log = functools.partial(_log, progress)
+    log = functools.partial(log_line, progress)
     results = _open(settings, out_path, smoke=smoke, command=command, resume=resume, log=log)
     plan = _plan(settings)
     # a resumed run tries again what failed (an earlier row's memory, a killed process): once per command
@@ -704,7 +556,7 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
         + (f"; {len(done_rows)} rows already there" if done_rows else ""))
     if results["ceilings"] is None:
         log("measuring the ceilings (copy bandwidth" + (", matmul peaks)" if settings.device == "cuda" else ")"))
-        results["ceilings"] = _ceilings(settings)
+        results["ceilings"] = measure_run_ceilings(settings)
         save_results(results, out_path)
     ceilings = results["ceilings"]
 
@@ -742,12 +594,12 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
             break
         if model_name != config_name:
             model = None
-            _free_memory()
+            free_device_memory()
             log(f"{config_name}: {CONFIGS[config_name].params() / 1e9:.2f} billion parameters, random weights "
                 f"in {settings.dtype} on {settings.device}")
             model = dec.Decoder(CONFIGS[config_name], dtype=dtype, device=settings.device, seed=settings.seed)
             model_name = config_name
-            _warm_up_kernels(model, settings, progress)
+            warm_up_kernels(model, settings, progress)
         if phase == "rows" and work[0][3] != "eager" and results["wb_graph_support"] is None:
             if settings.device == "cuda":
                 log("asking whether wb.decode can be captured in a CUDA graph (a probe in its own process)")
@@ -777,7 +629,7 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
         if stopped:
             break
     model = None
-    _free_memory()
+    free_device_memory()
     elapsed = round(time.monotonic() - started, 1)
     results.update(complete=not stopped, elapsed_s=round(results.get("elapsed_s", 0) + elapsed, 1)
                    if results.get("resumed") else elapsed)
@@ -787,430 +639,6 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
             "run the same command again to continue")
     return results
 
-
-# ----------------------------------------------------------------------------------------------
-# The compiled step's variants: the bar of the decoder at its roofline (B1, 1,024 keys, wb.decode)
-# ----------------------------------------------------------------------------------------------
-
-VARIANTS_KIND = "decoder_variants"  # the results file's "kind"
-# The bar: the compiled step with wb.decode at batch 1 and 1,024 keys at this fraction of its roofline or more
-ROOFLINE_BAR = 0.60
-
-
-@dataclass(frozen=True)
-class VariantSettings:
-    """What the variants' run measures: each variant of :data:`~.decoder_graphs.COMPILE_VARIANTS` compiled once per
-    context (batch 1, contiguous cache), its greedy tokens checked against the eager decoder with SDPA, then timed."""
-
-    variants: tuple  # names in COMPILE_VARIANTS, the baseline first
-    config: str = "llama_1b"
-    dtype: str = "float16"
-    device: str = "cuda"
-    attend: str = "wb"  # the attention of the compiled step: "wb" (the bar's) or "sdpa"
-    contexts: tuple = (1024,)  # keys in the cache when the timed steps start; each context compiles every variant
-    steps: int = 32  # timed steps per repeat (time_static's 32 and 3, as the committed rows)
-    warmup: int = 3
-    repeats: int = 5  # timed runs of `steps`, each from `context` keys: the median is the row's ms/step
-    greedy_tokens: int = 32  # new tokens of the greedy check, from a prompt of `context` random tokens
-    seed: int = 0
-    backend: str = "inductor"  # "eager": traced only (the CPU smoke), the variants' options then do not apply
-    num_splits: int | None = None  # wb.decode's split count (None: its choice from the cache's capacity)
-    page_size: int = 16  # (the kernels' warm-up runs the paged layout too)
-    profile_steps: int = 0  # > 0: that many steps profiled after the timing (decoder_graphs.profile_compiled)
-
-
-GPU_VARIANT_SETTINGS = VariantSettings(variants=DEFAULT_VARIANTS)
-SMOKE_VARIANT_SETTINGS = VariantSettings(variants=DEFAULT_VARIANTS, config="tiny", dtype="float32", device="cpu",
-                                         contexts=(16,), steps=3, warmup=1, repeats=2, greedy_tokens=4,
-                                         backend="eager", page_size=4)
-
-
-def check_variant_settings(s: VariantSettings) -> None:
-    """Raise ValueError, saying which setting and why, for settings the variants' run does not take."""
-    unknown = [name for name in s.variants if name not in COMPILE_VARIANTS]
-    if not s.variants or unknown:
-        raise ValueError(f"variants: expected names among {', '.join(COMPILE_VARIANTS)}, got "
-                         f"{', '.join(unknown) or 'none'}")
-    if s.config not in CONFIGS:
-        raise ValueError(f"config={s.config!r}: expected one of {', '.join(CONFIGS)}")
-    if s.dtype not in ("float16", "bfloat16", "float32"):
-        raise ValueError(f"dtype={s.dtype!r}: expected float16, bfloat16 or float32")
-    if s.attend not in ("wb", "sdpa"):
-        raise ValueError(f"attend={s.attend!r}: expected wb or sdpa")
-    if s.backend not in ("inductor", "eager", "aot_eager"):
-        raise ValueError(f"backend={s.backend!r}: expected inductor, eager or aot_eager")
-    if not s.contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in s.contexts):
-        raise ValueError(f"contexts={list(s.contexts)}: expected one or more positive ints")
-    for name, value, low, top in (("steps", s.steps, 1, MAX_STEPS), ("warmup", s.warmup, 0, MAX_STEPS),
-                                  ("repeats", s.repeats, 1, 50), ("greedy_tokens", s.greedy_tokens, 1,
-                                                                  s.warmup + s.steps + 1),
-                                  ("profile_steps", s.profile_steps, 0, max(s.warmup + s.steps - 1, 0))):
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
-            raise ValueError(f"{name}={value!r}: expected an int from {low} to {top}"
-                             + (" (the greedy check runs in the timed step's cache: at most warmup + steps + 1 new "
-                                "tokens)" if name == "greedy_tokens" else "")
-                            + (" (the profile runs in the timed step's cache, after one untimed step: at most "
-                               "warmup + steps - 1)" if name == "profile_steps" else ""))
-    longest = CONFIGS[s.config].max_seq_len
-    if max(s.contexts) + s.warmup + s.steps > longest:
-        raise ValueError(f"contexts: {max(s.contexts)} + {s.warmup + s.steps} steps exceeds {s.config}'s "
-                         f"max_seq_len={longest}")
-
-
-def variant_plan(s: VariantSettings) -> list:
-    """[(variant name, context)] in the order they run: every variant at the first context, then at the next; a
-    variant whose compilation is the slowest (max-autotune) after all the others, so that a budget cuts it first."""
-    slow = max(COMPILE_VARIANTS[name].compile_guess_s for name in s.variants)
-    pairs = [(name, context) for context in s.contexts for name in s.variants]
-    last = [pair for pair in pairs if COMPILE_VARIANTS[pair[0]].compile_guess_s == slow and pair[0] != s.variants[0]]
-    return [pair for pair in pairs if pair not in last] + last
-
-
-def estimate_variant_seconds(s: VariantSettings) -> float:
-    """About how long the variants' run takes on an H100 after wb.decode's extension is built: 15 s for the model and
-    the ceilings, each variant's guessed compilation, its greedy check (an eager prefill and 32 eager steps: 2 s)
-    and its timed steps. A plan, not a measurement."""
-    return 15.0 + sum(COMPILE_VARIANTS[name].compile_guess_s + 2.0 for name, _ in variant_plan(s))
-
-
-class _OutOfTime(BaseException):
-    """A variant ran past what was left of the time budget (a BaseException, so no `except Exception` keeps it)."""
-
-
-def _raise_out_of_time(signum, frame):
-    raise _OutOfTime()
-
-
-def _deadline(seconds: float | None):
-    """A context manager that raises _OutOfTime after `seconds` of wall time (None, or off the main thread: none)."""
-    import contextlib
-    import threading
-
-    if seconds is None or threading.current_thread() is not threading.main_thread():
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def armed():
-        previous = signal.signal(signal.SIGALRM, _raise_out_of_time)
-        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
-        try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-
-    return armed()
-
-
-def _cuda_usable() -> bool:
-    """Whether the CUDA context still runs a kernel (after a variant failed: a failed capture may break it)."""
-    try:
-        torch.ones(1, device="cuda").add_(1)
-        torch.cuda.synchronize()
-        return True
-    except Exception:  # noqa: BLE001 - the answer to the question asked
-        return False
-
-
-def greedy_verdict(record: dict) -> str:
-    """"identical", "near tie" (the first flip is one that rounding accounts for: compare_greedy's rule) or
-    "suspect" (anything else: the compiled step is not the decoder's)."""
-    if record["identical"]:
-        return "identical"
-    first = record["first_divergence"]
-    return "near tie" if first is not None and first["near_tie"] else "suspect"
-
-
-def _variant_head(s: VariantSettings, name: str, context: int) -> dict:
-    return {"key": f"{s.config}|{s.dtype}|B1|L{context}|compile|contiguous|{s.attend}|{name}",
-            "kind": "decoder_variant", "variant": name, "context": context}
-
-
-def run_variant(model: dec.Decoder, s: VariantSettings, name: str, context: int, ceilings: dict) -> dict:
-    """One variant at one context: compile the step (batch 1, a contiguous cache of context + warmup + steps keys),
-    check its greedy tokens against the eager decoder with SDPA (a prompt of `context` random tokens, the same
-    rule as the tokens run's compiled checks), then time it on the same cache (:func:`~.decoder_graphs.
-    time_compiled`). Returns the record (status "ok" or "failed"; _OutOfTime passes through)."""
-    from .decoder_graphs import _cudagraph_skips, profile_compiled, time_compiled
-
-    variant = COMPILE_VARIANTS[name]
-    capacity = context + s.warmup + s.steps
-    record = {**_variant_head(s, name, context), "description": variant.description,
-              "mode": variant.mode, "options": dict(variant.options), "split_gate_up": variant.split_gate_up,
-              "backend": s.backend, "config": s.config, "dtype": s.dtype, "attend": s.attend, "layout": "contiguous",
-              "batch": 1, "capacity": capacity, "steps": s.steps, "warmup": s.warmup,
-              "repeats": s.repeats}
-    started = time.perf_counter()
-    skips_before = _cudagraph_skips()
-    runner = None
-    try:
-        cache = model.new_cache(1, capacity)
-        attend = graph_attend(s.attend, s)
-        runner = CompiledDecoder.for_variant(model, attend, cache=cache, variant=variant, backend=s.backend)
-        prompt = torch.randint(0, model.config.vocab_size, (1, context),
-                               generator=torch.Generator().manual_seed(s.seed + 1)).to(model.device)
-        reference = EagerRunner(model, dec.sdpa_attend, capacity=capacity)
-        greedy = compare_runners(reference, runner, prompt, s.greedy_tokens, model.dtype)
-        del reference
-        greedy["note"] = _greedy_note(greedy)
-        compile_s = runner.first_step_s
-        timing = time_compiled(runner, context=context, steps=s.steps, warmup=s.warmup, repeats=s.repeats,
-                               seed=s.seed)
-        profiled = None
-        if s.profile_steps:
-            try:
-                profiled = profile_compiled(runner, context=context, steps=s.profile_steps, seed=s.seed)
-                if profiled["kernels_per_step"]:  # the step's time not covered by the summed device events
-                    profiled["step_us_minus_kernel_us"] = round(1e3 * timing["ms_per_step"]
-                                                                - profiled["kernel_us_per_step"], 2)
-            except Exception as error:  # noqa: BLE001 - the timing stands without its profile
-                from ..bench.measure import _short
-
-                profiled = {"status": "failed", "reason": _short(error)}
-    except Exception as error:  # noqa: BLE001 - recorded, the next variant runs
-        from ..bench.measure import _short
-
-        return {**record, "status": "failed", "reason": _short(error),
-                "wall_s": _round(time.perf_counter() - started, 3)}
-    finally:
-        del runner
-        torch._dynamo.reset()  # its graphs hold this cache's addresses; the next variant compiles anew
-        _free_memory()
-    record.update(status="ok", compile_s=_round(compile_s, 3), wall_s=_round(time.perf_counter() - started, 3),
-                  captured=s.device == "cuda" and s.backend == "inductor" and _cudagraph_skips() == skips_before,
-                  ms_per_step=_round(timing["ms_per_step"], 4), ms_per_step_min=_round(timing["ms_per_step_min"], 4),
-                  ms_per_step_repeats=[_round(t, 4) for t in timing["ms_per_step_repeats"]],
-                  tokens_per_s=_round(timing["tokens_per_s"], 4), greedy_verdict=greedy_verdict(greedy),
-                  greedy={"reference": "sdpa, contiguous, eager", "prompt_len": context,
-                          "new_tokens": s.greedy_tokens, **greedy})
-    record.update(_roofline_fields(CONFIGS[s.config], s, 1, timing["mean_context"], timing["ms_per_step"], ceilings))
-    if profiled is not None:
-        record["profile"] = profiled
-    return record
-
-
-def _variant_line(r: dict, baseline: dict | None) -> str:
-    head = f"  {r['variant']:<36} L={r['context']:<6} "
-    if r["status"] != "ok":
-        return head + f"{r['status']}: {r['reason']}"
-    versus = (f", {r['vs_baseline']:.3f}x {baseline['variant']}" if "vs_baseline" in r and baseline else "")
-    return head + (f"{r['ms_per_step']:.4g} ms/step (min {r['ms_per_step_min']:.4g}), "
-                   f"{100 * r['fraction_of_roofline']:.1f} % of the roofline{versus}; first step (compilation) "
-                   f"{r['compile_s']:.1f} s; greedy: {r['greedy_verdict']}"
-                   + ("" if r["captured"] or r["backend"] != "inductor" else "; NOT in a CUDA graph"))
-
-
-def run_variants(s: VariantSettings, out_path, *, command: str | None = None, progress: bool = True,
-                 time_budget: float | None = None, smoke: bool = False) -> dict:
-    """Every variant of `s` at every context (:func:`variant_plan`), one record each, into the JSON file `out_path`
-    (rewritten after every variant); returns the results. `time_budget` (seconds, counted after the model is built
-    and wb.decode's kernels are loaded): a variant starts only while 10 s of it are left, and stops where it is
-    when the rest is spent (its record says so; the variants after it are recorded as not started)."""
-    from ..bench.results import SCHEMA_VERSION, environment, save_results
-
-    check_variant_settings(s)
-    log = functools.partial(_log, progress)
-    out_path = Path(out_path)
-    results = {"schema": SCHEMA_VERSION, "kind": VARIANTS_KIND, "mode": "smoke" if smoke else "gpu",
-               "environment": environment(), "command": command, "settings": json_roundtrip(asdict(s)),
-               "roofline_bar": ROOFLINE_BAR, "notes": {
-                   "what": "the compiled decode step (batch 1, contiguous cache, the bar's attention) compiled each "
-                           "way of decoder_graphs.COMPILE_VARIANTS: each compiled once per context, its greedy "
-                           "tokens checked against the eager decoder with SDPA (compare_greedy's near-tie rule), "
-                           "then timed on the same cache as time_static times (CUDA events around `steps` steps "
-                           "after `warmup`, the cache filled with random keys to `context`), `repeats` times: "
-                           "ms_per_step is the median",
-                   "roofline": NOTES["roofline"], "vs_baseline": "the baseline's ms/step over this variant's, "
-                                                                 "same context (>1: faster)"},
-               "ceilings": None, "records": [], "complete": False}
-    plan = variant_plan(s)
-    log(f"{len(plan)} compiled variants of {s.config} with {s.attend} at batch 1, into {out_path}"
-        + (f" (about {estimate_variant_seconds(s):.0f} s on an H100)" if s.device == "cuda" else ""))
-    model = dec.Decoder(CONFIGS[s.config], dtype=getattr(torch, s.dtype), device=s.device, seed=s.seed)
-    if s.attend == "wb":
-        _warm_up_kernels(model, s, progress)
-    started = time.monotonic()  # the budget counts from here: the extension's build is not the variants'
-    log("measuring the ceilings")
-    results["ceilings"] = _ceilings(s)
-    save_results(results, out_path)
-    baselines = {}
-    out_of_time = False
-    for name, context in plan:
-        left = None if time_budget is None else time_budget - (time.monotonic() - started)
-        if out_of_time or (left is not None and left < 10.0):
-            why = "the time budget of {:.0f} s was spent".format(time_budget) if left is not None and left < 10.0 \
-                else "an earlier variant stopped the run"
-            out_of_time = True
-            record = {**_variant_head(s, name, context), "status": "skipped", "reason": f"not started: {why}"}
-        else:
-            log(f"{name} at {context} keys: {COMPILE_VARIANTS[name].description}"
-                + (f" ({left:.0f} s of the budget left)" if left is not None else ""))
-            variant_started = time.perf_counter()
-            try:
-                with _deadline(left):
-                    record = run_variant(model, s, name, context, results["ceilings"])
-            except _OutOfTime:
-                out_of_time = True
-                torch._dynamo.reset()
-                _free_memory()
-                record = {**_variant_head(s, name, context), "status": "skipped",
-                          "reason": f"stopped after {time.perf_counter() - variant_started:.0f} s: the time budget "
-                                    f"of {time_budget:.0f} s was spent (compiling or checking; nothing timed)"}
-        if record["status"] == "failed" and s.device == "cuda" and not _cuda_usable():
-            # a failed capture can leave the CUDA context unusable: what follows would fail for that reason alone
-            out_of_time = True
-            record["reason"] += "; the CUDA context is unusable after it: the variants after it are not run"
-        if record["status"] == "ok":
-            if name == s.variants[0]:
-                baselines[context] = record
-            elif context in baselines:
-                record["vs_baseline"] = _round(baselines[context]["ms_per_step"] / record["ms_per_step"], 4)
-        results["records"].append(record)
-        save_results(results, out_path)
-        log(_variant_line(record, baselines.get(context)))
-    model = None
-    _free_memory()
-    results.update(complete=not out_of_time, elapsed_s=round(time.monotonic() - started, 1))
-    save_results(results, out_path)
-    return results
-
-
-def variants_summary(results: dict) -> str:
-    """The table the variants' run prints: one line per record, then the best variant per context and the bar."""
-    s = results["settings"]
-    lines = [f"compiled variants of {s['config']} ({s['dtype']}, attention {s['attend']}, batch 1) on "
-             f"{results['environment'].get('gpu') or results['environment'].get('device')}; copy "
-             f"{results['ceilings']['copy_gbps']} GB/s" + (" (a smoke run: the fractions mean nothing)"
-                                                            if results["mode"] == "smoke" else "")]
-    baselines = {r["context"]: r for r in results["records"]
-                 if r.get("status") == "ok" and r["variant"] == s["variants"][0]}
-    lines += [_variant_line(r, baselines.get(r["context"])) for r in results["records"]]
-    for context in s["contexts"]:
-        best = best_variant(results, context)
-        if best is None:
-            lines.append(f"L={context}: no variant timed with its tokens checked")
-            continue
-        bar = 100 * results["roofline_bar"]
-        lines.append(f"L={context}: best {best['variant']}, {best['ms_per_step']:.4g} ms/step = "
-                     f"{100 * best['fraction_of_roofline']:.1f} % of the roofline (roofline {best['roofline']['step_ms']}"
-                     f" ms); the bar, {bar:.0f} %, is " + ("met" if best["fraction_of_roofline"] >= ROOFLINE_BAR
-                                                             else "not met"))
-    return "\n".join(lines)
-
-
-def best_variant(results: dict, context: int) -> dict | None:
-    """The fastest variant timed at `context` keys whose greedy tokens were checked and not suspect (a faster step
-    that generates other tokens is not a faster decoder); None where no variant was."""
-    ok = [r for r in results["records"] if r.get("status") == "ok" and r["context"] == context
-          and r["greedy_verdict"] != "suspect"]
-    return min(ok, key=lambda r: r["ms_per_step"]) if ok else None
-
-
-def variants_readme_line(results: dict, *, source: str) -> str:
-    """The README's sentence for a variants run (`source`: the file's path in the repository), rendered from the
-    file alone: the GPU and commit, each variant's ms per step and fraction of the roofline per context (or why it
-    did not run), the greedy verdicts, the best variant and whether it meets the file's ``roofline_bar``."""
-    s, env = results["settings"], results["environment"]
-    parts = []
-    for context in s["contexts"]:
-        records = [r for r in results["records"] if r["context"] == context]
-        timed = [r for r in records if r.get("status") == "ok"]
-        rows = ", ".join(f"{r['variant']} {r['ms_per_step']:.3f} ms ({100 * r['fraction_of_roofline']:.1f} %)"
-                         if r.get("status") == "ok" else f"{r['variant']} {r['status']} ({r.get('reason')})"
-                         for r in records)
-        verdicts = sorted({r["greedy_verdict"] for r in timed})
-        greedy = (f"greedy tokens {verdicts[0]} to the eager decoder's for every variant timed" if len(verdicts) == 1
-                  else "greedy tokens against the eager decoder's: " + ", ".join(
-                      f"{r['variant']} {r['greedy_verdict']}" for r in timed))
-        best = best_variant(results, context)
-        verdict = ("no variant timed with its tokens checked" if best is None else
-                   f"best {best['variant']}" + (f", {best['vs_baseline']:.3f}x {s['variants'][0]}"
-                                                if best.get("vs_baseline") else "")
-                   + f": the bar of {100 * results['roofline_bar']:.0f} % of the roofline is "
-                   + ("met" if best["fraction_of_roofline"] >= results["roofline_bar"] else "not met"))
-        parts.append(f"{context:,} keys: {rows}; {greedy}; {verdict}")
-    return (f"The compiled step's variants (`{s['config']}`, {s['dtype']}, batch 1, attention `{s['attend']}`; ms per "
-            f"step and the fraction of the step's roofline), measured on {env.get('gpu') or env.get('device')} at "
-            f"commit {env.get('git_commit')} (`{source}`): " + "; ".join(parts) + ".")
-
-
-README_VARIANTS_START, README_VARIANTS_END = "<!-- decoder-variants:start -->", "<!-- decoder-variants:end -->"
-
-
-def update_variants_readme(results_path, readme=None) -> Path:
-    """Rewrite the README's block between :data:`README_VARIANTS_START` and :data:`README_VARIANTS_END` with
-    :func:`variants_readme_line` of the variants file `results_path` (the README's test checks that it is current)."""
-    import json
-
-    from ..bench.results import REPO_ROOT
-
-    readme = Path(readme) if readme is not None else REPO_ROOT / "README.md"
-    text = readme.read_text()
-    if README_VARIANTS_START not in text or README_VARIANTS_END not in text:
-        raise ValueError(f"{readme} has no {README_VARIANTS_START} ... {README_VARIANTS_END} block to fill")
-    source = Path(results_path).resolve()
-    source = source.relative_to(REPO_ROOT) if source.is_relative_to(REPO_ROOT) else source
-    line = variants_readme_line(json.loads(Path(results_path).read_text()), source=str(source))
-    head, rest = text.split(README_VARIANTS_START, 1)
-    tail = rest.split(README_VARIANTS_END, 1)[1]
-    readme.write_text(f"{head}{README_VARIANTS_START}\n{line}\n{README_VARIANTS_END}{tail}")
-    return readme
-
-
-def default_variants_output(smoke: bool) -> Path:
-    """results/decode/decoder_variants_<gpu>.json, or results/decode/decoder_variants_smoke.json."""
-    from ..bench.decode import gpu_short_name
-    from ..bench.results import REPO_ROOT
-
-    return REPO_ROOT / "results" / "decode" / f"decoder_variants_{'smoke' if smoke else gpu_short_name()}.json"
-
-
-def variants_main(args, parser) -> int:
-    """``--variants``: the variants' run from the command line's arguments (see :func:`main`)."""
-    base = SMOKE_VARIANT_SETTINGS if args.smoke else GPU_VARIANT_SETTINGS
-    try:
-        names = variant_names(args.variants)
-    except ValueError as error:
-        parser.error(str(error))
-    chosen = {"variants": names}
-    for name, value in (("contexts", args.contexts), ("steps", args.steps), ("warmup", args.warmup),
-                        ("repeats", args.repeats), ("greedy_tokens", args.greedy_tokens), ("dtype", args.dtype),
-                        ("attend", args.attend), ("seed", args.seed), ("num_splits", args.num_splits),
-                        ("profile_steps", args.profile_steps)):
-        if value is not None:
-            chosen[name] = value
-    if args.configs is not None:
-        if len(args.configs) != 1:
-            parser.error("--variants runs one model: give one name to --configs")
-        chosen["config"] = args.configs[0]
-    settings = replace(base, **chosen)
-    if args.smoke and settings.config != "tiny":
-        parser.error("--smoke runs on the CPU: only --configs tiny (the 1B models need a GPU)")
-    try:
-        check_variant_settings(settings)
-    except ValueError as error:
-        parser.error(str(error))
-    if args.plan:
-        for name, context in variant_plan(settings):
-            print(f"{name} at {context} keys: {COMPILE_VARIANTS[name].description}")
-        print(f"{len(variant_plan(settings))} variants; about {estimate_variant_seconds(settings):.0f} s on an H100 "
-              "after wb.decode's extension is built (a plan, not a measurement)")
-        return 0
-    out = args.json if args.json is not None else default_variants_output(args.smoke)
-    command = "python -m wb_kernels.models.decoder_tokens " + " ".join(args.argv)
-    if args.smoke:
-        torch.set_num_threads(1)
-    results = run_variants(settings, out, command=command.strip(), progress=not args.no_progress,
-                           time_budget=args.time_budget, smoke=args.smoke)
-    print(variants_summary(results))
-    print(f"wrote {out}")
-    suspect = [r for r in results["records"] if r.get("greedy_verdict") == "suspect"]
-    return 1 if suspect else 0
-
-
-# ----------------------------------------------------------------------------------------------
-# The command line
-# ----------------------------------------------------------------------------------------------
 
 def _ints(text: str) -> tuple:
     try:
@@ -1225,7 +653,7 @@ def _names(text: str) -> tuple:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m wb_kernels.models.decoder_tokens",
+    parser = argparse.ArgumentParser(prog="python -m wb_kernels.bench.decoder_tokens",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
@@ -1333,15 +761,13 @@ def main(argv=None) -> int:
         print(describe_plan(settings))
         return 0
     out = args.json if args.json is not None else default_output(args.smoke)
-    command = "python -m wb_kernels.models.decoder_tokens " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m wb_kernels.bench.decoder_tokens " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.smoke:
         torch.set_num_threads(1)  # TINY's matrices are tiny: threads cost more than they save
     # what the end needs, imported before the run: a SIGTERM that lands inside an import leaves that module broken
-    from ..bench.decode import gpu_short_name
-    from ..bench.results import load_results
     from ..plots import figures_dir, style
-    from ..stages.decode.slider import decoder_table
-    from .decoder_roofline import roofline_chart, roofline_summary
+    from ..stages.decode import decoder_table
+    from ..models.decoder_roofline import roofline_chart, roofline_summary
 
     _STOP["requested"] = False
     try:
