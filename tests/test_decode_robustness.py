@@ -331,3 +331,110 @@ def test_the_op_is_registered_when_wb_kernels_comes_after_torch():
             "print(torch.ops.wb.decode.default._schema.name)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "wb::decode" in done.stdout, done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- very negative scores (GPU)
+
+ON_GPU = wb.BACKEND.is_gpu
+
+
+def _very_negative_problem(B, H, Hk, D, lens, magnitude, winners, *, page_size=16, seed=0, dtype="bfloat16",
+                           scale=None):
+    """Every score of every row near -`magnitude` (natural units), keys opposite to the query: q = a (1, ..., 1) per
+    head, key j = -a f_j (1, ..., 1) with f_j = 1 (the row's largest score) or 1.25, so that the answer averages V over
+    the keys with f = 1 and their LSE is near -magnitude. `winners`: which keys have f = 1: "all", "third" (a random
+    third, the first key of each sequence among them) or "one" (one key per sequence, anywhere in it). In float16 the
+    magnitude comes from the scale, in bfloat16 from the values. Returns q, the paged cache, its table, the
+    contiguous cache (float64 numpy, already rounded to `dtype`), the lengths and the scale."""
+    rng = np.random.default_rng(seed)
+    capacity = max(max(lens), 1)
+    pages_per_seq = -(-capacity // page_size)
+    num_pages = B * pages_per_seq + 2
+    scale = 1 / np.sqrt(D) if scale is None else scale
+    side = float(np.sqrt(magnitude / (D * scale)))  # a^2 D scale = magnitude
+    table = rng.permutation(num_pages)[:B * pages_per_seq].reshape(B, pages_per_seq).astype(np.int32)
+    chosen = {"all": 1.0, "third": 1 / 3, "one": 0.0}[winners]
+    f = np.where(rng.random((num_pages, Hk, page_size)) < chosen, 1.0, 1.25)
+    for b, n in enumerate(lens):
+        key = 0 if winners == "third" else int(rng.integers(max(n, 1)))
+        f[table[b, key // page_size], :, key % page_size] = 1.0
+    kp = -side * f[..., None] * np.ones(D)
+    vp = rng.standard_normal((num_pages, Hk, page_size, D))
+    q = side * np.ones((B, H, D))
+    q, kp, vp = (torch.from_numpy(x).to(getattr(torch, dtype)).double().numpy() for x in (q, kp, vp))
+    full = pages_per_seq * page_size
+    kc = np.stack([launcher.gather_pages(kp, table, full, b) for b in range(B)])
+    vc = np.stack([launcher.gather_pages(vp, table, full, b) for b in range(B)])
+    return q, kp, vp, table, kc, vc, np.asarray(lens, np.int32), scale
+
+
+def _float64_decode(q, kc, vc, lens, scale):
+    """The answer in float64: softmax(q k^T scale) v per query head over the sequence's first lens[b] keys."""
+    B, H, D = q.shape
+    group = H // kc.shape[1]
+    out, lse = np.zeros((B, H, D)), np.full((B, H), -np.inf)
+    for b in range(B):
+        n = int(lens[b])
+        if n == 0:
+            continue
+        for h in range(H):
+            s = kc[b, h // group, :n] @ q[b, h] * scale
+            top = s.max()
+            w = np.exp(s - top)
+            out[b, h] = w @ vc[b, h // group, :n] / w.sum()
+            lse[b, h] = top + np.log(w.sum())
+    return out, lse
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: the CUDA C++ decode kernels")
+@pytest.mark.parametrize("magnitude", [1e31, 1e33, 1e35])
+@pytest.mark.parametrize("H, Hk, kernel", [(8, 2, "split"), (16, 2, "mma"), (32, 1, "mma")])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_very_negative_scores_are_computed_not_taken_for_masking(magnitude, H, Hk, kernel, dtype, monkeypatch):
+    """Scores around -1e31 .. -1e35 in every row: the answer averages V over the keys with the largest score, and the
+    LSE is near -magnitude, as the float64 reference says; the kernels' finite minus infinity (-1e30 until issue 45)
+    made such rows look like rows that see no key (zeros, LSE -inf). The split kernel (groups up to 4) and the
+    tensor-core kernel (larger groups), contiguous and paged caches; an empty sequence still gives 0 and -inf.
+
+    Several largest keys ("all", "third") with one split: the block's own merges (lanes, warps, slices) keep each
+    state's maximum and sum apart, so the average is exact. One largest key ("one") also with the launcher's split
+    count and 8 splits: the merges weigh the splits by their LSEs, all near -magnitude. (Splits that each hold
+    several largest keys are weighed alike: at |LSE| ~ 1e31 a float32 LSE has no room for the log of a split's
+    count, whose ulp is ~1e24; the merge of splits rounds so from |LSE| ~ 1e7 on, as FlashDecoding's does.)"""
+    from wb_kernels.stages.decode import build
+
+    assert launcher.cuda_kernel_for(H, Hk) == kernel
+    used = []
+    real = build.extension()
+
+    class Recording:
+        def __getattr__(self, name):
+            if name.startswith("flash_decode") and name.endswith("forward"):
+                used.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(build, "extension", lambda: Recording())
+    D = 128 if H == 16 else 64
+    # float16 holds values up to 65504: its scores reach the magnitude through the scale (values of 100)
+    scale = magnitude / (D * 100.0 ** 2) if dtype == "float16" else None
+    for winners, splits in (("all", (1,)), ("third", (1,)), ("one", (None, 1, 8))):
+        q, kp, vp, table, kc, vc, lens, scale = _very_negative_problem(
+            4, H, Hk, D, [700, 1, 0, 333], magnitude, winners, dtype=dtype, scale=scale,
+            seed=int(np.log10(magnitude)) + H)
+        want_out, want_lse = _float64_decode(q, kc, vc, lens, scale)
+        assert np.all(want_lse[lens > 0] < -0.5 * magnitude)  # the problem is what it says
+        as_cuda = lambda x: torch.from_numpy(np.ascontiguousarray(x)).cuda().to(getattr(torch, dtype))  # noqa: E731
+        q_, kp_, vp_, kc_, vc_ = (as_cuda(x) for x in (q, kp, vp, kc, vc))
+        table_, lens_ = torch.from_numpy(table).cuda(), torch.from_numpy(lens).cuda()
+        for num_splits in splits:
+            for paged in (False, True):
+                cache = (kp_, vp_) if paged else (kc_, vc_)
+                out, lse = wb.decode(q_, *cache, lens_, block_table=table_ if paged else None, scale=scale,
+                                     num_splits=num_splits, return_lse=True)
+                where = (f"{kernel} kernel, {dtype}, {winners} largest, {'paged' if paged else 'contiguous'}, "
+                         f"splits {num_splits}")
+                got_out, got_lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
+                np.testing.assert_allclose(got_out, want_out, rtol=2e-2, atol=2e-2, err_msg=where)
+                np.testing.assert_allclose(got_lse[lens > 0], want_lse[lens > 0], rtol=1e-4, err_msg=where)
+                assert np.all(np.isneginf(got_lse[lens == 0])) and np.all(got_out[lens == 0] == 0), where
+    assert set(used) == {"flash_decode_mma_forward" if kernel == "mma" else "flash_decode_forward"}

@@ -31,7 +31,7 @@ __device__ __forceinline__ void merge_split_weights(const float* part_lse, int t
         s_weight[e] = __ldcg(part_lse + (size_t)(e % num_splits) * total_rows + row0 + e / num_splits);
     __syncthreads();
     for (int r = warp; r < rows; r += warps) {  // a warp per row: its largest LSE, and whether any is NaN
-        float top = kNegBig;
+        float top = -INFINITY;
         bool poisoned = false;
         for (int s = lane; s < num_splits; s += 32) {
             top = fmaxf(top, s_weight[r * num_splits + s]);  // fmaxf passes over a NaN; poisoned catches it
@@ -47,7 +47,7 @@ __device__ __forceinline__ void merge_split_weights(const float* part_lse, int t
     }
     __syncthreads();
     for (int e = threadIdx.x; e < rows * num_splits; e += blockDim.x)  // an empty split weighs 0
-        s_weight[e] = s_weight[e] <= kNegHalf ? 0.f : __expf(s_weight[e] - s_top[e / num_splits]);
+        s_weight[e] = s_weight[e] == -INFINITY ? 0.f : __expf(s_weight[e] - s_top[e / num_splits]);
     __syncthreads();
 }
 // endregion
@@ -168,7 +168,7 @@ __device__ __forceinline__ void mma_fused_merge(const DecodeParams& p, int row0,
     __syncthreads();
     for (int r = warp; r < rows; r += THREADS / 32) {  // a warp per row: its largest LSE, NaN, weights, their sum
         float* weight = s_weight + r * splits;
-        float top = kNegBig;
+        float top = -INFINITY;
         bool poisoned = false;
         for (int s = lane; s < splits; s += 32) {
             top = fmaxf(top, weight[s]);  // fmaxf passes over a NaN; poisoned catches it
@@ -179,7 +179,7 @@ __device__ __forceinline__ void mma_fused_merge(const DecodeParams& p, int row0,
         poisoned = __any_sync(0xffffffffu, poisoned);
         float total = 0.f;
         for (int s = lane; s < splits; s += 32) {  // each lane rewrites only the entries it read
-            weight[s] = weight[s] <= kNegHalf ? 0.f : __expf(weight[s] - top);
+            weight[s] = weight[s] == -INFINITY ? 0.f : __expf(weight[s] - top);
             total += weight[s];
         }
 #pragma unroll
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(D / 4 * kMmaMergeLanes) decode_mma_merge_kerne
     for (int s = threadIdx.x; s < num_splits; s += blockDim.x) s_weight[s] = __ldcg(part_lse + (size_t)s * rows + row);
     __syncthreads();
     if (warp == 0) {  // the largest LSE, and whether any split is NaN (as merge_splits)
-        float top = kNegBig;
+        float top = -INFINITY;
         bool poisoned = false;
         for (int s = lane; s < num_splits; s += 32) {
             top = fmaxf(top, s_weight[s]);
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(D / 4 * kMmaMergeLanes) decode_mma_merge_kerne
     __syncthreads();
     const float top = s_top;
     for (int s = threadIdx.x; s < num_splits; s += blockDim.x)  // an empty split weighs 0
-        s_weight[s] = s_weight[s] <= kNegHalf ? 0.f : __expf(s_weight[s] - top);
+        s_weight[s] = s_weight[s] == -INFINITY ? 0.f : __expf(s_weight[s] - top);
     __syncthreads();
     if (warp == 0) {
         float total = 0.f;

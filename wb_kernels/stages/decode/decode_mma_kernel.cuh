@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
         l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
         const int row = row_tile * 16 + lane / 4 + 8 * h;
         if (lane % 4 == 0) {
-            s_m[slice][row] = m_run[h] == -INFINITY ? kNegBig : m_run[h];  // finite: no inf - inf below
+            s_m[slice][row] = m_run[h] == -INFINITY ? kLowest : m_run[h];  // finite: no inf - inf below
             s_l[slice][row] = l_run[h];
         }
 #pragma unroll
@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
     // 4 exp2f per output value: 3.6 us of a block's 17 us at MQA B8 Lk8192 (the trace build's stamps, H100).
     __shared__ float s_weight[SLICES][ROWS];
     for (int r = threadIdx.x; r < group; r += THREADS) {
-        float top = kNegBig;
+        float top = kLowest;
 #pragma unroll
         for (int w = 0; w < SLICES; ++w) top = fmaxf(top, s_m[w][r]);
         float total = 0.f;
@@ -367,9 +367,9 @@ __global__ void __launch_bounds__(MmaShape<M_TILES>::WARPS * 32) decode_mma_kern
 #pragma unroll
         for (int w = 0; w < SLICES; ++w)  // a poisoned row's weights are NaN, an unseen row's 0 (its outputs then 0)
             s_weight[w][r] = poisoned ? nan : seen ? exp2f(s_m[w][r] - top) / total : 0.f;
-        const float row_lse = poisoned ? nan : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
+        const float row_lse = poisoned ? nan : seen ? (top + log2f(total)) * 0.6931471805599453f : -INFINITY;
         const size_t row = ((size_t)split * p.B + b) * p.H + head0 + r;
-        if (p.num_splits == 1) p.lse[row] = row_lse == kNegBig ? -INFINITY : row_lse;  // one split: the answer
+        if (p.num_splits == 1) p.lse[row] = row_lse;  // one split: the answer
         else p.part_lse[row] = row_lse;
     }
     __syncthreads();

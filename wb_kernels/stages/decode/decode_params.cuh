@@ -16,8 +16,11 @@
 namespace wb {
 
 // region: params_and_guards
-constexpr float kNegBig = -1.0e30f;  // a finite minus infinity: masked scores, empty states
-constexpr float kNegHalf = -0.5e30f;  // below this: masked / empty
+// The running maximum before any key, and a masked score: the lowest finite float. Not -inf, so that exp2f(m - max)
+// stays defined (no inf - inf); not a large finite number such as -1e30, below which a row's every score may lie (a
+// large scale or large inputs), and which made such a row pass for one that saw no key (zeros and LSE -inf where
+// the reference averages V). A state that saw no key has l = 0; a split or row that saw none has LSE -inf.
+constexpr float kLowest = -3.402823466e38f;
 
 // NaN and Inf tests on the bits, which no compiler flag can assume away
 __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
@@ -31,7 +34,7 @@ struct DecodeParams {
     const int* block_table;  // (B, pages_per_seq); nullptr: a contiguous cache, sequence b is page b
     const int* seq_lens;  // (B,)
     float* part_out;  // (splits, B, H, D) float32, normalised per split (unused with one split)
-    float* part_lse;  // (splits, B, H) float32, natural log; kNegBig for an empty split (unused with one split)
+    float* part_lse;  // (splits, B, H) float32, natural log; -inf for an empty split (unused with one split)
     void* out;  // (B, H, D) in q's dtype: the merged output, written by the last block of each group when fused
     float* lse;  // (B, H) float32
     int* counters;  // (B * Hk * chunks) zeros: splits finished per group; nullptr: a second kernel merges, or one split

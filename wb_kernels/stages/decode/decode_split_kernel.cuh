@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
     float m[ROWS], l[ROWS], acc[ROWS][8];  // this lane's online-softmax state per row, over the keys it saw
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-        m[r] = kNegBig;
+        m[r] = kLowest;
         l[r] = 0.f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
                 // the D / 8 lanes of one key hold partial dot products: add them up (lanes of a key are adjacent)
 #pragma unroll
                 for (int offset = LANES_PER_KEY / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-                score[s][r] = valid[s] ? dot : kNegBig;  // a NaN score stays NaN (see the header)
+                score[s][r] = valid[s] ? dot : kLowest;  // a NaN score stays NaN (see the header)
             }
         }
         // endregion
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
             to_float8<T>(v_raw[s], vx);
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
-                // a key past the split's end weighs 0 (exp2 of kNegBig - m would be 1 while m is still kNegBig)
+                // a key past the split's end weighs 0 (exp2 of kLowest - m would be 1 while m is still kLowest)
                 const float weight = valid[s] ? exp2f(score[s][r] - m[r]) : 0.f;
                 l[r] += weight;
 #pragma unroll
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
                     score += __shfl_xor_sync(0xffffffffu, score, offset);
                 if (!valid) continue;
                 const float new_max = fmaxf(m[r], score);
-                const float alpha = exp2f(m[r] - new_max);  // 0 while m[r] is kNegBig and score is not
+                const float alpha = exp2f(m[r] - new_max);  // 0 while m[r] is kLowest and score is not
                 const float weight = exp2f(score - new_max);
                 l[r] = l[r] * alpha + weight;
 #pragma unroll
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
     __syncthreads();
     for (int e = threadIdx.x; e < rows * D; e += NUM_WARPS * 32) {
         const int r = e / D, d = e % D;
-        float top = kNegBig;
+        float top = kLowest;
         for (int w = 0; w < NUM_WARPS; ++w) top = fmaxf(top, s_m[w][r]);
         float total = 0.f, value = 0.f;
         for (int w = 0; w < NUM_WARPS; ++w) {
@@ -313,10 +313,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (kMinBlocks<ROWS, PAGED>)) dec
         const bool poisoned = is_nan(total) || (q_bad[r] && stop > start);
         const bool seen = total > 0.f;
         const float nan = __int_as_float(0x7fc00000), result = poisoned ? nan : seen ? value / total : 0.f;
-        const float row_lse = poisoned ? nan : seen ? (top + log2f(total)) * 0.6931471805599453f : kNegBig;
+        const float row_lse = poisoned ? nan : seen ? (top + log2f(total)) * 0.6931471805599453f : -INFINITY;
         if (p.num_splits == 1) {  // the one split's result is the answer: written as the merge of one split would
             static_cast<T*>(p.out)[row * D + d] = from_float<T>(result);
-            if (d == 0) p.lse[row] = row_lse == kNegBig ? -INFINITY : row_lse;
+            if (d == 0) p.lse[row] = row_lse;
         } else {
             p.part_out[row * D + d] = result;
             if (d == 0) p.part_lse[row] = row_lse;
