@@ -18,7 +18,7 @@ import torch
 
 from wb_kernels.models import decoder_graphs as dg
 from wb_kernels.models import decoder_roofline as roof
-from wb_kernels.models import decoder_tokens as tokens
+from wb_kernels.bench import decoder_tokens as tokens
 from wb_kernels.models import llama_decoder as dec
 
 ON_CUDA = torch.cuda.is_available()
@@ -228,7 +228,7 @@ def test_a_run_stopped_from_outside_still_prints_its_table_and_draws_its_chart(t
 
     out, figure = tmp_path / "decoder_smoke.json", tmp_path / "chart.png"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    child = subprocess.Popen([sys.executable, "-m", "wb_kernels.models.decoder_tokens", "--smoke", "--json", str(out),
+    child = subprocess.Popen([sys.executable, "-m", "wb_kernels.bench.decoder_tokens", "--smoke", "--json", str(out),
                               "--figure", str(figure)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env)
     deadline = time.monotonic() + 120

@@ -11,8 +11,9 @@ stages).
   bucket, ``torch.compile(mode="reduce-overhead")``, and whether ``wb.decode`` can be captured;
 - :mod:`.decoder_greedy`: the greedy check: two ways of running it in lockstep, identical tokens or a near tie;
 - :mod:`.decoder_roofline`: its steps on the roofline chart (bytes per step against time per step, the copy ceiling);
-- :mod:`.decoder_tokens`: its tokens-per-second benchmark against the step's roofline
-  (``python -m wb_kernels.models.decoder_tokens``, into ``results/decode/decoder_<gpu>.json``, which lesson 07 reads).
+Its tokens-per-second benchmark against the step's roofline is the benchmark's, not a model:
+``wb_kernels/bench/decoder_tokens.py`` (``python -m wb_kernels.bench.decoder_tokens``, into
+``results/decode/decoder_<gpu>.json``, which lesson 07 reads), with ``decoder_variants.py`` and ``decoder_shared.py``.
 
 ``NOTES.md`` beside them says what changed and what has run where. Nothing under ``wb_kernels/stages/`` imports
 this package: the rungs do not know their users.
