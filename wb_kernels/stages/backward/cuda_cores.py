@@ -6,7 +6,8 @@ the same bits on every run:
 
 1. :func:`preprocess_kernel`, one thread per query row: ``D_i = sum_d dO_id * O_id`` (the softmax Jacobian's one
    number per row), and the forward's LSE in log2 units, with a row that saw no key (LSE = -inf) turned into +BIG so
-   that every ``exp2(score - lse)`` of that row is exactly 0 (no -inf ever reaches a fastmath kernel, no NaN);
+   that every ``exp2(score - lse)`` of that row is exactly 0 (no -inf ever reaches a fastmath kernel, no NaN); a
+   finite LSE, however negative (-1e31), is a row with keys;
 2. the KV-stationary kernel (``dkdv_kernel``): a block owns ``block_n`` keys of one key/value head, keeps their dK and
    dV in registers and streams the query tiles of every query head of the GQA group past them: it recomputes
    ``P = exp(scale q k - lse)``, then ``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P * (dP - D)``,
@@ -45,18 +46,23 @@ import numpy as np
 from numba import cuda, float32, uint64  # after ..backend (imported by the package first): the simulator switch
 
 from ...backend import BACKEND
-from ...device import empty, kernel_view, to_work
+from ...device import empty, is_torch, kernel_view, to_work
 from ...reference import causal_offset
 from ...resources import register_kernel
-from ..flash.kernel import LOG2E, NEG_HALF, allow_shared_bytes, jit_options
+from ..flash.kernel import LOG2E, NEG_HALF, allow_shared_bytes, jit_options  # noqa: F401 (NEG_HALF: lesson 08)
 
 __all__ = ["BackwardConfig", "SIMULATOR_CONFIG", "GPU_CONFIGS", "config_for", "backward_shared_layout",
            "make_backward_kernels", "get_kernels", "preprocess_kernel", "flash_gradients", "simulator_seconds",
-           "HEAD_DIMS", "DKDV_SIGNATURE", "DQ_SIGNATURE", "PREPROCESS_SIGNATURE", "BIG", "MAX_GRID_X"]
+           "HEAD_DIMS", "DKDV_SIGNATURE", "DQ_SIGNATURE", "PREPROCESS_SIGNATURE", "BIG", "MAX_GRID_X", "LSE_LIMIT",
+           "check_lse_range"]
 
 # A row that saw no key gets lse2 = +BIG: exp2(score - BIG) underflows to exactly 0, without an infinity that the
 # fastmath kernels may assume away (the forward stores such a row's LSE as -inf).
 BIG = 1.0e30
+# The kernels recompute P = exp2(score * scale * log2(e) - lse2) in float32. At |LSE| = 2^24 the rounding of lse2 alone
+# is about 1 in that exponent, and beyond it grows with |LSE|: P is then off by factors of e and more, and at
+# |LSE| ~ 1e31 it is 0 or inf. No float32 LSE can carry log(l) there (its ulp is 1e24): such rows are refused.
+LSE_LIMIT = 2.0**24
 MAX_GRID_X = 2**31 - 1
 HEAD_DIMS = (16, 32, 64, 128)  # what the flash forward takes
 
@@ -158,7 +164,7 @@ def preprocess_kernel(out,  # (B, H, Lq, D) float32, the forward's output
         total += dout[b, h, i, d] * out[b, h, i, d]
     delta[b, h, i] = total
     value = lse[b, h, i]
-    lse2[b, h, i] = value * float32(LOG2E) if value > float32(NEG_HALF) else float32(BIG)
+    lse2[b, h, i] = value * float32(LOG2E) if value > float32(-math.inf) else float32(BIG)  # -1e31 is a row with keys
 # endregion
 
 
@@ -442,6 +448,23 @@ def _rebuild(D, *fields):
     return get_kernels(D, BackwardConfig(*fields))
 
 
+def check_lse_range(lse) -> None:
+    """Refuse, with a ValueError, an LSE whose finite part reaches :data:`LSE_LIMIT` in magnitude: the float32
+    kernels cannot recompute the softmax from it (one number read back from the device)."""
+    if is_torch(lse):
+        import torch
+
+        largest = float(torch.where(torch.isfinite(lse), lse.abs(), torch.zeros_like(lse)).amax()) if lse.numel() else 0.0
+    else:
+        finite = np.abs(np.asarray(lse, dtype=np.float64))
+        largest = float(finite[np.isfinite(finite)].max(initial=0.0))
+    if largest >= LSE_LIMIT:
+        raise ValueError(f"the flash backward: a row's log-sum-exp is {largest:.3g} in magnitude (scores that large, "
+                         f"e.g. -1e31); its float32 kernels recompute P = exp(scale q.k - LSE) and past |LSE| = 2^24 "
+                         f"float32 rounding alone exceeds 1 in that exponent, so the gradients would be wrong. Scale "
+                         f"the scores down, or take these gradients with stage='reference' (float64)")
+
+
 # region: backward_launch
 def flash_gradients(q, k, v, out, lse, dout, *, causal=False, key_padding_mask=None, scale=None, config=None):
     """Gradients (dq, dk, dv) of the flash stage, float32 where the kernels run, from its forward's ``(out, lse)``.
@@ -461,6 +484,7 @@ def flash_gradients(q, k, v, out, lse, dout, *, causal=False, key_padding_mask=N
     key_tiles, query_tiles = -(-Lk // config.block_n), -(-Lq // config.block_m)
     if max(B * Hk * key_tiles, B * H * query_tiles) > MAX_GRID_X:
         raise ValueError(f"B={B}, H={H}, Lq={Lq}, Lk={Lk} needs more than 2^31 - 1 thread blocks")
+    check_lse_range(lse)  # before any launch: float32 cannot recompute P from an LSE of -1e31
     qw, kw, vw, ow, dow = (to_work(x) for x in (q, k, v, out, dout))
     lse_w = to_work(lse)
     delta, lse2 = empty((B, H, Lq)), empty((B, H, Lq))

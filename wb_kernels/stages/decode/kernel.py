@@ -13,8 +13,9 @@ Two kernels, as in flash-decoding (``splitkv.py`` has the NumPy model):
 
 Masks: keys at or beyond the sequence's length never take part; ``causal_mode`` 1 is top-left (row i sees keys
 j <= i), 2 is bottom-right (j <= i + len_b - Lq, what a new token appended to a cache needs); a key padding mask
-(B, Lk) is optional. Like lesson 04, masked scores get the finite NEG_BIG instead of -inf, and the host turns an
-empty row's LSE into -inf.
+(B, Lk) is optional. Like lesson 04, masked scores get the finite NEG_BIG, the lowest float32, below every score:
+a score of -1e35 is a score. Whether a row or a split has seen a key is its running sum l > 0, never a value's size;
+the merge writes -inf for a row that saw none.
 
 No warp shuffles: the same code runs under numba's CUDA simulator (FACTS: the simulator has none) and on a GPU.
 """
@@ -34,8 +35,8 @@ __all__ = ["DecodeConfig", "make_partial_kernel", "merge_kernel", "load_query_ro
            "SIMULATOR_CONFIG", "GPU_CONFIG", "NEG_BIG", "NEG_HALF", "CAUSAL_NONE", "CAUSAL_TOP_LEFT",
            "CAUSAL_BOTTOM_RIGHT", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE"]
 
-NEG_BIG = -1.0e30  # a finite "minus infinity" for masked scores
-NEG_HALF = -0.5e30  # anything below this is a masked score (or an empty row's LSE)
+NEG_BIG = -3.4028234663852886e38  # a finite "minus infinity" for masked scores: the lowest float32, below every score
+NEG_HALF = NEG_BIG  # the old name of the masked-score threshold (it was -0.5e30, which real scores can pass)
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
 
@@ -149,13 +150,13 @@ def online_softmax_tile(m_run, l_run, acc, scores, v_tile):
                 tile_max = max(tile_max, scores[r, j])
             new_max = max(m_run[u], tile_max)
             alpha = float32(0.0)
-            if m_run[u] > float32(NEG_HALF):
+            if m_run[u] > float32(NEG_BIG):  # the row has seen a key before this tile
                 alpha = math.exp(m_run[u] - new_max)
             total = l_run[u] * alpha
             out = acc[u] * alpha
             for j in range(BN):
                 s = scores[r, j]
-                if s > float32(NEG_HALF):
+                if s > float32(NEG_BIG):  # not masked (a score of -1e35 is a score)
                     p = math.exp(s - new_max)
                     total += p
                     out += p * v_tile[j, d]
@@ -250,7 +251,7 @@ def make_partial_kernel(D: int, config: DecodeConfig):
 def merge_kernel(part_out,  # (S, B, H, Lq, D) float32
                  part_lse,  # (S, B, H, Lq) float32, NEG_BIG for an empty split
                  out,  # (B, H, Lq, D) float32
-                 lse):  # (B, H, Lq) float32, NEG_BIG for a row that saw no key
+                 lse):  # (B, H, Lq) float32, -inf for a row that saw no key
     """One block per query row, one thread per column: out = sum_s exp(lse_s - lse) * out_s."""
     S, B, H, Lq = part_lse.shape[0], part_lse.shape[1], part_lse.shape[2], part_lse.shape[3]
     row = cuda.blockIdx.x
@@ -262,16 +263,16 @@ def merge_kernel(part_out,  # (S, B, H, Lq, D) float32
         top = max(top, part_lse[s, b, h, i])
     total = float32(0.0)
     for s in range(S):
-        if part_lse[s, b, h, i] > NEG_HALF:
+        if part_lse[s, b, h, i] > NEG_BIG:  # the split saw a key
             total += math.exp(part_lse[s, b, h, i] - top)
     for d in range(cuda.threadIdx.x, part_out.shape[4], cuda.blockDim.x):
         value = float32(0.0)
         for s in range(S):
-            if part_lse[s, b, h, i] > NEG_HALF:
+            if part_lse[s, b, h, i] > NEG_BIG:
                 value += math.exp(part_lse[s, b, h, i] - top) * part_out[s, b, h, i, d]
         out[b, h, i, d] = value / total if total > 0.0 else float32(0.0)
     if cuda.threadIdx.x == 0:
-        lse[b, h, i] = top + math.log(total) if total > 0.0 else float32(NEG_BIG)
+        lse[b, h, i] = top + math.log(total) if total > 0.0 else float32(-math.inf)  # no fastmath here
 # endregion
 
 

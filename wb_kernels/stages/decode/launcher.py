@@ -23,7 +23,7 @@ import numpy as np
 from ...backend import BACKEND
 from ...device import empty, is_torch, kernel_view, to_work
 from . import build
-from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, NEG_HALF, config_for, get_partial_kernel,
+from .kernel import (CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, config_for, get_partial_kernel,
                      merge_kernel)
 from ..naive.kernel import check_grid
 from .splitkv import choose_num_splits, split_bounds
@@ -111,11 +111,7 @@ def split_kv_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal=False
     out = empty((B, H, Lq, D))
     lse = empty((B, H, Lq))
     merge[B * H * Lq, min(D, 128)](kernel_view(part_out), kernel_view(part_lse), kernel_view(out),
-                                   kernel_view(lse))
-    if is_torch(lse):  # rows that saw no key: LSE -inf by the package's convention
-        lse.masked_fill_(lse < NEG_HALF, float("-inf"))
-    else:
-        lse[lse < NEG_HALF] = -np.inf
+                                   kernel_view(lse))  # rows that saw no key: zeros and LSE -inf
     return out, lse
 
 

@@ -12,11 +12,11 @@ piece; for O += P V a (rows_per_thread x D/threads_per_row) piece. The row maxim
 through shared memory (no warp shuffles, so the same code runs on numba's CUDA simulator).
 
 Exponentials use ``exp2`` with the softmax scale and log2(e) folded into one constant c:
-exp(scale * (x - m)) = exp2(x * c - m * c), one FFMA and one MUFU.EX2 instruction per score
-(``math.exp`` would add a multiply and a range reduction). The running maximum is kept as the rounded
-m * c and every exponent subtracts that same stored number, so all terms of a row share one reference
-(two products x*c - m*c would be fused into FFMAs that round differently). The LSE is
-m * c * ln(2) + log(l), computed once per row in float64.
+exp(scale * (x - m)) = exp2((x - m) * c), one FADD, one FMUL and one MUFU.EX2 instruction per score
+(``math.exp`` would add a multiply and a range reduction). The running maximum m is kept in the scores' own
+units and every exponent subtracts it before it is scaled, so the row's largest score gives exp2(0) = 1 exactly
+at any magnitude (x * c - m * c, fused into an FFMA, keeps the rounding of m * c in the exponent: harmless at
+ordinary scores, up to 2^77 at a score of -1e31). The LSE is m * scale + log(l), computed once per row in float64.
 
 Layout of the dynamic shared memory (float32 words), see :func:`shared_layout`:
 ``Q^T (D x block_m+1) | K^T (D x block_n+1), later V (block_n x D) | P (block_m x block_n+pad) | partial maxima``.
@@ -31,7 +31,7 @@ import numpy as np
 from numba import cuda, float32, float64, uint64  # after ..backend (imported by the package first): the simulator switch
 
 from ...backend import BACKEND
-from ...device import empty, is_torch, kernel_view, to_work
+from ...device import empty, kernel_view, to_work
 from ...reference import causal_offset
 from ...resources import register_kernel
 from .. import Stage
@@ -41,10 +41,12 @@ __all__ = ["FlashConfig", "make_flash_kernel", "flash_forward", "shared_layout",
            "jit_options", "allow_shared_bytes", "kernel_name", "kernel_signature", "SIGNATURE",
            "SIMULATOR_CONFIG", "GPU_CONFIGS", "NEG_BIG", "NEG_HALF", "LOG2E", "LN2", "STAGE"]
 
-# A finite "minus infinity": the kernel is compiled with fastmath, which lets the compiler assume that
-# no value is ever infinite, so masked scores get NEG_BIG and the host turns an empty row's LSE into -inf.
-NEG_BIG = -1.0e30
-NEG_HALF = -0.5e30  # anything below this is a masked score
+# A finite "minus infinity": the kernel is compiled with fastmath, which lets the compiler assume that no value is
+# ever infinite, so masked scores get NEG_BIG, the lowest float32, below every score the kernel can compute: a
+# score of -1e35 is a score (only a score equal to NEG_BIG, the end of float32's range, counts as masked). Whether a
+# row has seen a key is its running sum l > 0 (its largest score contributes exp2(0) = 1), never a value's size.
+NEG_BIG = float(np.finfo(np.float32).min)  # -3.4028235e38
+NEG_HALF = NEG_BIG  # the old name of the masked-score threshold (it was -0.5e30, which real scores can pass)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 STATIC_SHARED_LIMIT = 48 * 1024  # beyond this a kernel must opt in to more dynamic shared memory
@@ -152,7 +154,6 @@ def make_flash_kernel(D, config):
     QS, KS, PS = lay["q_stride"], lay["k_stride"], lay["p_stride"]
     Q0, KV0, P0, RED0 = lay["q_off"], lay["kv_off"], lay["p_off"], lay["red_off"]
     NEG = float32(NEG_BIG)
-    NEG_MASKED = float32(NEG_HALF)
     LOG2_E = float32(LOG2E)
     U = uint64  # an unsigned index: numba then skips the negative-index (wraparound) fix-up
 # endregion
@@ -163,7 +164,7 @@ def make_flash_kernel(D, config):
                      k,  # (B, Hk, Lk, D) float32 keys; Hk divides H
                      v,  # (B, Hk, Lk, D) float32 values
                      out,  # (B, H, Lq, D) float32 output
-                     lse,  # (B, H, Lq) float32 log-sum-exp per row (NEG_BIG for a row that sees no key)
+                     lse,  # (B, H, Lq) float32 log-sum-exp per row (-inf for a row that sees no key)
                      key_keep,  # (B, Lk) uint8, 1 = key takes part; read only when use_mask
                      use_mask,  # 0/1
                      causal,  # 0/1: query i sees keys j <= i + causal_offset
@@ -196,7 +197,7 @@ def make_flash_kernel(D, config):
             smem[U(Q0 + d * QS + r)] = value
 
         acc = cuda.local.array((TM, TD), float32)  # this thread's piece of O (unnormalised)
-        m_run = cuda.local.array(TM, float32)  # running max per row, in log2 units: max(score) * c
+        m_run = cuda.local.array(TM, float32)  # running max of the row's (unscaled) scores; NEG: none yet
         # running sum over this thread's keys only; float64 because it adds up one term per tile, and a
         # float32 sum of hundreds of terms drifts by more than the LSE's tolerance (PyTorch's error x 2)
         l_run = cuda.local.array(TM, float64)
@@ -277,18 +278,20 @@ def make_flash_kernel(D, config):
                 tile_max = NEG
                 for cc in range(TPR):
                     tile_max = max(tile_max, smem[U(RED0 + r * TPR + cc)])
-                # exp(scale*(x - m)) = exp2(x*c - m*c), c = scale*log2(e): one FFMA + one MUFU.EX2 per score.
-                # The max is stored as the rounded m*c and every exponent subtracts that same number; two
-                # products x*c - m*c would each be fused differently under fastmath (and, for the NEG_BIG of
-                # an empty row, leave a residual of 1e22 in the exponent).
-                new_max = max(m_run[i], tile_max * exp_scale)
-                alpha = math.exp2(m_run[i] - new_max)
+                # exp(scale*(x - m)) = exp2((x - m)*c), c = scale*log2(e): the difference first, so the row's
+                # largest score gives exp2(0) = 1 at any magnitude (an FFMA x*c - m*c would keep the rounding of
+                # m*c, up to 2^77 at a score of -1e31). Masked scores (NEG) are skipped, never subtracted; a row
+                # that has seen no key yet (m = NEG) has nothing to rescale.
+                new_max = max(m_run[i], tile_max)
+                alpha = float32(0.0)
+                if m_run[i] > NEG:
+                    alpha = math.exp2((m_run[i] - new_max) * exp_scale)
                 m_run[i] = new_max
                 row_sum = float32(0.0)
                 for j in range(TN):
                     p = float32(0.0)
-                    if s[i, j] > NEG_MASKED:
-                        p = math.exp2(s[i, j] * exp_scale - new_max)
+                    if s[i, j] > NEG:
+                        p = math.exp2((s[i, j] - new_max) * exp_scale)
                     row_sum += p
                     smem[U(P0 + r * PS + c + TPR * j)] = p
                 l_run[i] = l_run[i] * alpha + row_sum
@@ -321,16 +324,16 @@ def make_flash_kernel(D, config):
                 total = float64(0.0)
                 for cc in range(TPR):
                     total += smem[U(RED0 + r * TPR + cc)]
-                # a row that saw no key has acc = 0 and total = 0: 0 * (1 / tiny) = 0 without a branch that
-                # fastmath could turn into 0 / 0
+                # a row that saw no key has acc = 0 and total = 0 (one that saw a key has total >= 1):
+                # 0 * (1 / tiny) = 0 without a branch that fastmath could turn into 0 / 0
                 inv = float32(1.0) / max(float32(total), float32(1e-30))
                 for dd in range(TD):
                     out_bh[U(row0 + r), U(c + TPR * dd)] = acc[i, dd] * inv
                 if c == 0:
                     if total > 0:  # once per row, in float64: fastmath's float32 log is off by ~1e-6 at L ~ 1000
-                        lse_bh[U(row0 + r)] = float64(m_run[i]) * LN2 + math.log(total)
-                    else:
-                        lse_bh[U(row0 + r)] = NEG
+                        lse_bh[U(row0 + r)] = float64(m_run[i]) * score_scale + math.log(total)
+                    else:  # a stored constant, no arithmetic: nothing for fastmath to assume away
+                        lse_bh[U(row0 + r)] = -math.inf
 
     return flash_kernel
 # endregion
@@ -421,12 +424,7 @@ def flash_forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, c
     check_grid("flash", grid, ("B*H", f"Lq / {config.block_m}"))
     nbytes = shared_layout(D, config)["bytes"]
     allow_shared_bytes(kernel, args, nbytes)
-    kernel[grid, config.threads, 0, nbytes](*args)
-    # rows that saw no key: LSE is -inf by the package's convention (the kernel avoids infinities)
-    if is_torch(lse):
-        lse.masked_fill_(lse < NEG_HALF, float("-inf"))
-    else:
-        lse[lse < NEG_HALF] = -np.inf
+    kernel[grid, config.threads, 0, nbytes](*args)  # rows that saw no key: zeros and LSE -inf, from the kernel
     return out, lse
 # endregion
 
