@@ -237,13 +237,67 @@ def test_single_rank_ring_backward_is_lesson_08s(single_rank):
         ring_attention_backward(q, k, v, out[:, :, :8], lse, dout, Lq=9, Lk=13)
 
 
-def test_ulysses_refuses_more_ranks_than_heads(monkeypatch):
-    from wb_kernels.stages.distributed import ulysses
+def _descriptions(world, Lq=9, Lk=9, H=6, Hk=2, **changes):
+    """What `world` ranks would exchange for a contiguous Ulysses or ring call (agreement.describe), with
+    `changes` = {rank: {argument: value}} applied to some ranks."""
+    from wb_kernels.stages.distributed import agreement
 
-    monkeypatch.setattr(ulysses.dist, "get_world_size", lambda group=None: 3)
-    q, k, v, _ = run.make_inputs(run.Case(1, 6, 2, 9, 9, 8), torch.float64, "cpu", 0)
+    rows = []
+    for rank in range(world):
+        q, k, v, _ = run.make_inputs(run.Case(1, H, Hk, Lq, Lk, 8), torch.float64, "cpu", 0)
+        call = dict(q=q[:, :, :sharding.shard_length(Lq, world, rank)], k=k[:, :, :sharding.shard_length(Lk, world, rank)],
+                    key_padding_mask=None, Lq=Lq, Lk=Lk, causal=False, scale=None, layout="contiguous")
+        call["v"] = call["k"]
+        call.update(changes.get(f"rank{rank}", {}))
+        rows.append(agreement.describe(**call))
+    return rows
+
+
+def test_ulysses_refuses_more_ranks_than_heads():
+    from wb_kernels.stages.distributed.agreement import check_agreement
+
     with pytest.raises(ValueError, match=r"W = 3 must divide .* \(6\) and .* \(2\)"):
-        ulysses.ulysses_attention(q, k, v, Lq=9, Lk=9)
+        check_agreement("ulysses_attention", _descriptions(3), same=("Lq",), shards="contiguous", heads_divide=True)
+
+
+def test_agreement_names_which_rank_has_what():
+    """The checks every rank runs on the exchanged descriptions: one error naming each disagreement by rank."""
+    from wb_kernels.stages.distributed.agreement import check_agreement
+    from wb_kernels.stages.distributed.ring import SAME
+
+    q32 = torch.zeros(1, 6, 3, 8, dtype=torch.float32)
+    rows = _descriptions(3, rank2=dict(q=q32, causal="bottom_right", scale=0.5))
+    with pytest.raises(ValueError) as refused:
+        check_agreement("ring_attention", rows, same=SAME, shards="contiguous")
+    text = str(refused.value)
+    assert "the ranks disagree on q's dtype: ranks 0, 1: torch.float64; rank 2: torch.float32" in text
+    assert "causal: ranks 0, 1: False; rank 2: 'bottom_right'" in text
+    assert "scale: ranks 0, 1: None; rank 2: 0.5" in text
+    check_agreement("ring_attention", _descriptions(3), same=SAME, shards="contiguous")  # agreeing ranks pass
+    with pytest.raises(ValueError, match=r"rank 1 of 2 \(contiguous\) should hold 4 queries and 4 keys, got q "
+                                         r"\(1, 6, 5, 8\)"):  # Ulysses' shard lengths (they were never checked)
+        q_long = torch.zeros(1, 6, 5, 8, dtype=torch.float64)
+        check_agreement("ulysses_attention", _descriptions(2, Lq=8, Lk=8, rank1=dict(q=q_long)), same=SAME,
+                        shards="contiguous", heads_divide=True)
+
+
+def test_a_mask_longer_than_the_keys_is_refused_in_the_callers_terms(single_rank):
+    """It was cut to the keys silently (ring, split-KV decode), and a mask of another batch was refused quoting an
+    internal block's shape."""
+    from wb_kernels.stages.distributed.decode import split_kv_decode
+    from wb_kernels.stages.distributed.ring import ring_attention
+    from wb_kernels.stages.distributed.ulysses import ulysses_attention
+
+    q, k, v, _ = run.make_inputs(run.Case(2, 2, 2, 9, 13, 8), torch.float64, "cpu", 0)
+    longer = torch.ones(2, 17, dtype=torch.bool)
+    for method in (lambda m: ring_attention(q, k, v, Lq=9, Lk=13, key_padding_mask=m),
+                   lambda m: split_kv_decode(q, k, v, Lk=13, key_padding_mask=m),
+                   lambda m: ulysses_attention(q, k, v, Lq=9, Lk=13, key_padding_mask=m)):
+        with pytest.raises(ValueError, match=r"key_padding_mask has shape \(2, 17\), but it must be the whole "
+                                             r"sequence's \(B, Lk\) = \(2, 13\)"):
+            method(longer)
+        with pytest.raises(ValueError, match=r"key_padding_mask has shape \(1, 13\)"):
+            method(longer[:1, :13])
 
 
 # ---- torchrun, gloo -------------------------------------------------------------------------------------------
@@ -338,6 +392,36 @@ def _synthetic_scaling(date="2026-11-26T10:00:00Z", gpu="NVIDIA H200"):
                                          "nccl": "2.27.5", "git_commit": "abc1234"},
             "command": "python -m torch.distributed.run ...", "timing": {"method": "CUDA events", "repeats": 5},
             "records": records, "unavailable": {}, "complete": True}
+
+
+# what each hostile call (run.hostile_calls) must raise on every rank: a ValueError naming the problem
+HOSTILE_ERRORS = {
+    "decode: a different q on each rank": "the ranks disagree on q's values",
+    "decode: a key padding mask longer than the keys": "key_padding_mask has shape (2, 17), but it must be",
+    "ring: a key padding mask longer than the keys": "key_padding_mask has shape (2, 17), but it must be",
+    "ring: a key padding mask of another batch": "key_padding_mask has shape (1, 13), but it must be",
+    "ring: rank 1 in float32": "the ranks disagree on q's dtype: rank 0: torch.float64; rank 1: torch.float32",
+    "ring: rank 1 with one key/value head": "the ranks disagree on the key/value heads Hk: rank 0: 2; rank 1: 1",
+    "ring: rank 1 told another Lk": "the ranks disagree on Lk: rank 0: 13; rank 1: 14",
+    "ulysses: rank 0 with one query too many": "rank 0 of 2 (contiguous) should hold 5 queries and 7 keys",
+    "ulysses: a key padding mask longer than the keys": "key_padding_mask has shape (2, 17), but it must be",
+}
+
+
+def test_ranks_that_disagree_get_one_clear_error_on_every_rank():
+    """Issue 45: a different q per rank in split-KV decode returned one merged answer right for neither; masks longer
+    than the keys were cut silently; dtypes, heads and lengths that differ aborted inside gloo; Ulysses never
+    checked shard lengths. Now one small all-gather before the first collective, and every rank raises."""
+    stdout, _ = _torchrun(2, "wb_kernels.stages.distributed.run", "--hostile", "--json", "--timeout", "20")
+    met = {}
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            met[(record["call"], record["rank"])] = record["met"]
+    assert set(met) == {(call, rank) for call in HOSTILE_ERRORS for rank in (0, 1)}, stdout
+    wrong = {key: text for key, text in met.items()
+             if not (text.startswith("ValueError") and HOSTILE_ERRORS[key[0]] in text)}
+    assert not wrong, "\n".join(f"{call} (rank {rank}): {text}" for (call, rank), text in sorted(wrong.items()))
 
 
 def test_scaling_table_and_figure_read_a_results_file(tmp_path):

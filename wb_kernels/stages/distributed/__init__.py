@@ -7,6 +7,8 @@ This folder has no ``STAGE``: like the backward rung, it uses the other stages (
 Files:
 
 - ``merge.py``: the log-sum-exp merge of partial (out, LSE) in torch, fp32 (fp64 for fp64), rows that see no key.
+- ``agreement.py``: one small all-gather before a method's first collective: every rank checks that the ranks agree
+  on shapes, dtypes, heads, lengths, mask, causal and scale (and split-KV decode's q), and all raise the same error.
 - ``sharding.py``: contiguous and zigzag layouts, causal block pairs (full, diagonal, skipped), the work per rank
   and the causal ceiling W / (2W - 1). Pure functions.
 - ``decode.py``: split-KV decode across ranks (one all-gather of (out, LSE), then the merge).

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from ...reference import causal_offset
+from .agreement import agree
 from .merge import merge_stack, pack, unpack
-from .ring import accumulate_blocks, new_accumulator
-from .sharding import shard_length, shard_pieces
+from .ring import SAME, accumulate_blocks, new_accumulator
+from .sharding import shard_pieces
 
 __all__ = ["split_kv_decode"]
 
@@ -27,10 +28,12 @@ def split_kv_decode(q, k, v, *, Lk: int, layout: str = "contiguous", causal=Fals
     the accumulation dtype), identical on every rank. `causal` and `key_padding_mask` (whole (B, Lk)) as in
     ``wb.attention``: ``"bottom_right"`` is decoding's alignment (the queries are the last Lq positions)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if k.shape[2] != shard_length(Lk, world, rank, layout) or v.shape[2] != k.shape[2]:
-        raise ValueError(f"split_kv_decode: rank {rank} of {world} ({layout}) should hold "
-                         f"{shard_length(Lk, world, rank, layout)} keys, got k {tuple(k.shape)}, v {tuple(v.shape)}")
     Lq = q.shape[2]
+    # one small all-gather before the first collective: the same q (its shape and a digest of its bits) on every
+    # rank, and the same Lk, mask, causal, scale and dtypes; every rank raises the same error otherwise (a merged
+    # answer from different queries would be right for none of them)
+    agree("split_kv_decode", q=q, k=k, v=v, key_padding_mask=key_padding_mask, Lq=Lq, Lk=Lk, causal=causal,
+          scale=scale, layout=layout, group=group, same=SAME + ("q", "q_bits"), q_sharded=False, q_digest=True)
     acc = new_accumulator(q)
     accumulate_blocks(acc, q, [(0, Lq)], k, v, shard_pieces(Lk, world, rank, layout), causal_offset(causal, Lq, Lk),
                       key_padding_mask=key_padding_mask, scale=scale, stage=stage)

@@ -20,11 +20,16 @@ import torch
 import torch.distributed as dist
 
 from ...reference import causal_offset
+from .agreement import agree
 from .merge import accumulation_dtype, merge_into
 from .sharding import pair_blocks, shard_length, shard_pieces
 
 __all__ = ["accumulate_blocks", "block_calls", "ring_attention", "new_accumulator", "BlockExchange",
            "block_gradients", "ring_attention_backward"]
+
+
+# what every rank's call must agree on (agreement.describe's fields), besides batch, heads and head dim
+SAME = ("q_dtype", "k_dtype", "v_dtype", "Lq", "Lk", "causal", "layout", "scale", "mask", "mask_bits")
 
 
 def _local_runs(pieces):
@@ -131,10 +136,10 @@ def ring_attention(q, k, v, *, Lq: int, Lk: int, layout: str = "contiguous", cau
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     q_pieces = shard_pieces(Lq, world, rank, layout)
-    expected = (shard_length(Lq, world, rank, layout), shard_length(Lk, world, rank, layout))
-    if (q.shape[2], k.shape[2]) != expected or v.shape[2] != k.shape[2]:
-        raise ValueError(f"ring_attention: rank {rank} of {world} ({layout}) should hold {expected[0]} queries and "
-                         f"{expected[1]} keys, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    # one small all-gather: every rank checks every rank's shapes, dtypes, lengths, mask, causal and scale, and all
+    # raise the same error before the first transfer (a mismatch would otherwise abort inside gloo or NCCL)
+    agree("ring_attention", q=q, k=k, v=v, key_padding_mask=key_padding_mask, Lq=Lq, Lk=Lk, causal=causal,
+          scale=scale, layout=layout, group=group, same=SAME)
     offset = causal_offset(causal, Lq, Lk)
     acc = new_accumulator(q)
     block = torch.stack([k, v]).contiguous()  # one message per step: K and V together
@@ -192,6 +197,8 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, Lq: int, Lk: int, layout
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     q_pieces = shard_pieces(Lq, world, rank, layout)
+    agree("ring_attention_backward", q=q, k=k, v=v, key_padding_mask=key_padding_mask, Lq=Lq, Lk=Lk, causal=causal,
+          scale=scale, layout=layout, group=group, same=SAME)
     expected = (shard_length(Lq, world, rank, layout), shard_length(Lk, world, rank, layout))
     if (q.shape[2], k.shape[2]) != expected or out.shape != q.shape or dout.shape != q.shape:
         raise ValueError(f"ring_attention_backward: rank {rank} of {world} ({layout}) should hold {expected[0]} "

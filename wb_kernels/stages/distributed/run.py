@@ -255,6 +255,54 @@ def _error(got, want) -> float:
     return float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0
 
 
+def hostile_calls(rank: int):
+    """Calls that disagree between the ranks, or that give a rank's method what it must refuse (W = 2, gloo): [(name,
+    call), ...]. Each must raise a ValueError on every rank, naming the problem in the caller's terms (issue 45);
+    none may return an answer or abort inside a collective. ``--hostile`` runs them and prints what each rank met."""
+    case = Case(2, 4, 2, 9, 13, 8)
+    q, k, v, _ = make_inputs(case, torch.float64, "cpu", 0)
+    world = dist.get_world_size()
+    kidx = torch.as_tensor(local_indices(13, world, rank))
+    qidx = torch.as_tensor(local_indices(9, world, rank))
+    k_local, v_local, q_local = k[:, :, kidx].contiguous(), v[:, :, kidx].contiguous(), q[:, :, qidx].contiguous()
+    long_mask = torch.ones(2, 13 + 4, dtype=torch.bool)  # 4 keys longer than the sequence
+    common = dict(Lq=9, Lk=13)
+    return [
+        ("decode: a different q on each rank",
+         lambda: split_kv_decode(q + rank, k_local, v_local, Lk=13)),
+        ("decode: a key padding mask longer than the keys",
+         lambda: split_kv_decode(q, k_local, v_local, Lk=13, key_padding_mask=long_mask)),
+        ("ring: a key padding mask longer than the keys",
+         lambda: ring_attention(q_local, k_local, v_local, key_padding_mask=long_mask, **common)),
+        ("ring: a key padding mask of another batch",
+         lambda: ring_attention(q_local, k_local, v_local, key_padding_mask=long_mask[:1, :13], **common)),
+        ("ring: rank 1 in float32",
+         lambda: ring_attention(*(x.float() if rank == 1 else x for x in (q_local, k_local, v_local)), **common)),
+        ("ring: rank 1 with one key/value head",
+         lambda: ring_attention(q_local, *(x[:, :1] if rank == 1 else x for x in (k_local, v_local)), **common)),
+        ("ring: rank 1 told another Lk",
+         lambda: ring_attention(q_local, k_local, v_local, Lq=9, Lk=13 + rank)),
+        ("ulysses: rank 0 with one query too many",
+         lambda: ulysses_attention(q[:, :, :len(qidx) + 1 - rank].contiguous() if rank == 0 else q_local, k_local,
+                                   v_local, **common)),
+        ("ulysses: a key padding mask longer than the keys",
+         lambda: ulysses_attention(q_local, k_local, v_local, key_padding_mask=long_mask, **common)),
+    ]
+
+
+def run_hostile(json_lines: bool) -> int:
+    """Run :func:`hostile_calls`; one line per call: what this rank met (the error, or "returned")."""
+    rank = dist.get_rank()
+    for name, call in hostile_calls(rank):
+        try:
+            call()
+            met = "returned"
+        except Exception as error:  # noqa: BLE001 - what the call met is the record
+            met = f"{type(error).__name__}: {error}"[:700]
+        _say(json.dumps({"rank": rank, "call": name, "met": met}) if json_lines else f"rank {rank} {name}: {met}")
+    return 0
+
+
 def init_ranks(backend: str, timeout: float):
     """Join the process group that torchrun describes (its environment variables), every collective bounded by
     `timeout` seconds (a hang fails). NCCL: each rank on ``cuda:LOCAL_RANK``. Returns this rank's device."""
@@ -287,6 +335,8 @@ def main(argv=None) -> int:
                              "are graded by wb.check's rule instead")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait before failing")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
+    parser.add_argument("--hostile", action="store_true",
+                        help="run calls the ranks disagree on (W = 2, gloo) and print what each rank met")
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -296,6 +346,11 @@ def main(argv=None) -> int:
         parser.error("start this module with torchrun (python -m torch.distributed.run --nproc_per_node=W -m ...)")
 
     device = init_ranks(args.backend, args.timeout)
+    if args.hostile:
+        try:
+            return run_hostile(args.json)
+        finally:
+            dist.destroy_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     grade = args.dtype != "float64"
     cases = default_cases(args.stage)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .agreement import agree
 from .merge import pack, unpack
+from .ring import SAME
 from .sharding import chunk_bounds
 
 __all__ = ["ulysses_attention", "ulysses_attention_backward", "seq_to_heads", "heads_to_seq"]
@@ -55,11 +57,10 @@ def ulysses_attention(q, k, v, *, Lq: int, Lk: int, causal=False, key_padding_ma
     (B, H, nq))."""
     import wb_kernels as wb
 
-    world = dist.get_world_size(group)
-    H, Hk = q.shape[1], k.shape[1]
-    if H % world or Hk % world:
-        raise ValueError(f"ulysses_attention: W = {world} must divide the query heads ({H}) and the key/value heads "
-                         f"({Hk}); use the ring for more ranks than heads")
+    # one small all-gather: shard lengths (contiguous), heads W divides, and everything the ranks must agree on,
+    # checked on every rank before the first all-to-all
+    agree("ulysses_attention", q=q, k=k, v=v, key_padding_mask=key_padding_mask, Lq=Lq, Lk=Lk, causal=causal,
+          scale=scale, group=group, same=SAME, heads_divide=True)
     qh, kh, vh = seq_to_heads(q, Lq, group), seq_to_heads(k, Lk, group), seq_to_heads(v, Lk, group)
     out, lse = wb.attention(qh, kh, vh, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
                             return_lse=True, check_finite=check_finite)
@@ -75,6 +76,8 @@ def ulysses_attention_backward(q, k, v, out, lse, dout, *, Lq: int, Lk: int, cau
     partials to merge. Returns dq, dk, dv in q's, k's and v's dtypes, sequence-sharded like q, k, v."""
     import wb_kernels as wb
 
+    agree("ulysses_attention_backward", q=q, k=k, v=v, key_padding_mask=key_padding_mask, Lq=Lq, Lk=Lk,
+          causal=causal, scale=scale, group=group, same=SAME, heads_divide=True)
     heads = [seq_to_heads(x, length, group) for x, length in ((q, Lq), (k, Lk), (v, Lk), (out, Lq), (dout, Lq))]
     lse_heads = seq_to_heads(lse.unsqueeze(-1), Lq, group).squeeze(-1)
     qh, kh, vh, out_heads, dout_heads = heads
