@@ -21,6 +21,17 @@ One module per role:
                     worked answers in :mod:`.solutions`
 - :mod:`.ncu_traffic` the CUDA C++ stages' shared-memory traffic under Nsight Compute
                     (``python -m wb_kernels.bench.ncu_traffic``; a script, not imported here)
+- :mod:`.backward`  the backward presets (``--preset backward-bar`` and others), in a file of their own
+- :mod:`.failures`  how a measurement that could not be made is recorded (every module above uses it)
+- :mod:`.decoder_tokens` lesson 07's decoder, tokens per second against its step's roofline
+                    (``python -m wb_kernels.bench.decoder_tokens``; its compiled variants in
+                    :mod:`.decoder_variants`, what both runs share in :mod:`.decoder_shared`)
+
+Below the benchmark and the rungs alike (a rung's own tuning and profiling scripts use them too, without importing
+the benchmark): :mod:`wb_kernels.results_files` (reading and writing results files, the environment record),
+:mod:`wb_kernels.timing`, :mod:`wb_kernels.attention_costs` (FLOP and byte counts), :mod:`wb_kernels.nsight` and
+:func:`wb_kernels.tuning.sdpa_call`. The benchmark reaches a rung only through the stage registry, a rung's
+``__init__`` exports or the public API (``tests/test_architecture.py``).
 
 ``from wb_kernels import bench`` gives the names below, as the single module did; the lessons
 import :mod:`.figures`, :mod:`.dashboard` and :mod:`.pitfalls` by name.
