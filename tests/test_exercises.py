@@ -187,6 +187,7 @@ def test_each_puzzle_solves_with_its_solution_and_rejects_every_listed_wrong_ans
 
 # --- graders a learner can trust: copies, several timings, every taught formula, no answer shown early ----------
 
+# the rungs' puzzles (lesson 11's, with the benchmark, times a pretend device: its answer is handed no arrays)
 PUZZLE_LESSONS = [(lesson, package) for lesson, package in LESSONS if package.startswith("wb_kernels.stages.")]
 
 
