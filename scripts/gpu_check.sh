@@ -32,18 +32,21 @@
 #                                        DIST_SCALING_ARGS="--dtypes float16": passed on to the benchmark
 #   scripts/gpu_check.sh release K/N    part K of N of the release: every GPU test, every property test and every
 #                                        lesson (executed in place, then under strict nbval) at one named commit, in N
-#                                        GPU calls of under 600 s each (N = 3 by default: release 1/3, 2/3, 3/3). Each
-#                                        part builds the CUDA extensions (cached on a warm machine), runs its share of
-#                                        the test files (pytest-xdist) beside its share of the lessons, and records its
-#                                        counts and verdict in results/status/<gpu>.json ("release": the commit, each
-#                                        part, whether every part passed). A part already recorded as passed at the
-#                                        commit is skipped, so the same command resumes. $OUT gets release_KofN.tgz
-#                                        (the part's logs and junit files, its executed lessons, the status file and
-#                                        any results or figures the part wrote) and <gpu>.json: put the status file
-#                                        back into results/status/ before the next part's call. The shares come from
-#                                        the seconds each file and lesson took in the last release
-#                                        (`python3 scripts/status.py release-plan 3` prints them). The commit is
-#                                        WB_GIT_COMMIT, else git's HEAD; RELEASE_LIMIT (540 s) bounds the part.
+#                                        GPU calls of under 600 s each (N = 3: release 1/3, 2/3, 3/3). Each part
+#                                        builds the CUDA extensions (cached on a warm machine), then runs its share of
+#                                        the test files (pytest-xdist, TESTS_WORKERS=6) beside its share of the lessons
+#                                        (LESSON_WORKERS=4 at once), and records each unit's counts and verdict in
+#                                        results/status/<gpu>.json ("release": the commit, each part, whether every
+#                                        part passed). Resumable: a part that passed at the commit is skipped, and a
+#                                        part stopped by its limit, run again, runs only its units (the test files,
+#                                        the property suite, each lesson) that have not passed. $OUT gets
+#                                        release_KofN.tgz (the part's logs and junit files, its executed lessons, the
+#                                        status file, results and figures it wrote) and <gpu>.json: put the status
+#                                        file back into results/status/ before the next call (a warm machine keeps a
+#                                        copy in logs/release/). The shares are balanced by the seconds each file and
+#                                        lesson took in the last release (`python3 scripts/status.py release-plan 3`
+#                                        prints them). The commit is WB_GIT_COMMIT, else git's HEAD; the part stops
+#                                        starting and stops its commands RELEASE_LIMIT (540) s after the script began.
 #   WB_GIT_COMMIT=<commit>: the commit results files record, when this copy's .git is not the one it came from
 #   TESTS_WORKERS=8 (default): pytest-xdist processes sharing the GPU for the unit tests; 0 = one process
 #   PROPERTIES_WORKERS=5 (default): the same for the property tests (one stage each); 0 = one process
@@ -119,7 +122,7 @@ build_rungs() {  # [RUNG ...]: those rungs' extensions (default: every CUDA C++ 
     for script in wb_kernels/stages/*/build.py; do rungs+=("$(basename "$(dirname "$script")")"); done
   fi
   for rung in "${rungs[@]}"; do
-    run_step "build_$rung" 300 python3 -c "import time, wb_kernels; from wb_kernels.stages.$rung import build; \
+    run_step "build_$rung" "${BUILD_LIMIT:-300}" python3 -c "import time, wb_kernels; from wb_kernels.stages.$rung import build; \
 t = time.time(); build.build(build.package_source()); print(f'$rung extension ready in {time.time() - t:.1f} s')" &
   done
   wait  # (run_step's status is lost in the background: a failed build is caught here)
@@ -278,8 +281,10 @@ if [ -n "$release_part" ]; then
     || { echo "release: no plan for part $release_part" | tee -a "$LOG"; exit 2; }
   rm -rf "$rel_logs"; mkdir -p "$rel_logs"; touch "$rel_logs/.started"
   release_started=$SECONDS
-  deadline=$(( SECONDS + ${RELEASE_LIMIT:-540} ))
-  left() { local s=$(( deadline - SECONDS )); [ "$s" -gt 5 ] && echo "$s" || echo 5; }
+  # the part's commands stop starting, and are stopped, RELEASE_LIMIT (540) s after this script started (the wheels
+  # included), which leaves the record and the packing inside the GPU call's 600 s
+  export RELEASE_DEADLINE=$(( $(date +%s) + ${RELEASE_LIMIT:-540} - SECONDS ))
+  left() { local s=$(( RELEASE_DEADLINE - $(date +%s) )); [ "$s" -gt 5 ] && echo "$s" || echo 5; }
   pack_release() {  # this part's logs, its executed lessons, the status file, results and figures it wrote
     local changed
     changed=$(find results figures -type f -newer "$rel_logs/.started" ! -path 'results/status/*' 2>/dev/null)
@@ -290,10 +295,10 @@ if [ -n "$release_part" ]; then
       rm -f "$OUT/$tag.tgz.tmp$BASHPID"
     fi
   }
-  echo "== release $release_part at $commit on $gpu: tests [$PART_TESTS$([ "$PART_PROPERTIES" = 1 ] && echo ' + properties')]; lessons [$PART_LESSONS]" | tee -a "$LOG"
+  echo "== release $release_part at $commit on $gpu, what has not passed yet: tests [$PART_TESTS]$([ "$PART_PROPERTIES" = 1 ] && echo ' + properties'); lessons [$PART_LESSONS]" | tee -a "$LOG"
   { nvidia-smi; python3 -c "import sys, torch, numpy, numba; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda); print('numpy', numpy.__version__, 'numba', numba.__version__)"; \
     python3 -c "import wb_kernels as wb; print(wb.banner())"; } > "$rel_logs/env.log" 2>&1
-  build_rungs  # every CUDA C++ rung's extension, side by side (cached on a warm machine)
+  BUILD_LIMIT=$(left) build_rungs  # every CUDA C++ rung's extension, side by side (cached on a warm machine)
   cp logs/build_*.log "$rel_logs/" 2>/dev/null
   steps_rc=()
   for script in wb_kernels/stages/*/build.py; do
@@ -301,7 +306,7 @@ if [ -n "$release_part" ]; then
     grep -q "extension ready" "logs/build_$rung.log" && steps_rc+=("--step=build_$rung=0") || steps_rc+=("--step=build_$rung=1")
   done
   release_tests() {  # this part's test files, then the property suite where the plan puts it here
-    local workers=() rc=0 t0
+    local workers=() rc
     if [ "${TESTS_WORKERS:-6}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then workers=(-n "${TESTS_WORKERS:-6}"); fi
     if [ -n "$PART_TESTS" ]; then
       # shellcheck disable=SC2086
@@ -313,36 +318,39 @@ if [ -n "$release_part" ]; then
       grep -E "(FAILED|ERROR)( |$)" "$rel_logs/tests.log" | tee -a "$LOG" | head -n 40
     fi
     if [ "$PART_PROPERTIES" = 1 ]; then
-      t0=$SECONDS
       workers=()
       if [ "${PROPERTIES_WORKERS:-5}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then workers=(-n "${PROPERTIES_WORKERS:-5}"); fi
       timeout --kill-after=10 "$(left)" python3 -m pytest -v -rP --tb=short -p no:cacheprovider "${workers[@]}" \
         --junitxml="$rel_logs/properties.xml" tests/test_properties.py -W ignore::numba.core.errors.NumbaPerformanceWarning \
         > "$rel_logs/properties.log" 2>&1
-      rc=$?; { echo "properties=$rc"; echo "properties_seconds=$(( SECONDS - t0 ))"; } >> "$rel_logs/rc"
+      rc=$?; echo "properties=$rc" >> "$rel_logs/rc"
       echo "== $tag properties: exit $rc; $(tail -n 1 "$rel_logs/properties.log")" | tee -a "$LOG"
       grep -E "(FAILED|ERROR)( |$)" "$rel_logs/properties.log" | tee -a "$LOG" | head -n 40
     fi
   }
-  release_lessons() {  # this part's lessons executed in place (several at once), then all of them under strict nbval
-    local rc n
+  release_lesson() {  # one lesson: executed in place, then under strict nbval (several lessons side by side)
+    local nb=$1 stem rc t0=$SECONDS
+    stem=$(basename "$nb" .ipynb)
+    timeout --kill-after=10 "$(left)" python3 scripts/execute_notebooks.py --timeout "${CELL_TIMEOUT:-150}" "$nb" \
+      > "$rel_logs/execute_$stem.log" 2>&1
+    rc=$?; echo "execute:$nb=$rc" >> "$rel_logs/rc"
+    echo "== $tag execute $stem: exit $rc; $(tail -n 1 "$rel_logs/execute_$stem.log")" | tee -a "$LOG"
+    if [ "$rc" -eq 0 ]; then
+      timeout --kill-after=10 "$(left)" python3 -m pytest -v -p no:cacheprovider --junitxml="$rel_logs/nbval_$stem.xml" \
+        "$nb" --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+        --nbval-cell-timeout "${CELL_TIMEOUT:-150}" > "$rel_logs/nbval_$stem.log" 2>&1
+      rc=$?; echo "nbval:$nb=$rc" >> "$rel_logs/rc"
+      echo "== $tag nbval $stem: exit $rc; $(tail -n 1 "$rel_logs/nbval_$stem.log")" | tee -a "$LOG"
+      grep -E "(FAILED|ERROR)( |$)" "$rel_logs/nbval_$stem.log" | tee -a "$LOG" | head -n 20
+    fi
+    echo "seconds:$nb=$(( SECONDS - t0 ))" >> "$rel_logs/rc"
+  }
+  release_lessons() {
     [ -n "$PART_LESSONS" ] || return 0
+    export -f release_lesson left
+    export rel_logs tag LOG
     # shellcheck disable=SC2086
-    n=$(echo $PART_LESSONS | wc -w)
-    # shellcheck disable=SC2086
-    printf '%s\n' $PART_LESSONS | timeout --kill-after=10 "$(left)" xargs -P "${EXECUTE_WORKERS:-4}" -I{} \
-      python3 scripts/execute_notebooks.py --timeout "${CELL_TIMEOUT:-150}" {} > "$rel_logs/execute.log" 2>&1
-    rc=$?; echo "execute=$rc" >> "$rel_logs/rc"
-    echo "== $tag execute: exit $rc" | tee -a "$LOG"; grep -E "^(executed|FAILED)" "$rel_logs/execute.log" | tee -a "$LOG"
-    local nb_workers=()
-    if python3 -c "import xdist" 2>/dev/null; then nb_workers=(-n "$(( n < ${NBVAL_WORKERS:-4} ? n : ${NBVAL_WORKERS:-4} ))" --dist loadscope); fi
-    # shellcheck disable=SC2086
-    timeout --kill-after=10 "$(left)" python3 -m pytest -v -p no:cacheprovider "${nb_workers[@]}" \
-      --junitxml="$rel_logs/nbval.xml" $PART_LESSONS --nbval --nbval-current-env \
-      --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout "${CELL_TIMEOUT:-150}" > "$rel_logs/nbval.log" 2>&1
-    rc=$?; echo "nbval=$rc" >> "$rel_logs/rc"
-    echo "== $tag nbval: exit $rc; $(tail -n 1 "$rel_logs/nbval.log")" | tee -a "$LOG"
-    grep -E "(FAILED|ERROR)( |$)" "$rel_logs/nbval.log" | tee -a "$LOG" | head -n 40
+    printf '%s\n' $PART_LESSONS | xargs -P "${LESSON_WORKERS:-4}" -I{} bash -c 'release_lesson "$1"' _ {}
   }
   release_tests &
   release_lessons &

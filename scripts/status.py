@@ -309,9 +309,30 @@ def plan_for(gpu: str, part: str, commit: str) -> dict:
     return release_plan(n, release.get("timings"))[part]
 
 
-def release_done(gpu: str, part: str, commit: str) -> bool:
+def _units(plan: dict) -> list:
+    """A part's units, each run, recorded and skipped on its own: its test files as one ("tests"), the property
+    suite ("properties"), each lesson (its path)."""
+    tests = [t for t in plan["tests"] if t != "properties"]
+    return (["tests"] if tests else []) + (["properties"] if "properties" in plan["tests"] else []) + plan["lessons"]
+
+
+def _part_record(gpu: str, part: str, commit: str) -> dict:
     release = load_status(gpu).get("release") or {}
-    return release.get("commit") == commit and release.get("parts", {}).get(part, {}).get("status") == "passed"
+    return release.get("parts", {}).get(part, {}) if release.get("commit") == commit else {}
+
+
+def release_done(gpu: str, part: str, commit: str) -> bool:
+    return _part_record(gpu, part, commit).get("status") == "passed"
+
+
+def units_left(gpu: str, part: str, commit: str) -> dict:
+    """The part's plan without the units that already passed at `commit` (a part stopped by its time limit, run
+    again, goes on where it stopped)."""
+    plan = plan_for(gpu, part, commit)
+    passed = {u for u, r in _part_record(gpu, part, commit).get("units", {}).items() if r["status"] == "passed"}
+    return {"tests": [t for t in plan["tests"] if t != "properties"] if "tests" not in passed else [],
+            "properties": "properties" in plan["tests"] and "properties" not in passed,
+            "lessons": [nb for nb in plan["lessons"] if nb not in passed]}
 
 
 def _junit_file_seconds(path: Path) -> dict:
@@ -319,21 +340,28 @@ def _junit_file_seconds(path: Path) -> dict:
     seconds: dict = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         module = case.get("classname", "").split(".")
-        names = [".".join(module[:i]) for i in range(len(module), 0, -1)]
-        for name in names:
-            if (ROOT / (name.replace(".", "/") + ".py")).exists():
-                key = name.replace(".", "/") + ".py"
+        for i in range(len(module), 0, -1):
+            key = "/".join(module[:i]) + ".py"
+            if (ROOT / key).exists():
                 seconds[key] = seconds.get(key, 0.0) + float(case.get("time", 0) or 0)
                 break
     return seconds
 
 
+def _verdict(rcs: list, suites: dict) -> str:
+    if any(rc not in (0, 124, 137) for rc in rcs) or any(c["failed"] or c["errors"] for c in suites.values()):
+        return "failed"
+    return "stopped" if any(rc in (124, 137) for rc in rcs) else "passed"
+
+
 def release_record(gpu: str, part: str, commit: str, *, logs: Path, step_rcs: dict, seconds: float) -> Path:
     """Write part `part`'s result into the release entry of results/status/<gpu>.json (and the warm machine's copy).
 
-    `logs`: the part's folder (tests.xml, properties.xml, nbval.xml, execute.log); `step_rcs`: each step's exit
-    status (124 or 137: stopped by the part's time limit). The part passed when every step exited 0 and no suite
-    counts a failure or an error."""
+    `logs`: the part's folder (tests.xml, properties.xml, nbval_<lesson>.xml); `step_rcs`: each step's exit status
+    (124 or 137: stopped by the part's time limit): ``tests``, ``properties``, ``execute:<lesson>``,
+    ``nbval:<lesson>``, ``build_<rung>``, and ``seconds:<lesson>``. A unit (the test files, the property suite, a
+    lesson) passed when its steps exited 0 and its suite counts no failure or error; the part passed when every unit
+    of its plan has passed at the commit, in this call or an earlier one."""
     k, n = parse_part(part)
     data = load_status(gpu)
     release = data.get("release") or {}
@@ -345,28 +373,49 @@ def release_record(gpu: str, part: str, commit: str, *, logs: Path, step_rcs: di
                                                               for suite, c in p.get("suites", {}).items()}})
         release = {"commit": commit, "parts_total": n, "passed": False, "base_timings": release.get("timings", {}),
                    "timings": dict(release.get("timings", {})), "plans": {}, "parts": {}}
-    release.setdefault("plans", {}).setdefault(str(n), release_plan(n, release.get("base_timings")))
-    suites = {suite: junit_counts(logs / f"{suite}.xml") for suite in ("tests", "properties", "nbval")
-              if (logs / f"{suite}.xml").exists()}
+    plan = release.setdefault("plans", {}).setdefault(str(n), release_plan(n, release.get("base_timings")))[part]
     timings = release.setdefault("timings", {})
-    if (logs / "tests.xml").exists():
-        timings.update({f: round(s, 1) for f, s in _junit_file_seconds(logs / "tests.xml").items()})
-    if "properties" in step_rcs and "properties_seconds" in step_rcs:
-        timings["properties"] = step_rcs.pop("properties_seconds")
-    if (logs / "execute.log").exists():
-        for line in (logs / "execute.log").read_text().splitlines():
-            if line.startswith("executed ") and line.endswith(" s"):
-                name, took = line[len("executed "):-2].rsplit(" in ", 1)
-                timings[f"notebooks/{name}"] = round(2 * float(took), 1)  # executed, then again under nbval
-    stopped = [step for step, rc in step_rcs.items() if rc in (124, 137)]
-    failed = [step for step, rc in step_rcs.items() if rc not in (0, 124, 137)]
-    bad_counts = [suite for suite, c in suites.items() if c["failed"] or c["errors"]]
-    status = "passed" if not (stopped or failed or bad_counts) else ("stopped" if stopped and not (failed or bad_counts)
-                                                                      else "failed")
-    record_ = {"status": status, "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               "seconds": round(seconds), "steps": step_rcs, "suites": suites}
-    if stopped:
-        record_["stopped_by_the_time_limit"] = stopped
+    previous = release.setdefault("parts", {}).get(part, {})
+    units = dict(previous.get("units", {}))
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for suite in ("tests", "properties"):
+        if suite in step_rcs:
+            rc, junit = step_rcs[suite], logs / f"{suite}.xml"
+            # pytest stopped at the limit writes no JUnit file: stopped, not failed; one that exited 0 without it failed
+            counts = junit_counts(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+            units[suite] = {"status": _verdict([rc] + ([1] if rc == 0 and not junit.exists() else []),
+                                               {suite: counts}), "date": now, "suites": {suite: counts}}
+            if (logs / f"{suite}.xml").exists():
+                file_seconds = _junit_file_seconds(logs / f"{suite}.xml")
+                if suite == "tests":
+                    timings.update({f: round(t, 1) for f, t in file_seconds.items()})
+                else:
+                    timings["properties"] = round(sum(file_seconds.values()), 1)
+    for lesson in plan["lessons"]:
+        rcs = [step_rcs[f"{step}:{lesson}"] for step in ("execute", "nbval") if f"{step}:{lesson}" in step_rcs]
+        if not rcs:
+            continue  # not run in this call (it passed before)
+        junit = logs / f"nbval_{Path(lesson).stem}.xml"
+        counts = junit_counts(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+        missing = [] if junit.exists() or any(rc != 0 for rc in rcs) else [1]  # nbval ran but wrote nothing
+        units[lesson] = {"status": _verdict(rcs + missing, {"nbval": counts}), "date": now,
+                         "suites": {"nbval": counts}}
+        if f"seconds:{lesson}" in step_rcs:
+            units[lesson]["seconds"] = step_rcs[f"seconds:{lesson}"]
+            timings[lesson] = float(step_rcs[f"seconds:{lesson}"])
+    wanted = _units(plan)
+    statuses = [units.get(u, {}).get("status", "not run") for u in wanted]
+    builds = {name: rc for name, rc in step_rcs.items() if name.startswith("build_")}
+    status = ("passed" if all(s == "passed" for s in statuses) else
+              "failed" if "failed" in statuses else "stopped")
+    suites: dict = {}
+    for unit in wanted:
+        for suite, counts in units.get(unit, {}).get("suites", {}).items():
+            suites[suite] = _total([suites.get(suite, {}), counts])
+    record_ = {"status": status, "date": now, "seconds": round(seconds) + previous.get("seconds", 0),
+               "calls": previous.get("calls", 0) + 1, "builds": builds, "suites": suites, "units": units}
+    if status == "stopped":
+        record_["not_yet_passed"] = [u for u, s in zip(wanted, statuses) if s != "passed"]
     release["parts"][part] = record_
     try:
         machine = _machine()
@@ -428,12 +477,11 @@ def main(argv=None) -> int:
     elif args.command == "release-plan":
         commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                                text=True).stdout.strip()
-        if args.shell:
-            part = plan_for(args.gpu, args.part, commit)
-            tests = [t for t in part["tests"] if t != "properties"]
-            print(f"PART_TESTS={_shell_words([_shell_words(tests)])}")
-            print(f"PART_PROPERTIES={int('properties' in part['tests'])}")
-            print(f"PART_LESSONS={_shell_words([_shell_words(part['lessons'])])}")
+        if args.shell:  # what is left of the part: the units that have not passed at the commit
+            left = units_left(args.gpu, args.part, commit)
+            print(f"PART_TESTS={_shell_words([_shell_words(left['tests'])])}")
+            print(f"PART_PROPERTIES={int(left['properties'])}")
+            print(f"PART_LESSONS={_shell_words([_shell_words(left['lessons'])])}")
         else:
             n = parse_part(args.part)[1] if "/" in args.part else int(args.part)
             for k in range(1, n + 1):
@@ -446,8 +494,8 @@ def main(argv=None) -> int:
     elif args.command == "release-record":
         steps = {}
         for item in args.step:
-            name, rc = item.split("=", 1)
-            steps[name] = float(rc) if name.endswith("_seconds") else int(rc)
+            name, rc = item.rsplit("=", 1)
+            steps[name] = float(rc) if name.startswith("seconds:") else int(rc)
         path = release_record(args.gpu, args.part, args.commit, logs=args.logs, step_rcs=steps, seconds=args.seconds)
         part = json.loads(path.read_text())["release"]["parts"][args.part]
         print(f"release {args.part} at {args.commit}: {part['status']}; recorded in {path}")

@@ -88,43 +88,62 @@ def status_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _part_logs(where: Path, *, failed=0, lesson_seconds=None) -> Path:
+def _part_logs(where: Path, *, failed=0) -> Path:
     where.mkdir(parents=True)
     (where / "tests.xml").write_text(_junit(passed=4, failed=failed))
-    (where / "nbval.xml").write_text(_junit(passed=7, file="notebooks.01_reference"))
-    if lesson_seconds:
-        (where / "execute.log").write_text(f"  01_reference.ipynb cell 1: 0.1 s\nexecuted 01_reference.ipynb in "
-                                           f"{lesson_seconds} s\n")
+    (where / "properties.xml").write_text(_junit(passed=2, file="tests.test_status"))
+    for lesson in status._lessons():
+        (where / f"nbval_{Path(lesson).stem}.xml").write_text(_junit(passed=2, file="notebooks.x"))
     return where
+
+
+def _rcs(plan: dict, *, tests=0, lessons=0, seconds=20.0) -> dict:
+    """Exit statuses of every unit of a part's plan, as gpu_check.sh passes them."""
+    rcs = {"build_mma": 0}
+    if any(t != "properties" for t in plan["tests"]):
+        rcs["tests"] = tests
+    if "properties" in plan["tests"]:
+        rcs["properties"] = tests
+    for lesson in plan["lessons"]:
+        rcs.update({f"execute:{lesson}": lessons, f"nbval:{lesson}": 0, f"seconds:{lesson}": seconds})
+    return rcs
+
+
+def _release(status_dir) -> dict:
+    return json.loads((status_dir / "status" / "h100.json").read_text())["release"]
 
 
 def test_release_parts_are_recorded_resumed_and_rendered(status_dir):
     gpu, commit = "h100", "abc1234"
     assert not status.release_done(gpu, "1/2", commit)
-    plan_before = status.plan_for(gpu, "2/2", commit)
-    status.release_record(gpu, "1/2", commit, logs=_part_logs(status_dir / "p1", lesson_seconds=12.5),
-                          step_rcs={"build_mma": 0, "tests": 0, "execute": 0, "nbval": 0}, seconds=400)
-    data = json.loads((status_dir / "status" / "h100.json").read_text())
-    release = data["release"]
+    plans = {part: status.plan_for(gpu, part, commit) for part in ("1/2", "2/2")}
+    status.release_record(gpu, "1/2", commit, logs=_part_logs(status_dir / "p1"),
+                          step_rcs=_rcs(plans["1/2"], seconds=12.5), seconds=400)
+    release = _release(status_dir)
     assert release["commit"] == commit and release["parts"]["1/2"]["status"] == "passed" and not release["passed"]
-    assert release["timings"]["tests/test_status.py"] == 6.0 and release["timings"]["notebooks/01_reference.ipynb"] == 25.0
+    lesson = plans["1/2"]["lessons"][0]
+    assert release["timings"][lesson] == 12.5 and release["timings"]["tests/test_status.py"] == 6.0
     assert status.release_done(gpu, "1/2", commit) and not status.release_done(gpu, "1/2", "fff0000")
     # the second part splits as the first part's plan said, although the first part's timings are known now
-    assert status.plan_for(gpu, "2/2", commit) == plan_before
-    block = status.render(status_dir / "status")
-    assert "release at commit `abc1234`: not yet passed: part 2/2 has not passed" in block
+    assert status.plan_for(gpu, "2/2", commit) == plans["2/2"]
+    assert "release at commit `abc1234`: not yet passed: part 2/2 has not passed" in status.render(status_dir / "status")
 
-    # a part stopped by its time limit is not passed; running it again (the same command) records it again
-    status.release_record(gpu, "2/2", commit, logs=_part_logs(status_dir / "p2"),
-                          step_rcs={"tests": 124, "nbval": 0}, seconds=540)
-    assert json.loads((status_dir / "status" / "h100.json").read_text())["release"]["parts"]["2/2"]["status"] == "stopped"
+    # a part stopped by its time limit is not passed; run again, it does only what has not passed
+    rcs = _rcs(plans["2/2"])
+    first, *others = plans["2/2"]["lessons"]
+    rcs[f"execute:{first}"] = 124
+    status.release_record(gpu, "2/2", commit, logs=_part_logs(status_dir / "p2"), step_rcs=rcs, seconds=540)
+    part = _release(status_dir)["parts"]["2/2"]
+    assert part["status"] == "stopped" and part["not_yet_passed"] == [first]
+    assert status.units_left(gpu, "2/2", commit) == {"tests": [], "properties": False, "lessons": [first]}
     status.release_record(gpu, "2/2", commit, logs=_part_logs(status_dir / "p2b"),
-                          step_rcs={"tests": 0, "nbval": 0}, seconds=300)
-    release = json.loads((status_dir / "status" / "h100.json").read_text())["release"]
+                          step_rcs={f"execute:{first}": 0, f"nbval:{first}": 0}, seconds=100)
+    release = _release(status_dir)
     assert release["passed"] and release["machine"]["git_commit"] == commit
+    assert release["parts"]["2/2"]["seconds"] == 640 and release["parts"]["2/2"]["calls"] == 2
     block = status.render(status_dir / "status")
     assert "release at commit `abc1234`: every GPU test, property test and lesson passed (2 parts)" in block
-    assert "tests: 8 passed; nbval: 14 passed" in block
+    assert f"tests: 8 passed; properties: 2 passed; nbval: {2 * len(status._lessons())} passed" in block
 
     # a failing test fails the part; a release at a new commit starts afresh and keeps the last one in history
     status.release_record(gpu, "1/2", "def5678", logs=_part_logs(status_dir / "p3", failed=1),
@@ -132,11 +151,22 @@ def test_release_parts_are_recorded_resumed_and_rendered(status_dir):
     data = json.loads((status_dir / "status" / "h100.json").read_text())
     assert data["release"]["commit"] == "def5678" and data["release"]["parts"]["1/2"]["status"] == "failed"
     assert any("release_at_abc1234" in suite for run in data["history"] for suite in run["suites"])
-    assert data["release"]["base_timings"]["notebooks/01_reference.ipynb"] == 25.0
+    assert data["release"]["base_timings"][lesson] == 12.5
+
+
+def test_a_suite_stopped_before_its_junit_file_is_stopped_and_one_that_wrote_none_failed(status_dir):
+    plan = status.plan_for("h100", "1/1", "abc1234")
+    (status_dir / "empty").mkdir()
+    status.release_record("h100", "1/1", "abc1234", logs=status_dir / "empty", step_rcs={"tests": 124}, seconds=540)
+    assert _release(status_dir)["parts"]["1/1"]["units"]["tests"]["status"] == "stopped"
+    status.release_record("h100", "1/1", "abc1234", logs=status_dir / "empty", step_rcs={"tests": 0}, seconds=5)
+    assert _release(status_dir)["parts"]["1/1"]["units"]["tests"]["status"] == "failed"
+    assert status.units_left("h100", "1/1", "abc1234")["lessons"] == plan["lessons"]
 
 
 def test_a_warm_machines_copy_resumes_a_release_the_sent_tree_lacks(status_dir):
-    status.release_record("h100", "1/3", "abc1234", logs=_part_logs(status_dir / "p1"), step_rcs={"tests": 0},
+    plan = status.plan_for("h100", "1/3", "abc1234")
+    status.release_record("h100", "1/3", "abc1234", logs=_part_logs(status_dir / "p1"), step_rcs=_rcs(plan),
                           seconds=10)
     (status_dir / "status" / "h100.json").unlink()  # the tree sent with the next call has no record of part 1
     assert status.release_done("h100", "1/3", "abc1234")
