@@ -88,6 +88,14 @@ fi
 python3 -m ipykernel install --user --name python3 >/dev/null 2>&1 || true
 
 gpu_name() { python3 scripts/status.py gpu; }  # h100, h200, ...: the name results and status files carry
+module_of() {  # the first of these modules that exists here (modules move between folders; the steps follow them)
+  local m; for m in "$@"; do [ -f "${m//.//}.py" ] && { echo "$m"; return; }; done; echo "$1"
+}
+TOKENS_MODULE=${TOKENS_MODULE:-$(module_of wb_kernels.bench.decoder_tokens wb_kernels.models.decoder_tokens)}
+SCALING_MODULE=${SCALING_MODULE:-$(module_of wb_kernels.stages.distributed.scaling wb_kernels.bench.scaling wb_kernels.bench.distributed_scaling)}
+DIST_RUN_MODULE=${DIST_RUN_MODULE:-$(module_of wb_kernels.stages.distributed.run)}
+TRAIN_MODULE=${TRAIN_MODULE:-$(module_of wb_kernels.models.char_transformer)}
+TRAFFIC_MODULE=${TRAFFIC_MODULE:-$(module_of wb_kernels.stages.naive.traffic)}
 pack() {
   if [ -n "$release_part" ]; then pack_release; return; fi
   tar czf "$OUT/gpu_results.tgz" logs notebooks $(ls -d results figures 2>/dev/null)
@@ -136,7 +144,7 @@ if has build; then
   build_rungs
 fi
 if has traffic; then
-  run_step traffic "${TRAFFIC_LIMIT:-240}" python3 -m wb_kernels.stages.naive.traffic --timeout $(( ${TRAFFIC_LIMIT:-240} - 20 ))
+  run_step traffic "${TRAFFIC_LIMIT:-240}" python3 -m "$TRAFFIC_MODULE" --timeout $(( ${TRAFFIC_LIMIT:-240} - 20 ))
 fi
 if has tests; then
   workers=()
@@ -203,7 +211,7 @@ if has backward; then
   run_step backward_bench "${BACKWARD_LIMIT:-300}" python3 -m wb_kernels.bench --preset "${BACKWARD_PRESET:-backward-bar}" \
     --no-progress --time-budget $(( ${BACKWARD_LIMIT:-300} - 60 ))  # resumed by the same command
   mkdir -p results/train
-  run_step train "${TRAIN_LIMIT:-240}" python3 -m wb_kernels.models.char_transformer --stage mma --steps "${TRAIN_STEPS:-300}" \
+  run_step train "${TRAIN_LIMIT:-240}" python3 -m "$TRAIN_MODULE" --stage mma --steps "${TRAIN_STEPS:-300}" \
     --no-progress --json "results/train/char_transformer_$gpu.json" --figure
 fi
 if has tokens; then
@@ -213,7 +221,7 @@ if has tokens; then
   # the roofline chart (figures/07_decoder_roofline_<gpu>.png). After build, so that the CUDA extension's build is not
   # in its time. Rows stop starting after TOKENS_LIMIT - 60 s; the same command resumes an unfinished file.
   gpu=$(gpu_name)
-  run_step tokens "${TOKENS_LIMIT:-330}" python3 -m wb_kernels.models.decoder_tokens \
+  run_step tokens "${TOKENS_LIMIT:-330}" python3 -m "$TOKENS_MODULE" \
     --json "results/decode/decoder_$gpu.json" --time-budget $(( ${TOKENS_LIMIT:-330} - 60 )) ${TOKENS_ARGS:-}
 fi
 if has distributed; then
@@ -236,7 +244,7 @@ if has distributed; then
     check_nccl() {  # dtype: run.py's cases on NCCL into results/distributed/nccl_<gpu>x<W>_<dtype>.jsonl
       local dtype=$1 checked="results/distributed/nccl_${gpu}x${world}_$1.jsonl"
       run_step "distributed_nccl_$dtype" "${DIST_CHECK_LIMIT:-180}" python3 -m torch.distributed.run --standalone \
-        --nproc_per_node="$world" -m wb_kernels.stages.distributed.run --backend nccl --dtype "$dtype" --stage mma \
+        --nproc_per_node="$world" -m "$DIST_RUN_MODULE" --backend nccl --dtype "$dtype" --stage mma \
         --timeout 60 --json
       grep "^{" "logs/distributed_nccl_$dtype.log" > "$checked"
       # a run that stopped part-way (a crash, the limit) is not "passed before", whatever lines it left
@@ -257,7 +265,7 @@ if has distributed; then
     [ "$limit" -ge 150 ] || limit=150
     # shellcheck disable=SC2086
     STEP_ECHO=1 run_step distributed_scaling "$limit" python3 -m torch.distributed.run --standalone \
-      --nproc_per_node="$world" -m wb_kernels.stages.distributed.scaling --out results/distributed \
+      --nproc_per_node="$world" -m "$SCALING_MODULE" --out results/distributed \
       --time-budget $(( limit - 110 )) --timeout 60 ${DIST_SCALING_ARGS:-}
     cp results/distributed/scaling_*.json results/distributed/nccl_*.jsonl "$OUT"/ 2>/dev/null
     pack

@@ -277,3 +277,14 @@ def test_the_diff_check_tells_outputs_from_sources(tmp_path):
     commit("sources")
     assert sorted(changes_beyond_outputs(release, repo)) == [
         "README.md (outside the status block)", "notebooks/01_x.ipynb (a cell source)", "wb_kernels/api.py (M)"]
+
+
+def test_every_module_gpu_check_runs_exists():
+    """gpu_check.sh names the modules its steps run through variables (modules move between folders): at least one
+    of each variable's candidates is a file of the package."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    found = re.findall(r"^(\w+_MODULE)=\$\{\w+:-\$\(module_of ([\w. ]+)\)\}", script, re.M)
+    assert len(found) >= 5, "gpu_check.sh: the *_MODULE variables were not found"
+    missing = [name for name, candidates in found
+               if not any((ROOT / (c.replace(".", "/") + ".py")).exists() for c in candidates.split())]
+    assert not missing, f"gpu_check.sh runs modules that exist nowhere: {missing}"
