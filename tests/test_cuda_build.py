@@ -310,3 +310,91 @@ def test_compile_cubin_caches_per_extra_flags():
     plain, _ = cuda_build.compile_cubin("sm_90a", source, "tiny.cu")
     twice, _ = cuda_build.compile_cubin("sm_90a", source, "tiny.cu", extra_flags=("-DTWICE",))
     assert plain != twice and cuda_build.compile_cubin("sm_90a", source, "tiny.cu")[0] == plain
+
+
+# --- a source of several files (issue 45: decode and hopper split into headers) ----------------------------
+
+def test_a_source_is_its_file_and_the_headers_it_includes_put_in_once():
+    from wb_kernels.stages.decode import build as decode_build
+
+    files = decode_build.SOURCE.files()
+    assert list(files) == [f"wb_kernels/stages/decode/{name}" for name in (
+        "decode_host.cu", "decode_params.cuh", "decode_merge.cuh", "decode_split_kernel.cuh", "decode_mma_kernel.cuh")]
+    text = decode_build.package_source()
+    for name, path in files.items():
+        if name.endswith(".cuh"):
+            assert text.count(f'#line 1 "{path.name}"') == 1, name  # each header once, though three include params
+    assert '#include "decode' not in text and "#pragma once" not in text
+    # what the compiler reads back to show a line: each file's lines at their own numbers, its includes blank
+    for name, compiled in cuda_build.source_files(text, decode_build.LINE_NAME).items():
+        shipped = (REPO / "wb_kernels/stages/decode" / name).read_text().splitlines()
+        for number, line in enumerate(compiled.splitlines(), 1):
+            assert line == shipped[number - 1] or (line == "" and shipped[number - 1].startswith(("#include \"",
+                                                                                                "#pragma once"))), (name, number)
+
+
+def test_an_edit_of_a_header_region_is_built_and_changes_the_cache_key():
+    from wb_kernels.stages.decode import build as decode_build
+
+    source = decode_build.SOURCE
+    header = "wb_kernels/stages/decode/decode_split_kernel.cuh"
+    shipped = cuda_build.module_regions(REPO / header)["split_kernel_block_merge"]
+    key = cuda_build.extension_name(decode_build.current_source(), FLAGS, "decode_host")
+    cell = [f"# region: split_kernel_block_merge ({header})\n", shipped + "\n// a learner's edit\n"]
+    code = "".join(cuda_build._region_cell_transform(cell))
+    assert "record_region_cell" in code  # a .cuh cell is recognised as C++
+    try:
+        exec(compile(code, "<cell>", "exec"), {})
+        assert source.edited_regions() == ["split_kernel_block_merge"]
+        assert "// a learner's edit" in decode_build.current_source()
+        assert "// a learner's edit" not in decode_build.package_source()
+        assert cuda_build.extension_name(decode_build.current_source(), FLAGS, "decode_host") != key
+    finally:
+        source.reset_regions()
+    assert cuda_build.extension_name(decode_build.current_source(), FLAGS, "decode_host") == key
+    with pytest.raises(KeyError, match="no region 'no_such_region'"):
+        source.set_region("no_such_region", "x")
+
+
+def test_a_compile_error_in_a_header_names_the_header_and_its_line():
+    _nvcc_or_skip()
+    from wb_kernels.stages.decode import build as decode_build
+
+    header = REPO / "wb_kernels/stages/decode/decode_params.cuh"
+    broken = decode_build.SOURCE.source_with("vector_loads", cuda_build.module_regions(header)["vector_loads"].replace(
+        "x[2 * i] = f.x;", "x[2 * i] = f_undefined_here.x;", 1))
+    line = next(i for i, text in enumerate(header.read_text().splitlines(), 1) if "x[2 * i] = f.x;" in text)
+    with pytest.raises(cuda_build.CudaBuildError) as raised:
+        cuda_build.compile_cubin("sm_90", broken, decode_build.LINE_NAME, decode_build.SOURCE_NAME)
+    assert f"decode_params.cuh({line})" in str(raised.value) and "f_undefined_here" in str(raised.value)
+
+
+def test_extension_builds_the_text_its_rung_asks_for(monkeypatch):
+    """A rung's build() compiles its current or package text by default, naming its file; extension() builds once."""
+    from wb_kernels.stages.decode import build as decode_build
+    from wb_kernels.stages.mma import build as mma_build
+
+    built = []
+    monkeypatch.setattr(cuda_build, "build_extension", lambda source, **kw: built.append((source, kw)) or object())
+    extension = cuda_build.Extension(decode_build.SOURCE, "", ["f"], default="package")
+    assert extension.extension() is extension.extension() and len(built) == 1
+    source, kw = built[0]
+    assert source == decode_build.package_source()
+    assert kw["file_name"] == "decode_host.cu" and kw["display_name"] == "wb_kernels/stages/decode/decode_host.cu"
+    cuda_build.Extension(mma_build.SOURCE, "", ["f"]).build(flags=["-O3"])
+    assert built[-1][0] == mma_build.current_source() and built[-1][1]["flags"] == ["-O3"]
+
+
+def test_resync_names_the_file_a_region_moved_to(tmp_path):
+    """flash_decode.cu became five files: a lesson's cell naming the old file is rewritten with the region's new one."""
+    from wb_kernels.sync import notebook_regions, resync_notebook
+
+    text = cuda_build.module_regions(REPO / "wb_kernels/stages/decode/decode_merge.cuh")["merge_splits"]
+    notebook = {"cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+                           "source": ["# region: merge_splits (wb_kernels/stages/decode/flash_decode.cu)\n", text]}],
+                "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    path = tmp_path / "lesson.ipynb"
+    path.write_text(json.dumps(notebook))
+    assert resync_notebook(path) == ["merge_splits"]
+    assert notebook_regions(path) == [("merge_splits", "wb_kernels/stages/decode/decode_merge.cuh", text)]
+    assert resync_notebook(path) == []

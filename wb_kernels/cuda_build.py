@@ -206,14 +206,16 @@ def source_files(source: str, file_name: str) -> dict:
         return {file_name: source}
     files: dict = {}
     current, number = file_name, 1
-    for line in source.split("\n"):
+    lines = source.split("\n")
+    for line in lines[:-1] if lines[-1] == "" else lines:  # a last newline ends a line, it starts none
         match = _LINE_DIRECTIVE.match(line)
         if match:
             number, current = int(match.group(1)), match.group(2)
             continue
         files.setdefault(current, {})[number] = line
         number += 1
-    return {name: "\n".join(lines.get(i, "") for i in range(1, max(lines) + 1)) + "\n" for name, lines in files.items()}
+    return {name: "\n".join(numbered.get(i, "") for i in range(1, max(numbered) + 1)) + "\n"
+            for name, numbered in files.items()}
 
 
 _REGION_CELL = re.compile(r"^# region: (\w+) \((wb_kernels/[\w/.]+\.cuh?)\)\s*$")
