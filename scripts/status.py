@@ -209,10 +209,12 @@ def update_readme(readme: Path = ROOT / "README.md", status_dir: Path = STATUS_D
 # in logs/release/<gpu>.json, which a GPU machine kept warm between calls still has when the tree sent to it lacks
 # the record of the part before.
 RELEASE_COPY = ROOT / "logs" / "release"
-# Seconds a unit is assumed to take when no release has recorded it: a test file by its lines, a lesson by its code
-# cells, the property suite as a share of all the test files. Only the balance between parts depends on them.
+# Seconds a unit is assumed to take when no release has recorded it: a test file by its lines, a lesson by the cell
+# timings of its last execution, the property suite as a share of all the test files. Only the balance between parts
+# depends on them.
 SECONDS_PER_TEST_LINE = 0.05
-SECONDS_PER_CODE_CELL = 3.0
+SECONDS_PER_CODE_CELL = 3.0  # a cell whose last execution stored no timing
+LESSON_START_SECONDS = 10.0  # a kernel's start, twice, and pytest's
 PROPERTIES_SHARE = 0.3
 
 
@@ -267,9 +269,23 @@ def _lessons() -> list:
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "notebooks").glob("*.ipynb"))
 
 
-def _code_cells(path: str) -> int:
-    cells = json.loads((ROOT / path).read_text()).get("cells", [])
-    return sum(cell.get("cell_type") == "code" for cell in cells)
+def _lesson_seconds(path: str) -> float:
+    """A lesson's seconds under the release (executed, then again under nbval), guessed from the cell timings its
+    last execution stored (nbclient's ``metadata.execution``), else from its number of code cells."""
+    seconds, cells = 0.0, 0
+    for cell in json.loads((ROOT / path).read_text()).get("cells", []):
+        if cell.get("cell_type") != "code":
+            continue
+        cells += 1
+        timing = cell.get("metadata", {}).get("execution", {})
+        start, end = timing.get("iopub.execute_input"), timing.get("shell.execute_reply")
+        if start and end:
+            took = _dt.datetime.fromisoformat(end.replace("Z", "+00:00")) - \
+                _dt.datetime.fromisoformat(start.replace("Z", "+00:00"))
+            seconds += max(took.total_seconds(), 0.0)
+        else:
+            seconds += SECONDS_PER_CODE_CELL
+    return 2 * seconds + LESSON_START_SECONDS if cells else 0.0
 
 
 def _balanced(items: dict, parts: int) -> list:
@@ -290,7 +306,7 @@ def release_plan(parts: int, timings: dict | None = None) -> dict:
     timings = timings or {}
     tests = {f: timings.get(f, SECONDS_PER_TEST_LINE * len((ROOT / f).read_text().splitlines())) for f in _test_files()}
     tests["properties"] = timings.get("properties", PROPERTIES_SHARE * sum(tests.values()))
-    lessons = {nb: timings.get(nb, SECONDS_PER_CODE_CELL * _code_cells(nb)) for nb in _lessons()}
+    lessons = {nb: timings.get(nb, _lesson_seconds(nb)) for nb in _lessons()}
     plan = {}
     for k, ((t_s, t_names), (l_s, l_names)) in enumerate(zip(_balanced(tests, parts), _balanced(lessons, parts)), 1):
         plan[f"{k}/{parts}"] = {"tests": t_names, "lessons": l_names, "estimate_s": {"tests": t_s, "lessons": l_s}}
