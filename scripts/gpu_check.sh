@@ -364,6 +364,7 @@ if [ -n "$release_part" ]; then
   release_lessons &
   wait
   cp logs/failures.log "$rel_logs/" 2>/dev/null
+  cp -r logs/partial "$rel_logs/" 2>/dev/null  # a lesson that stopped at a cell: its outputs up to there
   while IFS= read -r line; do steps_rc+=("--step=$line"); done < <(cat "$rel_logs/rc" 2>/dev/null)
   python3 scripts/status.py release-record "$gpu" "$release_part" --commit "$commit" --logs "$rel_logs" \
     --seconds $(( SECONDS - release_started )) "${steps_rc[@]}" 2>&1 | tee -a "$LOG"

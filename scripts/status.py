@@ -15,12 +15,17 @@ README's block differs from what the committed files render.
 
 The release (``scripts/gpu_check.sh release K/N``): every GPU test, every property test and every lesson under nbval
 at one named commit, in N parts of one GPU call each. ``release-plan`` splits the test files and the lessons into
-the N parts by the seconds each took in the last release (their size where none was recorded); ``release-done``
-says whether a part already passed at the commit (the part is then skipped); ``release-record`` writes a part's
-counts, seconds and verdict into the ``release`` entry of ``results/status/<gpu>.json``. That entry names the commit
-and whether every part passed; runs recorded before the release path (partial suites at many commits) are kept under
-``history``. ``tests/test_status.py`` checks that after the release commit only lesson outputs, ``results/``,
-``figures/`` and the status files changed.
+the N parts by the seconds each took in the last release (before any: a test file's lines, a lesson's stored cell
+timings), and ``--shell`` prints what of one part has not passed yet; ``release-done`` says whether a part already
+passed at the commit (the part is then skipped); ``release-record`` writes each unit's counts and verdict (the
+part's test files, the property suite, each lesson) into the ``release`` entry of ``results/status/<gpu>.json``.
+That entry names the commit and whether every part passed; runs recorded before the release path (partial suites
+at many commits) are kept under ``history``, where ``record`` also puts a later run of some steps.
+``tests/test_status.py`` checks that after the release commit only lesson outputs, ``results/``, ``figures/`` and the
+status files changed.
+
+    python scripts/status.py release-plan 3                    -> what each of the 3 parts runs, and its estimate
+    python scripts/status.py gpu                               -> h100 (the GPU's short name)
 """
 
 from __future__ import annotations
