@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import wb_kernels as wb
-from wb_kernels import api
+from wb_kernels import api, validation
 from wb_kernels.device import is_torch
 
 from stage_cases import ON_GPU, STAGES, head_dim, make_inputs, run_dtype, stage_params
@@ -209,7 +209,7 @@ def test_mask_of_the_wrong_dtype(dtype):
 
 # --- causal and scale ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("causal", [None, 2, 0.5, [True], b"top_left"])
+@pytest.mark.parametrize("causal", [2, 0.5, [True], b"top_left"])
 def test_causal_that_is_not_bool_like(causal):
     q, k, v = small_inputs("reference")
     with expect(TypeError, r"^causal:", "True or False", "'top_left' or 'bottom_right'", re.escape(repr(causal)),
@@ -234,8 +234,10 @@ def test_top_left_is_what_true_means():
     assert not np.array_equal(wb.attention(q, k, v, causal="bottom_right"), expected)
 
 
-@pytest.mark.parametrize("causal", [1, 0, np.bool_(True), np.bool_(False), np.array(True), torch.tensor(False)])
+@pytest.mark.parametrize("causal", [1, 0, np.bool_(True), np.bool_(False), np.array(True), torch.tensor(False), None])
 def test_bool_like_causal_is_accepted(causal):
+    """Bool-likes, and None: no mask's canonical form, which a call carries to the kernel (wb.reference, the reference
+    stage's forward, receives it too)."""
     q, k, v = small_inputs("reference")
     expected = wb.attention(q, k, v, causal=bool(causal))
     np.testing.assert_array_equal(wb.attention(q, k, v, causal=causal), expected)
@@ -293,7 +295,7 @@ def test_simulator_refuses_sizes_that_would_take_minutes(name):
     D = head_dim(stage)
     q, k, v = huge_inputs(stage, L, D)
     seconds = stage.simulator_seconds(1, 1, L, L, D)
-    assert seconds > api.SIMULATOR_MAX_SECONDS
+    assert seconds > validation.SIMULATOR_MAX_SECONDS
     with expect(ValueError, f"stage '{name}'", f"Lq={L} Lk={L} D={D}", f"about {seconds:.0f} s",
                 "CUDA simulator", "WB_SIM_MAX_SECONDS", "run on a GPU"):
         wb.attention(q, k, v, stage=name)
@@ -309,8 +311,7 @@ def test_error_comes_before_any_launch(name, monkeypatch):
     import wb_kernels.stages as stages_module
 
     spy = dataclasses.replace(stage, forward=lambda *a, **kw: launched.append(1))
-    monkeypatch.setattr(stages_module, "get_stage", lambda n: spy)
-    monkeypatch.setattr(api, "get_stage", lambda n: spy)
+    monkeypatch.setattr(stages_module, "get_stage", lambda n: spy)  # (validation reads the registry through it)
     q, k, v = small_inputs(name)
     with pytest.raises(ValueError):
         wb.attention(q, k, v[:, :, :2], stage=name)
@@ -366,8 +367,8 @@ BAD_INPUTS = {
                             TypeError, r"^key_padding_mask:", "dtype bool", "got float32"),
     "causal a string": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "causal": "False"}), ValueError, r"^causal:",
                                  "'top_left', 'bottom_right'"),
-    "causal None": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "causal": None}), TypeError, r"^causal:",
-                             "True or False"),
+    "causal 2": _bad_case(lambda q, k, v, kw: ((q, k, v), {**kw, "causal": 2}), TypeError, r"^causal:",
+                          "True or False"),
     "Hk not dividing H": _bad_case(lambda q, k, v, kw: ((q, k[:, :3], v[:, :3]), kw), ValueError, r"^heads:", "H=4",
                                    "Hk=3", "Hk must divide H"),
     "k and v heads differ": _bad_case(lambda q, k, v, kw: ((q, k[:, :2], v[:, :1]), kw), ValueError, "batch/heads",
@@ -466,24 +467,30 @@ def _imported_modules(module) -> set:
 
 
 def test_validation_imports_run_one_way():
-    """validation <- reference <- api: validation imports neither, the reference does not import the API (not even
-    inside a function, the old workaround), and importing the package does not import torch."""
+    """arguments <- reference <- rungs <- validation <- execution <- torch_ops <- api: the argument rules import none of
+    the floors above them, the reference reads them and no floor above it (not even inside a function, the old
+    workaround), validation does not reach up into execution, the operators or the API, and importing the package does
+    not import torch."""
     import importlib
     import subprocess
     import sys
 
     # (the package's `reference` attribute is the function: import the modules by name)
-    reference, validation = (importlib.import_module(f"wb_kernels.{name}") for name in ("reference", "validation"))
-    assert not _imported_modules(validation) & {"api", "reference"}
-    assert "api" not in _imported_modules(reference) and "validation" in _imported_modules(reference)
+    arguments, reference, validation_module, execution = (
+        importlib.import_module(f"wb_kernels.{name}") for name in ("arguments", "reference", "validation", "execution"))
+    above = {"api", "torch_ops", "execution", "validation", "reference", "stages", "check"}
+    assert not _imported_modules(arguments) & above
+    assert not _imported_modules(reference) & above and "arguments" in _imported_modules(reference)
+    assert not _imported_modules(validation_module) & {"api", "torch_ops", "execution"}
+    assert not _imported_modules(execution) & {"api", "torch_ops"}
     run = subprocess.run([sys.executable, "-c", "import sys, wb_kernels; assert 'torch' not in sys.modules"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
 
 
-def test_names_stay_importable_from_api():
-    from wb_kernels import validation
-
-    for name in ("validate", "validate_inputs", "require_array", "Inputs", "SIMULATOR_MAX_SECONDS", "_check_scale",
-                 "_check_causal", "_dtype_name"):
-        assert getattr(api, name) is getattr(validation, name), name
+def test_the_public_names_stay_importable_from_api():
+    """What bench and models import from the API, and what the package exports, are the API's."""
+    for name in ("attention", "attention_backward", "decode", "validate", "available_stages",
+                 "get_stage", "available_backwards", "get_backward"):
+        assert getattr(wb, name) is getattr(api, name), name
+    assert api.validate is validation.validate

@@ -1,4 +1,4 @@
-"""wb.attention with autograd: the registered op ``torch.ops.wb.attention`` (wb_kernels/autograd.py), its gradients
+"""wb.attention with autograd: the registered op ``torch.ops.wb.attention`` (wb_kernels/torch_ops.py), its gradients
 for every stage with a backward, the refusal of stages without one, gradcheck, opcheck, torch.compile, torch.export,
 meta tensors, and the NumPy ``wb.attention_backward`` with its grader ``wb.check_gradients``.
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import wb_kernels as wb
-from wb_kernels.autograd import register
+from wb_kernels.torch_ops import register
 
 from stage_cases import ON_GPU, STAGES, head_dim, run_dtype, stage_params
 
@@ -106,7 +106,8 @@ def test_gradcheck_float64_reference(causal):
 @pytest.mark.parametrize("name", stage_params(WITH_BACKWARD))
 def test_eager_calls_and_the_op_give_the_same_bits(name):
     """An eager call that needs a gradient runs EagerAttention, a compiler's tracing the registered op: one arithmetic
-    (api.run_forward, api.run_backward), so their outputs and gradients agree bit for bit, GQA and a mask included."""
+    (execution.run_forward, execution.run_backward), so their outputs and gradients agree bit for bit, GQA and a mask
+    included."""
     register()
     stage = STAGES[name]
     D, dtype = head_dim(stage), getattr(torch, run_dtype(stage))
@@ -130,7 +131,8 @@ def test_opcheck_on_the_registered_op():
     register()  # (wb.attention registers the ops on its first call that needs them)
     q, k, v = _float64_inputs()
     keep = torch.tensor([[True] * 6 + [False]])
-    for args in ((q, k, v, None, "reference", "", None, True), (q, k, v, keep, "reference", "bottom_right", 0.5, True)):
+    for args in ((q, k, v, None, "reference", None, None, True),  # causal None: no mask, the canonical form
+                 (q, k, v, keep, "reference", "bottom_right", 0.5, True)):
         torch.library.opcheck(torch.ops.wb.attention.default, args)
     out, lse = torch.ops.wb.attention(q, k, v, keep, "reference", "top_left", None, True)
     dout = torch.randn_like(out)
@@ -194,7 +196,7 @@ except Exception as error:
 @pytest.mark.parametrize("order, expected", [(("torch", "wb_kernels"), "ran True"),
                                              (("wb_kernels", "torch"), "refused True")])
 def test_a_compiled_first_call_finds_the_op_or_says_why(order, expected, entry):
-    """The package's ops (wb_kernels.ops: wb.attention's and wb.decode's) are defined at import when torch came
+    """The package's ops (wb_kernels.torch_ops: wb.attention's and wb.decode's) are defined at import when torch came
     first, so a process whose first call is compiled (fullgraph) runs; the other import order cannot define them in
     time (the compiler refuses to trace their definition) and says how to fix that. A fresh process each: in this
     one the ops are long defined (the H100 run at c11746a failed this way when the compiled test happened to be a

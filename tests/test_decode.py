@@ -704,7 +704,7 @@ def test_cuda_signature_covers_only_cuda_tensors():
 def test_wb_decode_checks_a_signature_once_and_still_refuses_bad_inputs(monkeypatch):
     import torch
 
-    import wb_kernels.decoding as decoding
+    import wb_kernels.validation as decoding
 
     calls = []
     original = decoding.validate_decode

@@ -133,7 +133,7 @@ def test_gpu_torch_compile_fullgraph_takes_wb_decode(mode):
 
 
 def test_gpu_opcheck():
-    from wb_kernels.decode_op import register
+    from wb_kernels.torch_ops import register
 
     register()
     q, k, v, table = _random_cache(3, 8, 2, 128, 100, page_size=16, seed=7)

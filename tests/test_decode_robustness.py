@@ -297,7 +297,7 @@ def _op_args():
 def test_opcheck_on_the_cpu():
     """torch.library.opcheck of torch.ops.wb.decode where the stage runs on the CPU (the numba kernels; the
     simulator here): schema, fake implementation against the real one, and the dispatcher's paths."""
-    from wb_kernels.decode_op import register
+    from wb_kernels.torch_ops import register
 
     register()
     torch.library.opcheck(torch.ops.wb.decode.default, _op_args(),
@@ -327,7 +327,7 @@ def test_the_op_is_registered_when_wb_kernels_comes_after_torch():
     import subprocess
     import sys
 
-    code = ("import torch, wb_kernels.decode_op as op; assert op.registered(); "
+    code = ("import torch, wb_kernels.torch_ops as op; assert op.registered(); "
             "print(torch.ops.wb.decode.default._schema.name)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "wb::decode" in done.stdout, done.stderr[-2000:]

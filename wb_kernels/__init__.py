@@ -12,12 +12,12 @@ by anything else in the package; see :mod:`wb_kernels.backend`.
 """
 
 from .backend import BACKEND, banner, device_name  # noqa: I001  (must come first: sets NUMBA_ENABLE_CUDASIM)
-from .api import attention, attention_backward, validate
+from . import api
+from .api import (attention, attention_backward, available_backwards, available_stages, decode, get_backward,
+                  get_stage, validate)
 from .check import CheckFailed, CheckResult, GradientCheckResult, check, check_gradients
-from .decoding import decode
 from .inputs import random_padding_mask, random_qkv
 from .reference import attention_mask, reference, safe_softmax
-from .stages import available_backwards, available_stages, get_backward, get_stage
 from .timing import peak_memory, time_call
 
 __all__ = [
@@ -28,7 +28,5 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-if "torch" in __import__("sys").modules:  # torch came first: define the package's torch ops now (ops.py)
-    from . import ops
-
-    ops.register()
+if "torch" in __import__("sys").modules:  # torch came first: define the package's torch operators now (torch_ops.py)
+    api.torch_operators()

@@ -1,120 +1,62 @@
-"""The one public entry point, ``attention(q, k, v, stage=..., causal=...)`` (all lessons, tests, bench), and its
-gradients: through torch autograd, or ``attention_backward`` for NumPy users (lesson 08_backward).
+"""The front door: every public entry point (all lessons, tests, the benchmark and the models).
 
-Everything is validated (:mod:`wb_kernels.validation`) before any kernel is launched or any buffer allocated, and
-each error names the argument, the value it got and what is accepted (``tests/test_api_errors.py``).
-Here, too, the package keeps its promises about edge cases for every stage at once: inputs are made
-contiguous once, outputs come back in the caller's kind and dtype, and NaN/Inf in the inputs give the result SDPA
-gives (``tests/test_edge_cases.py``), even from kernels compiled with fast math, which may assume that no value is
-ever NaN or Inf. Torch calls that need a gradient, a compiler or fake tensors go through the registered op
-``torch.ops.wb.attention`` (:mod:`wb_kernels.autograd`, ``tests/test_autograd.py``), which runs the same code.
+- ``attention(q, k, v, stage=..., causal=...)`` and its gradients: through torch autograd, or ``attention_backward``
+  for NumPy users (lesson 08_backward);
+- ``decode(q, k_cache, v_cache, cache_seqlens, ...)``: one new query per sequence against a KV cache, as serving
+  engines call it (lesson 07), and ``decode_problems``;
+- ``validate`` and the stage registry's lookups (``available_stages``, ``get_stage``, ``available_backwards``,
+  ``get_backward``).
+
+The floors below, each importing only the ones under it: the argument rules (:mod:`wb_kernels.arguments`, under the
+reference and the rungs too) <- validation (:mod:`wb_kernels.validation`: every check against the stage, before any
+kernel is launched or any buffer allocated, each error naming the argument, the value it got and what is accepted;
+``tests/test_api_errors.py``) <- execution (:mod:`wb_kernels.execution`: validated calls run, inputs made
+contiguous once, outputs in the caller's kind and dtype, NaN/Inf giving the result SDPA gives;
+``tests/test_edge_cases.py``) <- the torch operators (:mod:`wb_kernels.torch_ops`: ``torch.ops.wb.attention``, its
+backward and ``torch.ops.wb.decode``, which torch calls that need a gradient, a compiler or fake tensors go through;
+``tests/test_autograd.py``) <- this module. A call's options keep one canonical form from validation to the kernel and
+back (:class:`~wb_kernels.validation.AttentionCall`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import sys
-import warnings
 
-import numpy as np
+from . import stages as _stages  # the registry, read through its module: a test that swaps it swaps it here too
+from .arguments import (canonical_causal, canonical_scale, kind_of, require_array, validate_gradient,
+                        validate_inputs)
+from .execution import attention_eager, decode_eager, run_backward, run_forward
+from .stages import available_backwards, available_stages, get_backward, get_stage  # (the public names)
+from .validation import validate, validate_call
 
-from . import ops
-from .backend import BACKEND
-from .device import ValidatedCalls, cuda_signature, is_torch, like_input
-from .reference import attention_mask
-from .stages import available_stages, get_backward, get_stage  # noqa: F401  (names tests patch here)
-# validation lives in its own module (imports run validation <- reference <- api); its names stay importable here
-from .validation import (CAUSAL_ALIGNMENTS, SIMULATOR_MAX_SECONDS, Inputs, _as_flag, _check_causal,  # noqa: F401
-                         _check_scale, _device_of, _dtype_name, _kind, require_array, validate, validate_gradient,
-                         validate_inputs)
+__all__ = ["attention", "attention_backward", "decode", "decode_problems", "validate", "available_stages",
+           "get_stage", "available_backwards", "get_backward", "torch_operators"]
 
-__all__ = ["attention", "attention_backward", "validate", "validate_inputs", "require_array", "Inputs",
-           "propagate_non_finite", "SIMULATOR_MAX_SECONDS"]
-
-# CUDA inputs' signatures that passed validate, and its Stage: a signature checked once is not checked again (the
-# checks cost more than a small kernel's launch; see device.ValidatedCalls)
-_VALIDATED = ValidatedCalls()
+_ops = None  # wb_kernels.torch_ops, once torch_operators() has defined the operators (it imports torch)
 
 
-def _contiguous(x):
-    """`x` as a C-contiguous array of the same kind, copied only if it is not one already.
+def torch_operators():
+    """Define the package's torch operators (:func:`wb_kernels.torch_ops.register`, once per process) and return
+    their module. Run when ``wb_kernels`` is imported after torch, else by the first eager call with torch tensors:
+    a compiler cannot trace the definition, so a compiled first call needs it done before."""
+    global _ops
+    from . import torch_ops
 
-    Kernels index raw memory, and ``torch.from_numpy`` refuses negative strides. Torch tensors are detached: the
-    stages' kernels know nothing of autograd. This is reached only where no gradient is asked for, or inside the
-    registered op (:mod:`wb_kernels.autograd`), whose autograd formula gives the inputs their gradients.
-    """
-    if is_torch(x):
-        return x.detach().contiguous()
-    return np.ascontiguousarray(x)
-
-
-def _may_hold_non_finite(q, k) -> bool:
-    """Whether q or k may hold a NaN or an Inf: one pass over each and one number back.
-
-    A sum is NaN or Inf when any term is (+Inf + -Inf gives NaN); it can also overflow for huge finite
-    inputs, which only sends those to the exact (slower) path of propagate_non_finite, where nothing
-    is changed.
-    """
-    if is_torch(q):
-        import torch
-
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        sums = torch.stack([q.sum(dtype=acc), k.sum(dtype=acc)])
-        return not bool(torch.isfinite(sums).all())
-    with np.errstate(over="ignore", invalid="ignore"):
-        return not (np.isfinite(q.sum(dtype=np.float64)) and np.isfinite(k.sum(dtype=np.float64)))
+    torch_ops.register()
+    _ops = torch_ops
+    return torch_ops
 
 
-def _numpy64(x) -> np.ndarray:
-    if is_torch(x):
-        return x.detach().cpu().double().numpy()
-    return np.asarray(x, dtype=np.float64)
+def _operators_defined(torch) -> bool:
+    """Whether the operators exist, defining them now unless a compiler traces (which cannot trace a definition)."""
+    if _ops is not None:
+        return True
+    if not torch.compiler.is_compiling():
+        torch_operators()
+        return True
+    from . import torch_ops  # (a compiler traces this: registered() is one global's read)
 
-
-def propagate_non_finite(out, lse, q, k, *, causal=False, key_padding_mask=None, scale=None):
-    """Make NaN/Inf in q and k reach `out` and `lse` as they do in SDPA (see :func:`attention`).
-
-    A row gets NaN (all of its output and its LSE) when it sees at least one key and either its query
-    holds a NaN/Inf, or its score with some key it attends is NaN or +Inf (a NaN in that key, or an
-    Inf that meets a query value of the same sign or a zero). Scores that come out -Inf leave the key
-    out of the row, as in SDPA; the kernels handle those themselves. Values (v) need nothing here:
-    ``P @ V`` carries their NaN/Inf in every kernel. Returns ``(out, lse)``, changed in place where
-    possible. Costs O(B*H*Lq*D) plus O(Lq*D) per key that holds a NaN/Inf.
-    """
-    qn, kn = _numpy64(q), _numpy64(k)
-    B, H, Lq, D = qn.shape
-    Hk, Lk = kn.shape[1], kn.shape[2]
-    group = H // Hk  # query heads per key head (GQA)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)[:, 0]  # (B, Lq, Lk)
-    poisoned = ~np.isfinite(qn).all(-1)  # (B, H, Lq)
-    bad_keys = ~np.isfinite(kn).all(-1)  # (B, Hk, Lk)
-    chunk = 256  # keys per step: bounds the (group, Lq, chunk) scores held at once
-    with np.errstate(invalid="ignore", over="ignore"):
-        for b, hk in zip(*np.nonzero(bad_keys.any(-1))):
-            heads = slice(hk * group, (hk + 1) * group)  # the query heads that read key head hk
-            keys = np.flatnonzero(bad_keys[b, hk])
-            for first in range(0, len(keys), chunk):
-                some = keys[first:first + chunk]
-                scores = scale * (qn[b, heads] @ kn[b, hk, some].T)  # (group, Lq, len(some)), IEEE: inf*0 = NaN
-                hot = (np.isnan(scores) | (scores == np.inf)) & allowed[b][:, some]
-                poisoned[b, heads] |= hot.any(-1)
-    poisoned &= allowed.any(-1)[:, None, :]  # a row that sees no key stays 0, LSE -inf
-    if not poisoned.any():
-        return out, lse
-    if is_torch(out):
-        import torch
-
-        rows = torch.from_numpy(poisoned).to(out.device)
-        return (out.masked_fill(rows[..., None], float("nan")),
-                lse.masked_fill(rows, float("nan")) if lse is not None else None)
-    out = np.array(out, copy=True)
-    out[poisoned] = np.nan
-    if lse is not None:
-        lse = np.array(lse, copy=True)
-        lse[poisoned] = np.nan
-    return out, lse
+    return torch_ops.registered()
 
 
 def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_mask=None,
@@ -131,7 +73,7 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
         backward (``wb.stages.available_backwards()``); asking a gradient of another stage raises a
         ValueError naming those that have one. The call is the registered op ``torch.ops.wb.attention``
         when a gradient is needed, under ``torch.compile`` and for meta/fake tensors
-        (:mod:`wb_kernels.autograd`); plain tensors that need no gradient take a direct, cheaper path.
+        (:mod:`wb_kernels.torch_ops`); plain tensors that need no gradient take a direct, cheaper path.
     causal
         ``False`` (no mask), ``True`` or ``"top_left"``, or ``"bottom_right"``: query i attends keys
         j <= i + offset, where the offset is 0 at the top left and Lk - Lq at the bottom right
@@ -150,7 +92,8 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
         Lq positions of a sequence whose first Lk - Lq keys are already cached, so the last query sees
         every key. With Lq > Lk its first Lq - Lk rows see no key (zeros, LSE -inf, as below).
         ``wb_kernels.plots.causal_alignment_figure(Lq, Lk)`` draws both. Accepts True/False, NumPy
-        bools and 0/1 for the flag; another string is refused with the accepted values.
+        bools and 0/1 for the flag, and None for no mask (the canonical form the call carries to the kernel: None,
+        "top_left" or "bottom_right"); another string is refused with the accepted values.
     key_padding_mask
         bool (B, Lk), True = the key takes part (SDPA's boolean ``attn_mask`` convention), on the CPU
         or the inputs' device.
@@ -177,7 +120,7 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
           The kernels themselves may assume finite inputs (the flash kernels are compiled with fast
           math), so this function keeps the promise: it looks for NaN/Inf in q and k first (one pass
           over each) and, when there are any, marks the rows SDPA would make NaN
-          (:func:`propagate_non_finite`). ``check_finite=False`` skips that pass; the result for
+          (:func:`wb_kernels.execution.propagate_non_finite`). ``check_finite=False`` skips that pass; the result for
           non-finite inputs is then whatever the kernel makes of them. A stage whose kernel keeps the
           promise itself (``Stage.non_finite_in_kernel``: the mma rung) gets no pass: that pass reads a
           number back from the GPU, which stalls the host on every call.
@@ -190,38 +133,24 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     """
     torch = sys.modules.get("torch")  # None: no torch tensor can have been given
     if torch is not None:
-        ops.ensure(torch)  # defined eagerly, once (lookups after it): a compiler tracing a first call could not
-    if torch is not None and (torch.compiler.is_compiling()
-                              or (isinstance(q, torch.Tensor) and _needs_op(torch, q, k, v))):
-        return _through_op(torch, q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask,
-                           scale=scale, return_lse=return_lse, check_finite=check_finite)
-    spec = validated(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    out, lse = run_forward(spec, q, k, v, causal=_check_causal(causal), key_padding_mask=key_padding_mask,
-                           scale=_check_scale(scale), check_finite=check_finite)
+        compiling = torch.compiler.is_compiling()
+        if _ops is None and not compiling:
+            torch_operators()  # defined eagerly, once (one global's read after it): a compiler could not
+        if compiling or (isinstance(q, torch.Tensor) and _needs_op(torch, q, k, v)):
+            return _through_op(torch, q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask,
+                               scale=scale, return_lse=return_lse, check_finite=check_finite)
+    out, lse = attention_eager(q, k, v, key_padding_mask, stage=stage, causal=causal, scale=scale,
+                               check_finite=check_finite)
     if return_lse:
         return out, lse
     return out
 
 
-def validated(q, k, v, *, stage, causal, key_padding_mask, scale):
-    """:func:`validate`'s Stage, from the cache when CUDA inputs of this signature and these options passed before."""
-    key = cuda_signature(q, k, v, key_padding_mask)
-    if key is not None and isinstance(scale, (float, int, type(None))) and isinstance(causal, (bool, str)):
-        key = (key, stage, causal, scale)  # CUDA inputs: the checks read shapes, dtypes and devices only
-    else:
-        key = None
-    spec = _VALIDATED.get(key)
-    if spec is None:
-        spec = _VALIDATED.remember(key, validate(q, k, v, stage=stage, causal=causal,
-                                                 key_padding_mask=key_padding_mask, scale=scale))
-    return spec
-
-
 def _needs_op(torch, q, k, v) -> bool:
-    """Whether an eager torch call must go through the registered op: a gradient is asked for, or the tensors are
-    not plain ones (meta, fake or functional tensors: torch.export, shape inference). (A compiler's tracing is
-    tested before, and without :func:`is_torch`, whose cache of types a compiler cannot guard on.) A CUDA call that
-    needs none of this keeps the direct path: a few attribute reads here."""
+    """Whether an eager torch call must go through the operators: a gradient is asked for, or the tensors are not
+    plain ones (meta, fake or functional tensors: torch.export, shape inference). (A compiler's tracing is tested
+    before, and without :func:`~wb_kernels.device.is_torch`, whose cache of types a compiler cannot guard on.) A CUDA
+    call that needs none of this keeps the direct path: a few attribute reads here."""
     if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return False  # mixed kinds: validation says what is wrong
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
@@ -232,93 +161,31 @@ def _needs_op(torch, q, k, v) -> bool:
 def _through_op(torch, q, k, v, *, stage, causal, key_padding_mask, scale, return_lse, check_finite):
     """wb.attention with autograd. In eager mode everything is validated here, before anything runs, a stage
     without a backward is refused before its forward when a gradient is asked for, and the call runs
-    :class:`~wb_kernels.autograd.EagerAttention` (the op's arithmetic without ``torch.library``'s per-call
+    :class:`~wb_kernels.torch_ops.EagerAttention` (the op's arithmetic without ``torch.library``'s per-call
     wrappers); while a compiler traces, and for fake or meta tensors, it is ``torch.ops.wb.attention``, checked by
     the op's fake implementation (shapes) and its real one (everything, at run time)."""
-    traced = torch.compiler.is_compiling() or type(q) is not torch.Tensor or q.is_meta
-    if not traced or not isinstance(stage, str):
-        spec = validated(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    causal, scale = _check_causal(causal), _check_scale(scale)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        get_backward(stage)  # ValueError naming the stages that have one, before the forward runs
-    if not traced:  # eager: the same arithmetic as the op's, without torch.library's wrappers (EagerAttention)
-        from .autograd import EagerAttention
-
-        out, lse = EagerAttention.apply(q, k, v, key_padding_mask, spec, causal, scale, bool(check_finite))
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not (torch.compiler.is_compiling() or type(q) is not torch.Tensor or q.is_meta):
+        call = validate_call(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        if wants_grad:
+            _stages.get_backward(stage)  # ValueError naming the stages that have one, before the forward runs
+        out, lse = _ops.EagerAttention.apply(q, k, v, key_padding_mask, call, bool(check_finite))
         return (out, lse) if return_lse else out
-    if not ops.registered():  # (traced: defining it here would be traced too, which the compiler refuses)
-        raise RuntimeError(f"wb.attention's operator, torch.ops.wb.attention, {ops.MISSING}")
-    out, lse = torch.ops.wb.attention(q, k, v, key_padding_mask, stage, causal or "", scale, bool(check_finite))
+    if not isinstance(stage, str):
+        validate_call(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    causal, scale = canonical_causal(causal), canonical_scale(scale)  # the schema's form: the canonical one
+    if wants_grad:
+        _stages.get_backward(stage)  # (a dictionary's lookup: the registry was discovered with the operators)
+    if not _operators_defined(torch):
+        raise RuntimeError(f"wb.attention's operator, torch.ops.wb.attention, {_ops_missing()}")
+    out, lse = torch.ops.wb.attention(q, k, v, key_padding_mask, stage, causal, scale, bool(check_finite))
     return (out, lse) if return_lse else out
 
 
-def _in_dtype(x, dtype: str):
-    """`x` (NumPy or torch) in dtype `dtype`, the same object when it is already."""
-    if _dtype_name(x) == dtype:
-        return x
-    if is_torch(x):
-        import torch
+def _ops_missing() -> str:
+    from .torch_ops import MISSING
 
-        return x.to(getattr(torch, dtype))
-    return x.astype(dtype)
-
-
-def _in_callers_dtypes(out, lse, q):
-    """out in q's dtype, the LSE in float32 (float64 for float64 q: the reference's). Cheap when they already are
-    (every kernel of a GPU call): dtype objects compared, no names built."""
-    if out.dtype != q.dtype:
-        out = _in_dtype(out, _dtype_name(q))
-    # (float64 is the only 8-byte dtype a stage takes; NumPy and torch dtypes both tell their itemsize)
-    wanted = 8 if q.dtype.itemsize == 8 else 4  # the kernels keep the LSE in float32
-    if lse.dtype.itemsize != wanted:
-        lse = _in_dtype(lse, "float64" if wanted == 8 else "float32")
-    return out, lse
-
-
-def run_forward(spec, q, k, v, *, causal, key_padding_mask, scale, check_finite=True):
-    """A validated call of `spec`'s forward: ``(out, lse)`` in the caller's kind, out in q's dtype.
-
-    What both ``wb.attention``'s direct path and the registered op's real implementation run: inputs made
-    contiguous, the NaN/Inf pass (:func:`propagate_non_finite`), results moved back to the caller. `causal` and
-    `scale` are already checked (:func:`_check_causal`, :func:`_check_scale`).
-    """
-    caller_q = q
-    q, k, v = (_contiguous(x) for x in (q, k, v))
-    if key_padding_mask is not None:
-        key_padding_mask = _contiguous(key_padding_mask)
-    # a stage whose kernel handles NaN/Inf itself needs no pass here (that pass waits for the GPU: see Stage)
-    non_finite = check_finite and not spec.non_finite_in_kernel and _may_hold_non_finite(q, k)
-    quiet = non_finite or BACKEND.is_simulator
-    # (no warnings filter on a GPU's ordinary call: saving and restoring the filters costs microseconds per call)
-    with warnings.catch_warnings() if quiet else contextlib.nullcontext():
-        if quiet:
-            # NumPy arithmetic (the reference, and every kernel on the simulator) warns about NaN/Inf that
-            # are the right answer here; a GPU computes the same silently
-            warnings.simplefilter("ignore", RuntimeWarning)
-        out, lse = spec.forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    out, lse = _in_callers_dtypes(like_input(out, caller_q), like_input(lse, caller_q), caller_q)
-    if non_finite:
-        out, lse = propagate_non_finite(out, lse, q, k, causal=causal, key_padding_mask=key_padding_mask,
-                                        scale=scale)
-    return out, lse
-
-
-def run_backward(backward, q, k, v, out, lse, dout, *, causal, key_padding_mask, scale):
-    """A validated call of a :class:`~wb_kernels.stages.Backward`: ``(dq, dk, dv)`` in the caller's kind, each in
-    its input's dtype. What ``wb.attention_backward`` and the registered backward op run."""
-    caller = (q, k, v)
-    q, k, v, out, lse, dout = (_contiguous(x) for x in (q, k, v, out, lse, dout))
-    if key_padding_mask is not None:
-        key_padding_mask = _contiguous(key_padding_mask)
-    # NumPy arithmetic (the reference, every kernel on the simulator) warns about NaN gradients that are the answer
-    # for NaN/Inf inputs; a GPU computes them silently, and saving and restoring the filters costs microseconds
-    quiet = BACKEND.is_simulator or not is_torch(q) or not q.is_cuda
-    with warnings.catch_warnings() if quiet else contextlib.nullcontext():
-        if quiet:
-            warnings.simplefilter("ignore", RuntimeWarning)
-        grads = backward.gradients(q, k, v, out, lse, dout, causal=causal, key_padding_mask=key_padding_mask,
-                                   scale=scale)
-    return tuple(_in_dtype(like_input(g, x), _dtype_name(x)) for g, x in zip(grads, caller))
+    return MISSING
 
 
 def attention_backward(q, k, v, dout, *, stage: str = "reference", causal=False, key_padding_mask=None,
@@ -331,26 +198,90 @@ def attention_backward(q, k, v, dout, *, stage: str = "reference", causal=False,
     inputs; when not given, the forward runs first (the backward needs them: the forward saves nothing else).
     dk and dv are summed over each group of query heads that share a key/value head (GQA). A row that sees no key
     gets zero gradients. Returns the gradients in the caller's kind and each input's dtype, without autograd
-    history (no double backward).
+    history (no double backward: through autograd, differentiating wb.attention's gradients again raises).
 
     Raises the errors :func:`attention` raises, a ValueError naming the stages that have a backward when `stage`
     has none, and TypeError/ValueError for a `dout`, `out` or `lse` of the wrong kind, shape, dtype or device.
     """
-    spec = validate(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    backward = get_backward(stage)
+    call = validate_call(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    _stages.get_backward(stage)
     inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     validate_gradient(dout, q, inputs)
-    causal, scale = _check_causal(causal), _check_scale(scale)
     if (out is None) != (lse is None):
         raise ValueError("out, lse: pass both (what attention(..., return_lse=True) returned) or neither")
     if out is None:
-        out, lse = run_forward(spec, q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        out, lse = run_forward(call, q, k, v, key_padding_mask)
     else:
         for name, given, shape in (("out", out, (inputs.B, inputs.H, inputs.Lq, inputs.D)),
                                    ("lse", lse, (inputs.B, inputs.H, inputs.Lq))):
             require_array(name, given)
-            if _kind(given) != _kind(q) or tuple(given.shape) != shape:
-                raise ValueError(f"{name}: expected a {_kind(q)} of shape {shape} (from attention(..., "
-                                 f"return_lse=True)), got a {_kind(given)} of shape {tuple(given.shape)}")
-    return run_backward(backward, q, k, v, out, lse, dout, causal=causal, key_padding_mask=key_padding_mask,
-                        scale=scale)
+            if kind_of(given) != kind_of(q) or tuple(given.shape) != shape:
+                raise ValueError(f"{name}: expected a {kind_of(q)} of shape {shape} (from attention(..., "
+                                 f"return_lse=True)), got a {kind_of(given)} of shape {tuple(given.shape)}")
+    return run_backward(call, q, k, v, out, lse, dout, key_padding_mask)
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, stage: str = "decode", scale=None,
+           num_splits: int | None = None, max_seqlen: int | None = None, return_lse: bool = False,
+           kv_layout: str = "HND"):
+    """Attention of one new query per sequence over its KV cache (shapes below).
+
+    `stage`: "decode" (the split-KV kernels of lesson 07) or "reference" (float64 NumPy). `num_splits`: the
+    number of key splits per sequence, an int in [1, max(64, capacity)] (at most ``validation.MAX_NUM_SPLITS``;
+    default: chosen from the problem and the GPU's SM count, see
+    ``wb_kernels.stages.decode.splitkv.choose_num_splits``). `max_seqlen`: an upper bound of cache_seqlens that the
+    caller knows on the host, or a bucket of it (:func:`~wb_kernels.validation.seqlen_bucket`), so the splits cover the
+    keys there are rather than the cache's whole capacity; default: the capacity. Lengths on the host above it are
+    refused; lengths on the GPU above it are computed in full by the last split and reported by
+    :func:`decode_problems` (no synchronisation here). `kv_layout`: "HND" or "NHD".
+
+        out = wb.decode(q, k_cache, v_cache, cache_seqlens)                        # contiguous cache
+        out = wb.decode(q, k_pages, v_pages, cache_seqlens, block_table=table)     # paged cache
+
+    Shapes (GQA/MQA: the cache has Hk heads, Hk divides H; query head h reads KV head h // (H // Hk)):
+
+    - q: (B, H, D), the new token's queries (after RoPE);
+    - contiguous cache: k_cache, v_cache (B, Hk, L, D), sequence b's keys in [:cache_seqlens[b]];
+    - paged cache: k_pages, v_pages (num_pages, Hk, page_size, D) shared by all sequences, and block_table
+      (B, pages per sequence) int32: key t of sequence b lives in page block_table[b, t // page_size] at slot
+      t % page_size (vLLM's PagedAttention layout, Kwon et al. 2023);
+    - cache_seqlens: (B,) int32, the number of valid keys of each sequence, the new token's included.
+
+    ``kv_layout="NHD"`` takes caches whose last two axes are (keys, heads, D) instead: (B, L, Hk, D) or
+    (num_pages, page_size, Hk, D) (flash-attn's and FlashInfer's NHD), read in place through their strides. The shapes
+    alone cannot tell the layouts apart when both readings divide H, so a paged NHD cache must be named.
+
+    On a GPU the call is safe to capture in a CUDA graph and to compile with ``torch.compile(fullgraph=True)`` (it
+    is the registered op ``torch.ops.wb.decode`` for compilers and fake tensors): the split count depends on the
+    cache's capacity or on `max_seqlen` (a bucket, see :func:`~wb_kernels.validation.seqlen_bucket`), never on the
+    lengths' values, which are read on the device only; the buffers come from PyTorch's caching allocator. A length
+    that the splits do not cover (a `max_seqlen` below it) is still computed in full, by the last split, and reported
+    by :func:`decode_problems`.
+
+    The new token sees every key of its own sequence (bottom-right causal alignment with one query) and nothing
+    beyond its length. Returns (B, H, D) (and the LSE (B, H) with ``return_lse=True``). A sequence of length 0 gets
+    zeros and LSE -inf.
+    """
+    torch = sys.modules.get("torch")  # None: no torch tensor can have been given
+    if torch is not None and isinstance(q, torch.Tensor):
+        if torch.compiler.is_compiling() or type(q) is not torch.Tensor or q.is_meta:
+            # a compiler traces, or fake/meta tensors: the registered op (its fake implementation gives the shapes)
+            if not _operators_defined(torch):
+                raise RuntimeError(f"wb.decode's operator, torch.ops.wb.decode, {_ops_missing()}")
+            out, lse = torch.ops.wb.decode(q, k_cache, v_cache, cache_seqlens, block_table, stage, scale,
+                                           num_splits, max_seqlen, kv_layout)
+            return (out, lse) if return_lse else out
+        if _ops is None:
+            torch_operators()  # (one global's read once they are): so that a later compile finds the op
+    out, lse = decode_eager(q, k_cache, v_cache, cache_seqlens, block_table=block_table, stage=stage, scale=scale,
+                            num_splits=num_splits, max_seqlen=max_seqlen, kv_layout=kv_layout)
+    return (out, lse) if return_lse else out
+
+
+def decode_problems(device=None, *, reset: bool = True) -> list:
+    """What the CUDA decode kernel found wrong with lengths that live on the GPU since the last look, as sentences
+    saying what to do (empty: nothing). Reads a flag from the device, so it waits for the GPU: call it after a
+    step, or a graph's replay, not inside one. `device`: a CUDA device (default: the current one)."""
+    from .stages.decode.launcher import read_status
+
+    return read_status(device, reset=reset)

@@ -50,7 +50,7 @@ import numpy as np
 
 from .inputs import DTYPES
 from .reference import attention_mask, reference, reference_backward, repeat_kv_heads, safe_softmax
-from .validation import require_array, validate_inputs
+from .arguments import require_array, validate_inputs
 
 __all__ = ["CheckFailed", "CheckResult", "GradientCheckResult", "check", "check_gradients", "torch_error",
            "torch_gradient_error", "storage_floor", "dot_product_floor", "output_floor", "gradient_floor",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .validation import CAUSAL_ALIGNMENTS, validate_inputs
+from .arguments import CAUSAL_ALIGNMENTS, validate_inputs
 
 __all__ = ["reference", "reference_backward", "sum_kv_groups", "attention_mask", "causal_offset", "positive_scale",
            "repeat_kv_heads", "CAUSAL_ALIGNMENTS", "safe_softmax", "naive_softmax"]

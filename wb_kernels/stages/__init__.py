@@ -4,10 +4,15 @@ Every package in this folder whose ``__init__`` defines ``STAGE`` (a :class:`Sta
 ``wb_kernels.attention`` finds them here, so adding a rung means adding one folder and nothing else
 (CONTRIBUTING.md has the whole recipe). A rung's folder holds its kernel, launcher, teaching model,
 slider logic, tuning script and ``NOTES.md``; its lesson is ``notebooks/NN_<rung>.ipynb`` and its tests
-``tests/test_<rung>.py``. A stage's ``forward`` receives inputs that :mod:`wb_kernels.api` has already
-validated, and returns ``(out, lse)``: q (B, H, Lq, D), k and v (B, Hk, Lk, D) with Hk dividing H (query head h
-uses key/value head h // (H // Hk)), and ``causal`` False, ``"top_left"`` or ``"bottom_right"``
-(:func:`wb_kernels.reference.causal_offset` turns it into the offset of the diagonal).
+``tests/test_<rung>.py``. A stage's ``forward`` receives inputs that :mod:`wb_kernels.validation` has already
+validated (:mod:`wb_kernels.execution` calls it), and returns ``(out, lse)``: q (B, H, Lq, D), k and v (B, Hk, Lk, D)
+with Hk dividing H (query head h uses key/value head h // (H // Hk)), and ``causal`` ``"top_left"``,
+``"bottom_right"`` or, for no mask, a falsy value: False, or None, the canonical form the rest of the call carries
+(:mod:`wb_kernels.execution` says when a forward gets which; a Backward gets None). Test it for truth, never against
+False; :func:`wb_kernels.reference.causal_offset` turns it into the offset of the diagonal.
+
+The registry is discovered once per process, by the first lookup or when the package's torch operators are defined
+(:func:`wb_kernels.torch_ops.register`), so that a compiler tracing a first call never walks these folders.
 """
 
 from __future__ import annotations
@@ -48,10 +53,10 @@ class Backward:
     """The gradients of one stage's forward pass (lesson 08_backward; the ``backward`` rung registers them).
 
     ``gradients(q, k, v, out, lse, dout, *, causal, key_padding_mask, scale) -> (dq, dk, dv)`` receives what
-    :mod:`wb_kernels.api` validated and made contiguous, the forward's ``out`` and ``lse`` (the only things the forward
-    saves) and ``dout``, the gradient of the loss with respect to ``out``; it returns gradients shaped like q, k and v
-    (dk and dv summed over each group of query heads that share a key/value head, GQA). A row that sees no key gets
-    zero gradients.
+    :mod:`wb_kernels.validation` validated and :mod:`wb_kernels.execution` made contiguous, the forward's ``out`` and
+    ``lse`` (the only things the forward saves) and ``dout``, the gradient of the loss with respect to ``out``; it
+    returns gradients shaped like q, k and v (dk and dv summed over each group of query heads that share a key/value
+    head, GQA). A row that sees no key gets zero gradients.
     """
 
     stage: str  # the forward stage whose gradients these are
