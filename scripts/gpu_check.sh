@@ -57,6 +57,9 @@
 # gpu_check.log, and gpu_results.tgz (logs, executed notebooks, results, figures), re-packed after
 # every step so that a run stopped part-way still returns what it finished.
 set -uo pipefail
+if [ "${1:-}" = release ] && ! [[ "${2:-}" =~ ^[0-9]+/[0-9]+$ ]]; then  # before anything is written or removed
+  echo "usage: scripts/gpu_check.sh release K/N (e.g. release 1/3)"; exit 2
+fi
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT" logs
@@ -68,8 +71,7 @@ steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(env build traffic tests properties accuracy bench notebooks)
 release_part=""
 if [ "${steps[0]}" = release ]; then  # release K/N: nothing but that part (below)
-  release_part=${steps[1]:-}
-  [[ "$release_part" =~ ^[0-9]+/[0-9]+$ ]] || { echo "usage: scripts/gpu_check.sh release K/N (e.g. release 1/3)"; exit 2; }
+  release_part=${steps[1]}
   steps=(release)
 fi
 has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }

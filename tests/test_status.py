@@ -178,6 +178,7 @@ def test_gpu_check_release_needs_a_part(tmp_path):
     run = subprocess.run(["bash", str(script), "release"], capture_output=True, text=True,
                          env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert run.returncode == 2 and "release K/N" in run.stdout
+    assert not any(tmp_path.iterdir()), "the usage error wrote into $OUT"
 
 
 # A status file's release names the commit every GPU test and lesson passed at. After it, only what that run and
