@@ -41,9 +41,11 @@
 #                                        part stopped by its limit, run again, runs only its units (the test files,
 #                                        the property suite, each lesson) that have not passed. $OUT gets
 #                                        release_KofN.tgz (the part's logs and junit files, its executed lessons, the
-#                                        status file, results and figures it wrote) and <gpu>.json: put the status
-#                                        file back into results/status/ before the next call (a warm machine keeps a
-#                                        copy in logs/release/). The shares are balanced by the seconds each file and
+#                                        status file, the README with its status block rendered from it, results and
+#                                        figures it wrote) and <gpu>.json: unpack the tarball at the repository's root
+#                                        before the next call (a warm machine keeps a copy of the status in
+#                                        logs/release/; the README must match the status file for
+#                                        tests/test_status.py). The shares are balanced by the seconds each file and
 #                                        lesson took in the last release (`python3 scripts/status.py release-plan 3`
 #                                        prints them). The commit is WB_GIT_COMMIT, else git's HEAD; the part stops
 #                                        starting and stops its commands RELEASE_LIMIT (540) s after the script began.
@@ -299,7 +301,7 @@ if [ -n "$release_part" ]; then
     local changed
     changed=$(find results figures -type f -newer "$rel_logs/.started" ! -path 'results/status/*' 2>/dev/null)
     # shellcheck disable=SC2086
-    if tar czf "$OUT/$tag.tgz.tmp$BASHPID" "$rel_logs" $PART_LESSONS $changed $(ls "results/status/$gpu.json" 2>/dev/null); then
+    if tar czf "$OUT/$tag.tgz.tmp$BASHPID" "$rel_logs" $PART_LESSONS $changed $(ls "results/status/$gpu.json" 2>/dev/null) README.md; then
       mv "$OUT/$tag.tgz.tmp$BASHPID" "$OUT/$tag.tgz"
     else
       rm -f "$OUT/$tag.tgz.tmp$BASHPID"
@@ -371,6 +373,9 @@ if [ -n "$release_part" ]; then
   python3 scripts/status.py release-record "$gpu" "$release_part" --commit "$commit" --logs "$rel_logs" \
     --seconds $(( SECONDS - release_started )) "${steps_rc[@]}" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # the README's status block rendered from the new record, so that the tree the next part is sent with (this
+  # tarball unpacked at the root) passes tests/test_status.py
+  python3 scripts/status.py --update-readme >> "$LOG" 2>&1
   cp "results/status/$gpu.json" "$OUT/"
   cp "$LOG" "$rel_logs/" 2>/dev/null
   pack_release
