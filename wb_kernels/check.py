@@ -50,7 +50,7 @@ import numpy as np
 
 from .inputs import DTYPES
 from .reference import attention_mask, reference, reference_backward, repeat_kv_heads, safe_softmax
-from .arguments import require_array, validate_inputs
+from .arguments import dtype_name, require_array, validate_inputs
 
 __all__ = ["CheckFailed", "CheckResult", "GradientCheckResult", "check", "check_gradients", "torch_error",
            "torch_gradient_error", "storage_floor", "dot_product_floor", "output_floor", "gradient_floor",
@@ -84,10 +84,6 @@ class CheckResult:
         if self.lse_err is not None:
             text += f", lse {part(self.lse_err, self.lse_tol)}"
         return f"{text} {'✓' if self.passed else '✗'}"
-
-
-def _dtype_name(x) -> str:
-    return str(x.dtype).replace("torch.", "")
 
 
 def _to_numpy64(x) -> np.ndarray:
@@ -266,7 +262,7 @@ def check(name: str, out, q, k, v, *, lse=None, causal=False, key_padding_mask=N
             raise CheckFailed(f"{name}: {what} shape {tuple(given.shape)} != reference shape {expected}")
     out_ref, lse_ref = ref if ref is not None else reference(
         q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    dtype = _dtype_name(out)
+    dtype = dtype_name(out)
     device = str(out.device) if hasattr(out, "device") and not isinstance(out, np.ndarray) else "cpu"
     pt_err, pt_lse_err = torch_error(q, k, v, out_ref, lse_ref, dtype=dtype, device=device,
                                      causal=causal, key_padding_mask=key_padding_mask, scale=scale)
@@ -276,7 +272,7 @@ def check(name: str, out, q, k, v, *, lse=None, causal=False, key_padding_mask=N
     tol = multiplier * pt_err + storage_floor(out_ref, dtype)
     lse_err = lse_tol = None
     if lse is not None:
-        lse_dtype = _dtype_name(lse)
+        lse_dtype = dtype_name(lse)
         lse_err = _max_abs_err(_to_numpy64(lse), lse_ref)
         pt_lse_err = max(pt_lse_err, dot_product_floor(q, k, dtype=dtype, causal=causal,
                                                        key_padding_mask=key_padding_mask, scale=scale))
@@ -413,7 +409,7 @@ def check_gradients(stage_or_name, grads, q, k, v, dout, *, causal=False, key_pa
             raise CheckFailed(f"{name}: {what} shape {tuple(given.shape)} != its input's shape {tuple(like.shape)}")
     refs = ref if ref is not None else reference_backward(q, k, v, dout, causal=causal,
                                                           key_padding_mask=key_padding_mask, scale=scale)
-    dtype = _dtype_name(grads[0])
+    dtype = dtype_name(grads[0])
     device = _floor_device(grads[0])
     pt_errors = torch_gradient_error(q, k, v, dout, refs, dtype=dtype, device=device, causal=causal,
                                      key_padding_mask=key_padding_mask, scale=scale)
@@ -425,7 +421,7 @@ def check_gradients(stage_or_name, grads, q, k, v, dout, *, causal=False, key_pa
     for given, reference_grad, pt_err, floor in zip(grads, refs, pt_errors, recomputed):
         pt_err = max(pt_err, floor, gradient_floor(reference_grad, dtype=dtype, terms=terms))
         errors.append(_max_abs_err(_to_numpy64(given), reference_grad))
-        tols.append(multiplier * pt_err + storage_floor(reference_grad, _dtype_name(given)))
+        tols.append(multiplier * pt_err + storage_floor(reference_grad, dtype_name(given)))
     result = GradientCheckResult(name, tuple(errors), tuple(tols))
     if verbose:
         print(result.line())
