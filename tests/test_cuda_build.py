@@ -398,3 +398,18 @@ def test_resync_names_the_file_a_region_moved_to(tmp_path):
     assert resync_notebook(path) == ["merge_splits"]
     assert notebook_regions(path) == [("merge_splits", "wb_kernels/stages/decode/decode_merge.cuh", text)]
     assert resync_notebook(path) == []
+
+
+def test_a_sources_regions_come_in_the_order_nvcc_reads_them():
+    """Each header's regions where the header is first included, before the regions of the file that includes it:
+    the order lesson 07 shows them in (helpers before their callers)."""
+    from wb_kernels.stages.decode import build as decode_build
+
+    regions = decode_build.SOURCE.regions()
+    order = list(regions)
+    assert order.index("params_and_guards") < order.index("merge_splits") < order.index("split_kernel_setup") \
+        < order.index("launch_split_kernel") < order.index("forward_launch")
+    assert regions["merge_splits"] == cuda_build.module_regions(REPO / "wb_kernels/stages/decode/decode_merge.cuh")[
+        "merge_splits"]
+    every = [name for path in decode_build.SOURCE.files().values() for name in cuda_build.module_regions(path)]
+    assert sorted(order) == sorted(every) and len(set(order)) == len(order)

@@ -113,6 +113,15 @@ class EditableSource:
             pending.extend(self._includes(path))
         return found
 
+    def regions(self) -> dict:
+        """{region name: text} of every file, in the order nvcc reads them (each header where it is first included,
+        before the rest of the file that includes it): the order in which a lesson shows them, helpers first."""
+        texts = {}
+        for path in self.files().values():
+            texts.update(module_regions(path))
+        order = re.findall(r"^[ \t]*// region: (\w+)[ \t]*$", self.package_source(), re.MULTILINE)
+        return {name: texts[name] for name in order}
+
     def _file_of_region(self, name: str) -> str:
         holders = [file for file, path in self.files().items() if name in module_regions(path)]
         if not holders:

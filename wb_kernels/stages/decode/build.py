@@ -26,7 +26,8 @@ from pathlib import Path
 from ...cuda_build import CudaBuildError, EditableSource, Extension, compile_cubin, enable_region_cells, ptxas_entries
 
 __all__ = ["SOURCE", "SOURCE_NAME", "extension", "build", "nvcc_compile_report", "KernelResources",
-           "package_source", "KEYS_PER_STEP", "enable_region_cells", "current_source"]
+           "package_source", "KEYS_PER_STEP", "enable_region_cells", "current_source", "VERSIONS", "version_flags",
+           "build_version"]
 
 SOURCE = EditableSource(Path(__file__).resolve().parent / "decode_host.cu")  # and the headers it includes
 SOURCE_NAME = SOURCE.name  # "wb_kernels/stages/decode/decode_host.cu"
@@ -54,6 +55,48 @@ current_source = SOURCE.current_source  # with the regions a learner edited in t
 EXTENSION = Extension(SOURCE, _CPP_DECLARATION, _FUNCTIONS, default="package")
 build = EXTENSION.build
 extension = EXTENSION.extension
+
+
+# The kept versions of the CUDA C++ kernels that still exist in the source, by name: each is the package's source
+# built with ``-D`` flags that undo what later versions added (NOTES.md, "Versions", says what each version is and
+# what it measured; versions 1-4 are the numba kernels, kernel.py; 8, 9, 11-14 and 18-19 changed code or the launcher
+# and exist only in history). What a flag cannot undo is today's in every one of them (the graph-safe, strided and
+# paged loads of versions 12 and 16's loop structure, the mma kernel, one split's block writing the answer), so
+# "v5" is version 5's launch configuration and softmax on today's kernel, not the kernel of that commit.
+# build_version(name) builds one (a GPU); its module has the package's entry points, flash_decode_forward included,
+# so a cell can time version N against N + 1 on the same inputs (tune.py's timing of the bare call).
+_V5 = {"WB_DECODE_WARPS": 4, "WB_KEYS_IN_FLIGHT": 4, "WB_DECODE_PREFETCH": 0, "WB_DECODE_CHUNKED_SOFTMAX": 0,
+       "WB_DECODE_FUSED_MERGE": 0, "WB_PAGED_FOUR_ROW_BLOCKS": 0, "WB_PAGED_TABLE_AHEAD": 0, "WB_DECODE_KV_NC": 0,
+       "WB_DECODE_MERGE_VECTOR": 0}
+VERSIONS = {
+    "v5": _V5,  # 4 warps, 4 key steps in flight, the online softmax per key, a second kernel merges
+    "v6": {**_V5, "WB_DECODE_WARPS": 8, "WB_KEYS_IN_FLIGHT": 2, "WB_DECODE_PREFETCH": 1},  # next trip's loads first
+    "v7": {**_V5, "WB_DECODE_WARPS": 8, "WB_KEYS_IN_FLIGHT": 2, "WB_DECODE_PREFETCH": 1,
+           "WB_DECODE_CHUNKED_SOFTMAX": 1},  # one rescale per trip of keys
+    "v10": {**_V5, "WB_DECODE_WARPS": 8, "WB_KEYS_IN_FLIGHT": 2, "WB_DECODE_PREFETCH": 1,
+            "WB_DECODE_CHUNKED_SOFTMAX": 1, "WB_DECODE_FUSED_MERGE": 1},  # the last block of a group merges
+    "v15": {**_V5, "WB_DECODE_WARPS": 8, "WB_KEYS_IN_FLIGHT": 2, "WB_DECODE_PREFETCH": 1,  # 2 paged 4-row blocks an SM
+            "WB_DECODE_CHUNKED_SOFTMAX": 1, "WB_DECODE_FUSED_MERGE": 1, "WB_PAGED_FOUR_ROW_BLOCKS": 2},
+    "v16": {**_V5, "WB_DECODE_WARPS": 8, "WB_KEYS_IN_FLIGHT": 2, "WB_DECODE_PREFETCH": 1,
+            "WB_DECODE_CHUNKED_SOFTMAX": 1, "WB_DECODE_FUSED_MERGE": 1, "WB_PAGED_FOUR_ROW_BLOCKS": 2,
+            "WB_PAGED_TABLE_AHEAD": 1, "WB_DECODE_KV_NC": 1},  # page-table entries a trip ahead, K/V past L1
+    "v19": {},  # the package's build: v17's merge by four columns (WB_DECODE_MERGE_VECTOR) and one split's write
+}
+
+
+def version_flags(name: str) -> list:
+    """The ``-D`` flags of version `name` of :data:`VERSIONS`; a ValueError naming the versions there are."""
+    if name not in VERSIONS:
+        raise ValueError(f"the decode rung has no version {name!r}; it has {', '.join(VERSIONS)}")
+    return [f"-D{macro}={value}" for macro, value in VERSIONS[name].items()]
+
+
+def build_version(name: str, *, verbose: bool = False):
+    """The extension of version `name` (the package's source with :func:`version_flags`), built or loaded from the
+    disk cache; needs a CUDA GPU. ``build_version("v19")`` is :func:`extension`'s build."""
+    from ...cuda_build import build_flags
+
+    return build(package_source(), flags=build_flags() + version_flags(name), verbose=verbose)
 
 
 @dataclass(frozen=True)
