@@ -136,7 +136,8 @@ def release_summary(release: dict) -> str:
     by_suite: dict = {}
     for name in sorted(parts):
         for suite, counts in parts[name].get("suites", {}).items():
-            by_suite.setdefault(suite, []).append(counts)
+            if any(counts.values()):  # (a suite stopped before its JUnit file counts nothing)
+                by_suite.setdefault(suite, []).append(counts)
     counts = "; ".join(f"{suite}: {_counts(_total(c))}" for suite, c in sorted(by_suite.items(), key=_suite_order))
     if release.get("passed"):
         verdict = f"every GPU test, property test and lesson passed ({total} parts)"
@@ -198,8 +199,9 @@ def _render_release_file(data: dict) -> str:
                 f"and 3/3).{earlier}")
     m = release["machine"]
     seconds = sum(part.get("seconds", 0) for part in release.get("parts", {}).values())
-    return (f"- **{m.get('gpu')}**, {release['date']} (torch {m.get('torch')}, {seconds / 60:.0f} min in "
-            f"{len(release.get('parts', {}))} GPU calls), {release_summary(release)}.{earlier}")
+    calls = sum(part.get("calls", 1) for part in release.get("parts", {}).values())
+    return (f"- **{m.get('gpu') or data['name']}**, {release['date']} (torch {m.get('torch')}, {seconds / 60:.0f} min "
+            f"in {calls} GPU call{'s' if calls != 1 else ''}), {release_summary(release)}.{earlier}")
 
 
 def update_readme(readme: Path = ROOT / "README.md", status_dir: Path = STATUS_DIR) -> Path:
