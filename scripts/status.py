@@ -389,11 +389,12 @@ def release_record(gpu: str, part: str, commit: str, *, logs: Path, step_rcs: di
     data = load_status(gpu)
     release = data.get("release") or {}
     if release.get("commit") != commit:  # a new release: the last one's timings balance this one's parts
-        if release:
+        kept = {f"release_at_{release['commit']}_{name.replace('/', 'of')}_{suite}": c
+                for name, p in release.get("parts", {}).items() for suite, c in p.get("suites", {}).items()
+                if any(c.values())} if release else {}
+        if kept:  # the last release's counts, one suite per part, named by its commit
             data.setdefault("history", []).append({"date": release["date"], "machine": release["machine"],
-                                                   "suites": {f"release_at_{release['commit']}_{name}_{suite}": c
-                                                              for name, p in release.get("parts", {}).items()
-                                                              for suite, c in p.get("suites", {}).items()}})
+                                                   "suites": kept})
         release = {"commit": commit, "parts_total": n, "passed": False, "base_timings": release.get("timings", {}),
                    "timings": dict(release.get("timings", {})), "plans": {}, "parts": {}}
     plan = release.setdefault("plans", {}).setdefault(str(n), release_plan(n, release.get("base_timings")))[part]
