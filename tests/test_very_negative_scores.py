@@ -116,17 +116,12 @@ def test_every_stage_computes_very_negative_scores(name, pattern, causal, keep):
         _check_forward(f"{name} ({mode}, {pattern})", out, lse, q, k, v, causal=causal, keep=keep, scale=scale)
 
 
-MERGE_LIMIT = pytest.mark.xfail(strict=True, reason=(
-    "not yet: the split-KV merge weighs each split by exp(lse_s - max lse), and a float32 lse_s of -1e31 cannot "
-    "carry log(keys in the split) (its ulp is 1e24), so splits of equal scores but different sizes weigh the same; "
-    "the fix keeps each split's max and sum apart (m_s, l_s) instead of one lse_s"))
-
-
-@pytest.mark.parametrize("pattern,num_splits", [("equal", 1), ("apart", 1), ("apart", 2),
-                                                pytest.param("equal", 2, marks=MERGE_LIMIT)])
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("pattern", ["equal", "apart"])
 def test_split_kv_decode_computes_very_negative_scores(pattern, num_splits):
     """wb.decode's split-KV kernels (numba here; the CUDA C++ kernel on a GPU for fp16), with sequences of
-    different lengths, one split or two."""
+    different lengths, one split or two: two splits of equal scores but different sizes must weigh by their sizes
+    (a merge by float32 lse_s = m_s + log(l_s) weighed them the same: at -1e31, log(l_s) is below lse_s's ulp)."""
     dtype = "float32" if not wb.BACKEND.is_gpu else "float16"
     for mode in ("scale", "negative") + (("inputs",) if dtype == "float32" else ()):
         *arrays, scale = _inputs(16, pattern, mode, dtype, seed=3)

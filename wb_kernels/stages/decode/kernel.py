@@ -9,7 +9,10 @@ Two kernels, as in flash-decoding (``splitkv.py`` has the NumPy model):
    cache (B, Hk, L, D) is the special case of one page of L keys per sequence and the table [[0], [1], ...], so
    both layouts run the same code. The block writes its split's output, normalised over the split, and the split's
    log-sum-exp.
-2. ``decode_merge``: one block per query row merges the splits exactly (weights exp(lse_s - lse)).
+2. ``decode_merge``: one block per query row merges the splits exactly (weights l_s exp(m_s - m), m the largest
+   m_s). Each split hands over its largest score m_s and its sum l_s apart, not their LSE m_s + log(l_s): at a score
+   of -1e31 a float32 LSE cannot carry log(l_s) (its ulp is 1e24), and splits of equal scores but different sizes
+   would weigh the same.
 
 Masks: keys at or beyond the sequence's length never take part; ``causal_mode`` 1 is top-left (row i sees keys
 j <= i), 2 is bottom-right (j <= i + len_b - Lq, what a new token appended to a cache needs); a key padding mask
@@ -168,9 +171,10 @@ def online_softmax_tile(m_run, l_run, acc, scores, v_tile):
 
 # region: write_partial
 @cuda.jit(device=True, inline="always")
-def write_partial(part_out, part_lse, m_run, l_run, acc, split, b, kv_head, group, row0, ROWS):
-    """The split's output, normalised over the split, and its LSE m + log(l), for the outputs this thread owns (of the
-    block's ROWS x D); a row that saw no key of the split gets 0 and NEG_BIG."""
+def write_partial(part_out, part_max, part_sum, m_run, l_run, acc, split, b, kv_head, group, row0, ROWS):
+    """The split's output, normalised over the split, its largest score m and its sum l (kept apart: their LSE
+    m + log(l) would lose log(l) in float32 at m = -1e31), for the outputs this thread owns (of the block's ROWS x D);
+    a row that saw no key of the split gets 0, NEG_BIG and 0."""
     Lq, D = part_out.shape[3], part_out.shape[4]
     for u in range(m_run.shape[0]):
         e = cuda.threadIdx.x + u * cuda.blockDim.x
@@ -182,7 +186,8 @@ def write_partial(part_out, part_lse, m_run, l_run, acc, split, b, kv_head, grou
             seen = l_run[u] > 0.0
             part_out[split, b, h, i, d] = acc[u] / l_run[u] if seen else float32(0.0)
             if d == 0:
-                part_lse[split, b, h, i] = m_run[u] + math.log(l_run[u]) if seen else float32(NEG_BIG)
+                part_max[split, b, h, i] = m_run[u] if seen else float32(NEG_BIG)
+                part_sum[split, b, h, i] = l_run[u]
 # endregion
 
 
@@ -204,7 +209,8 @@ def make_partial_kernel(D: int, config: DecodeConfig):
                        scale,  # softmax scale, any finite number
                        keys_per_split,  # keys per split (the last split of a sequence may get fewer, or none)
                        part_out,  # (S, B, H, Lq, D) float32: each split's output, normalised over the split
-                       part_lse):  # (S, B, H, Lq) float32: each split's LSE (NEG_BIG if it saw no key)
+                       part_max,  # (S, B, H, Lq) float32: each split's largest score (NEG_BIG if it saw no key)
+                       part_sum):  # (S, B, H, Lq) float32: each split's sum of exp(score - largest) (0: no key)
         q_tile = cuda.shared.array((ROWS, D), float32)
         k_tile = cuda.shared.array((BN, D), float32)
         v_tile = cuda.shared.array((BN, D), float32)
@@ -240,7 +246,7 @@ def make_partial_kernel(D: int, config: DecodeConfig):
             cuda.syncthreads()
             online_softmax_tile(m_run, l_run, acc, scores, v_tile)
             cuda.syncthreads()  # before the next tile overwrites K, V and the scores
-        write_partial(part_out, part_lse, m_run, l_run, acc, split, b, kv_head, group, row0, ROWS)
+        write_partial(part_out, part_max, part_sum, m_run, l_run, acc, split, b, kv_head, group, row0, ROWS)
 
     return decode_partial
 # endregion
@@ -249,27 +255,29 @@ def make_partial_kernel(D: int, config: DecodeConfig):
 # region: decode_merge
 @cuda.jit
 def merge_kernel(part_out,  # (S, B, H, Lq, D) float32
-                 part_lse,  # (S, B, H, Lq) float32, NEG_BIG for an empty split
+                 part_max,  # (S, B, H, Lq) float32: each split's largest score, NEG_BIG for an empty split
+                 part_sum,  # (S, B, H, Lq) float32: each split's sum of exp(score - largest), 0 for an empty split
                  out,  # (B, H, Lq, D) float32
                  lse):  # (B, H, Lq) float32, -inf for a row that saw no key
-    """One block per query row, one thread per column: out = sum_s exp(lse_s - lse) * out_s."""
-    S, B, H, Lq = part_lse.shape[0], part_lse.shape[1], part_lse.shape[2], part_lse.shape[3]
+    """One block per query row, one thread per column: out = sum_s w_s out_s / sum_s w_s, w_s = l_s exp(m_s - m)
+    (= exp(lse_s - m) with lse_s = m_s + log(l_s), without a float32 lse_s that cannot hold log(l_s) at -1e31)."""
+    S, B, H, Lq = part_max.shape[0], part_max.shape[1], part_max.shape[2], part_max.shape[3]
     row = cuda.blockIdx.x
     b = row // (H * Lq)
     h = (row // Lq) % H
     i = row % Lq
     top = float32(NEG_BIG)
     for s in range(S):
-        top = max(top, part_lse[s, b, h, i])
+        top = max(top, part_max[s, b, h, i])
     total = float32(0.0)
     for s in range(S):
-        if part_lse[s, b, h, i] > NEG_BIG:  # the split saw a key
-            total += math.exp(part_lse[s, b, h, i] - top)
+        if part_sum[s, b, h, i] > 0.0:  # the split saw a key
+            total += math.exp(part_max[s, b, h, i] - top) * part_sum[s, b, h, i]
     for d in range(cuda.threadIdx.x, part_out.shape[4], cuda.blockDim.x):
         value = float32(0.0)
         for s in range(S):
-            if part_lse[s, b, h, i] > NEG_BIG:
-                value += math.exp(part_lse[s, b, h, i] - top) * part_out[s, b, h, i, d]
+            if part_sum[s, b, h, i] > 0.0:
+                value += math.exp(part_max[s, b, h, i] - top) * part_sum[s, b, h, i] * part_out[s, b, h, i, d]
         out[b, h, i, d] = value / total if total > 0.0 else float32(0.0)
     if cuda.threadIdx.x == 0:
         lse[b, h, i] = top + math.log(total) if total > 0.0 else float32(-math.inf)  # no fastmath here
@@ -279,11 +287,12 @@ def merge_kernel(part_out,  # (S, B, H, Lq, D) float32
 def _signature(element: str) -> str:
     arr4 = f"{element}[:, :, :, ::1]"
     return (f"void({arr4}, {arr4}, {arr4}, int32[:, ::1], int32[::1], uint8[:, ::1], int64, int64, float32, "
-            "int64, float32[:, :, :, :, ::1], float32[:, :, :, ::1])")
+            "int64, float32[:, :, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1])")
 
 
 PARTIAL_SIGNATURE = _signature("float16")
-MERGE_SIGNATURE = "void(float32[:, :, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, ::1])"
+MERGE_SIGNATURE = ("void(float32[:, :, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], "
+                   "float32[:, :, ::1])")
 _KERNELS: dict = {}
 
 

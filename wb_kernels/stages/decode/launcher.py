@@ -100,18 +100,19 @@ def split_kv_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal=False
     lens = to_work(seq_lens, dtype=np.int32)
     keep = to_work(key_padding_mask, dtype=np.uint8) if key_padding_mask is not None else empty((1, 1), np.uint8)
     part_out = empty((num_splits, B, H, Lq, D))
-    part_lse = empty((num_splits, B, H, Lq))
+    part_max = empty((num_splits, B, H, Lq))  # each split's largest score and its sum, apart (kernel.py says why)
+    part_sum = empty((num_splits, B, H, Lq))
     # (sequence, KV head) in x, which allows 2**31 - 1 blocks; splits and row chunks in y and z, 65,535 each
     grid = (B * Hk, num_splits, row_chunks)
     check_grid("decode", grid, ("B*Hk", "num_splits", f"H/Hk * Lq / {config.rows}"))
     kernel[grid, config.threads](
         kernel_view(qw), kernel_view(kw), kernel_view(vw), kernel_view(table), kernel_view(lens), kernel_view(keep),
         int(key_padding_mask is not None), CAUSAL_MODES[causal],
-        np.float32(scale), keys_per_split, kernel_view(part_out), kernel_view(part_lse))
+        np.float32(scale), keys_per_split, kernel_view(part_out), kernel_view(part_max), kernel_view(part_sum))
     out = empty((B, H, Lq, D))
     lse = empty((B, H, Lq))
-    merge[B * H * Lq, min(D, 128)](kernel_view(part_out), kernel_view(part_lse), kernel_view(out),
-                                   kernel_view(lse))  # rows that saw no key: zeros and LSE -inf
+    merge[B * H * Lq, min(D, 128)](kernel_view(part_out), kernel_view(part_max), kernel_view(part_sum),
+                                   kernel_view(out), kernel_view(lse))  # rows that saw no key: zeros and LSE -inf
     return out, lse
 
 
