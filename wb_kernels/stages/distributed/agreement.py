@@ -130,7 +130,7 @@ def check_agreement(caller, rows, *, same=(), shards=None, q_sharded=True, heads
     (q's length too where `q_sharded`, else q must be the whole Lq). `heads_divide`: W must divide H and Hk
     (Ulysses)."""
     world = len(rows)
-    problems = []
+    problems, per_rank = [], {}  # per_rank: {problem: [ranks]}, said once for every rank that has it
     for label, pick in (("the batch B", lambda r: _field(r, "q")[0]), ("the query heads H", lambda r: _field(r, "q")[1]),
                         ("the key/value heads Hk", lambda r: _field(r, "k")[1]),
                         ("the head dim D", lambda r: _field(r, "q")[3])):
@@ -140,22 +140,25 @@ def check_agreement(caller, rows, *, same=(), shards=None, q_sharded=True, heads
         if len({_field(r, name) for r in rows}) > 1:
             problems.append(f"the ranks disagree on {_WHAT[name]}: "
                             f"{_by_rank(rows, lambda r, n=name: _show(n, _field(r, n)))}")
+    def local(rank, text):
+        per_rank.setdefault(text, []).append(rank)
+
     for rank, row in enumerate(rows):
         q, k, v, mask = (_field(row, n) for n in ("q", "k", "v", "mask"))
         Lq, Lk, layout = _field(row, "Lq"), _field(row, "Lk"), _field(row, "layout")
         if min(q[0], k[0], v[0]) < 0:
-            problems.append(f"rank {rank}: q, k and v must be 4-dim tensors (B, heads, positions, D), got q "
-                            f"{_show('q', q)}, k {_show('k', k)}, v {_show('v', v)}")
+            local(rank, f"q, k and v must be 4-dim tensors (B, heads, positions, D), got q {_show('q', q)}, "
+                        f"k {_show('k', k)}, v {_show('v', v)}")
             continue
         if k != v or q[0] != k[0] or q[3] != k[3] or k[1] == 0 or q[1] % k[1]:
-            problems.append(f"rank {rank}: q {tuple(q)}, k {tuple(k)} and v {tuple(v)} do not fit together (k and v "
-                            f"alike, the same B and D as q, Hk dividing H)")
+            local(rank, f"q {tuple(q)}, k {tuple(k)} and v {tuple(v)} do not fit together (k and v alike, the same B "
+                        f"and D as q, Hk dividing H)")
         if mask[0] != _MISSING and mask != (q[0], Lk):
-            problems.append(f"rank {rank}: key_padding_mask has shape {_show('mask', mask)}, but it must be the whole "
-                            f"sequence's (B, Lk) = {(q[0], Lk)}")
+            local(rank, f"key_padding_mask has shape {_show('mask', mask)}, but it must be the whole sequence's "
+                        f"(B, Lk) = {(q[0], Lk)}")
         if heads_divide and (q[1] % world or k[1] % world):
-            problems.append(f"W = {world} must divide the query heads ({q[1]}) and the key/value heads ({k[1]}); use "
-                            f"the ring for more ranks than heads")
+            local(rank, f"W = {world} must divide the query heads ({q[1]}) and the key/value heads ({k[1]}); use the "
+                        f"ring for more ranks than heads")
         if shards is not None and 0 <= layout < len(LAYOUTS):
             name = LAYOUTS[layout]
             want_q = shard_length(Lq, world, rank, name) if q_sharded else Lq
@@ -164,6 +167,10 @@ def check_agreement(caller, rows, *, same=(), shards=None, q_sharded=True, heads
                 held = f"{want_q} queries and {want_k} keys" if q_sharded else f"{want_k} keys"
                 problems.append(f"rank {rank} of {world} ({name}) should hold {held}, got q {tuple(q)}, "
                                 f"k {tuple(k)}, v {tuple(v)}")
+    for text, ranks in per_rank.items():
+        who = "every rank" if len(ranks) == world > 1 else \
+            f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        problems.append(f"{who}: {text}")
     if problems:
         raise ValueError(f"{caller}: " + "; ".join(problems))
 
