@@ -190,7 +190,7 @@ def test_gpu_launch_signatures_are_the_registered_ones(stage):
     """CI compiles the registered signatures; they must be the types the launchers really pass."""
     from numba.core import sigutils
 
-    from wb_kernels.resources import registered_kernels
+    from wb_kernels.stages import registered_kernels
 
     q, k, v = wb.random_qkv(1, 1, 64, 64, framework="torch", device="cuda")
     mask = wb.random_padding_mask(1, 64, framework="torch", device="cuda")

@@ -259,7 +259,7 @@ def test_shared_memory_layout_has_no_bank_conflicts(D):
 
 
 def test_kernels_are_registered_for_the_ptx_compile():
-    from wb_kernels.resources import registered_kernels
+    from wb_kernels.stages import registered_kernels
 
     names = {entry.name for entry in registered_kernels()}
     assert "backward.preprocess_kernel" in names

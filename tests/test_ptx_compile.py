@@ -15,7 +15,8 @@ import textwrap
 
 import pytest
 
-from wb_kernels.resources import CCS, ptx_resources, registered_kernels, resources_of_entries
+from wb_kernels.resources import CCS, ptx_resources, resources_of_entries
+from wb_kernels.stages import registered_kernels
 
 ENTRIES = registered_kernels()
 REQUESTS = [(entry, signature, cc) for entry in ENTRIES for signature in entry.signatures for cc in CCS]

@@ -38,7 +38,7 @@ if BACKEND.is_simulator:  # every numba rung imports this module before it defin
 
     make_shared_arrays_thread_safe()
 
-__all__ = ["KernelEntry", "register_kernel", "registered_kernels", "find_entry", "compile_ptx",
+__all__ = ["KernelEntry", "register_kernel", "registered_kernels", "defining_module", "find_entry", "compile_ptx",
            "kernel_resources", "resources_of_entries", "ptx_resources", "CCS"]
 
 # The architectures every kernel is compiled for in CI: A100 (sm_80) and H100 (sm_90).
@@ -69,21 +69,27 @@ def register_kernel(name: str, kernel, signatures, rebuild=None):
 
 
 def registered_kernels() -> list:
-    """Every registered kernel, after importing every stage module (so each has registered its own)."""
-    from .stages import available_stages
-
-    available_stages()
+    """Every kernel registered so far in this process, by name. A rung registers its kernels when it is imported:
+    :func:`wb_kernels.stages.registered_kernels` imports every rung first (this module sits below the rungs and
+    imports none of them)."""
     return sorted(_REGISTRY.values(), key=lambda entry: entry.name)
+
+
+def defining_module(entry: KernelEntry) -> str | None:
+    """The module whose import registers `entry` (or whose factory re-creates it): what a fresh process imports."""
+    if entry.rebuild is not None:
+        return entry.rebuild[0]
+    function = getattr(entry.kernel, "py_func", None) or getattr(entry.kernel, "fn", None)
+    return getattr(function, "__module__", None)
 
 
 def find_entry(kernel) -> KernelEntry:
     """The registry entry of a kernel object (or a registered name)."""
     if isinstance(kernel, str):
-        if kernel not in _REGISTRY:
-            registered_kernels()
         if kernel in _REGISTRY:
             return _REGISTRY[kernel]
-        raise KeyError(f"no kernel registered as {kernel!r}; registered: {', '.join(sorted(_REGISTRY))}")
+        raise KeyError(f"no kernel registered as {kernel!r} (a rung registers its kernels when it is imported: "
+                       f"wb_kernels.available_stages() imports them all); registered: {', '.join(sorted(_REGISTRY))}")
     for entry in _REGISTRY.values():
         if entry.kernel is kernel:
             return entry
@@ -242,8 +248,8 @@ def resources_of_entries(requests) -> list:
     requests = [(find_entry(e) if not isinstance(e, KernelEntry) else e, sig, tuple(cc)) for e, sig, cc in requests]
     if not BACKEND.is_simulator:
         return [_compile_one(entry, sig, cc) for entry, sig, cc in requests]
-    payload = json.dumps([{"name": e.name, "rebuild": e.rebuild, "signature": s, "cc": list(cc)}
-                          for e, s, cc in requests])
+    payload = json.dumps([{"name": e.name, "module": defining_module(e), "rebuild": e.rebuild, "signature": s,
+                           "cc": list(cc)} for e, s, cc in requests])
     done = subprocess.run([sys.executable, "-m", "wb_kernels.resources"], input=payload, capture_output=True,
                           text=True, env=_child_environment())
     if done.returncode != 0:
@@ -286,10 +292,11 @@ def kernel_resources(kernel, signature: str | None = None, cc=(8, 0)) -> dict:
 def _child_main() -> None:
     """Read requests (JSON on stdin), compile each with numba's real compiler, print JSON results."""
     requests = json.loads(sys.stdin.read())
-    registered_kernels()
     results = []
     for request in requests:
         name = request["name"]
+        if name not in _REGISTRY and request.get("module"):  # importing the kernel's module registers it
+            importlib.import_module(request["module"])
         if name not in _REGISTRY and request.get("rebuild"):
             module, function, args = request["rebuild"]
             getattr(importlib.import_module(module), function)(*args)

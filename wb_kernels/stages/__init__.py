@@ -22,7 +22,8 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["Stage", "Backward", "available_stages", "get_stage", "available_backwards", "get_backward"]
+__all__ = ["Stage", "Backward", "available_stages", "get_stage", "available_backwards", "get_backward",
+           "registered_kernels"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +121,12 @@ def get_stage(name: str) -> Stage:
     if name not in stages:
         raise ValueError(f"stage={name!r} is not a stage of this package; available: {', '.join(stages)}")
     return stages[name]
+
+
+def registered_kernels() -> list:
+    """Every numba kernel of every rung (:func:`wb_kernels.resources.registered_kernels`), after importing the rungs
+    so that each has registered its own: what CI compiles for real (``tests/test_ptx_compile.py``)."""
+    from ..resources import registered_kernels as registered_so_far
+
+    available_stages()
+    return registered_so_far()
