@@ -6,7 +6,7 @@
 #                                        tokens distributed
 #                                        (notebooks = execute, then nbval; each may be named alone)
 #                                        (default: all but tune, tokens and distributed, in that order: the lessons
-#                                        come after the benchmark because lesson 11 shows the newest results file)
+#                                        come after the benchmark because the dashboard lesson shows the newest results file)
 #   NOTEBOOKS="notebooks/04_*.ipynb" scripts/gpu_check.sh notebooks     only some lessons
 #   TESTS="tests/test_flash.py" scripts/gpu_check.sh tests             only some tests
 #   TUNE_RUNGS="mma" TUNE_ARGS="--quick" scripts/gpu_check.sh tune     only some rungs' tuning, fewer lengths

@@ -1,4 +1,4 @@
-"""The benchmark CLI, its results file, figures, README table and lesson 11's dashboard functions."""
+"""The benchmark CLI, its results file, figures, README table and the dashboard lesson's dashboard functions."""
 
 from __future__ import annotations
 
@@ -553,7 +553,7 @@ def test_out_may_name_a_folder_and_figures_may_follow_the_run(tmp_path):
 def test_mistake_sizes_from_the_committed_file():
     from wb_kernels.bench import pitfalls
 
-    results = bench.load_results(pitfalls.demos_path())  # the committed run that holds the demos, as lesson 11 reads
+    results = bench.load_results(pitfalls.demos_path())  # the committed run that holds the demos, as the dashboard lesson reads
     lines = pitfalls.mistake_sizes(results)
     assert len(lines) == 9 and lines[0].startswith("timing the first call")
     factors = [float(line.split("x", 1)[0].split()[-1].replace(",", "")) for line in lines]
@@ -789,7 +789,7 @@ def test_readme_tables_say_how_their_file_was_timed_and_one_file_fills_both_pref
     assert "old" not in text and tables[0] == tables[1] and "sleeping kernel" in tables[0]
 
 
-# --- lesson 11's helpers: the mma point, the overview of every rung, the timing modes, the puzzle's pretend GPU ------
+# --- the dashboard lesson's helpers: the mma point, the overview of every rung, the timing modes, the puzzle's pretend GPU ------
 
 
 def test_roofline_point_of_the_mma_rung_from_its_file():

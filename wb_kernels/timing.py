@@ -6,7 +6,7 @@ median and spread rather than the mean, and optionally the L2 cache flushed befo
 so that a small problem is not timed out of the cache. :data:`DEVICE_TIME` is the benchmark's one way of timing,
 for every preset: a sleeping kernel queued before each repeat (the events time the device's work, not the host's
 launches) and the L2 flushed clean by reading (not zeroing, which leaves dirty lines for the timed call to write
-back); lesson 11 shows what each half changes.
+back); the dashboard lesson shows what each half changes.
 
 Memory: on a GPU, the peak of PyTorch's caching allocator around the call (every stage allocates
 its buffers through torch so that they are counted); on the CPU, the peak of Python's tracemalloc,
@@ -181,7 +181,7 @@ class TimingMethod(Mapping):
 
 
 # The benchmark's one way of timing (every preset: prefill, decode, their tuning scripts): the device's work alone,
-# from an L2 left clean. Why each half, measured: lesson 11 ("Two flushes, two clocks").
+# from an L2 left clean. Why each half, measured: the dashboard lesson ("Two flushes, two clocks").
 DEVICE_TIME = TimingMethod(flush_l2=True, flush_mode="read", hold_us=300.0)
 # How the benchmark timed before 2026-11-24 (results files that record no method): events around the call, the L2
 # zeroed before it.

@@ -1,4 +1,4 @@
-"""The benchmark: every stage against PyTorch's attention, into one resumable JSON file (lesson 11;
+"""The benchmark: every stage against PyTorch's attention, into one resumable JSON file (the dashboard lesson;
 lesson 03 quotes its committed results, lesson 04 uses :data:`REPO_ROOT`).
 
     python -m wb_kernels.bench --help        # the command line: wb_kernels/bench/cli.py
@@ -15,9 +15,9 @@ One module per role:
                     of their own; the per-call overhead
 - :mod:`.cli`       ``python -m wb_kernels.bench`` (:func:`main`)
 - :mod:`.figures`   figures from a results file (matplotlib; imported on use)
-- :mod:`.pitfalls`  the honest-benchmarking demonstrations and how lesson 11 prints them
-- :mod:`.dashboard` lesson 11's dashboard widget (ipywidgets; imported on use) and its overview of every rung
-- :mod:`.exercises` lesson 11's exercises and timing puzzle, graded on :mod:`.fake_gpu` (a pretend GPU);
+- :mod:`.pitfalls`  the honest-benchmarking demonstrations and how the dashboard lesson prints them
+- :mod:`.dashboard` the dashboard lesson's widget (ipywidgets; imported on use) and its overview of every rung
+- :mod:`.exercises` the dashboard lesson's exercises and timing puzzle, graded on :mod:`.fake_gpu` (a pretend GPU);
                     worked answers in :mod:`.solutions`
 - :mod:`.ncu_traffic` the CUDA C++ stages' shared-memory traffic under Nsight Compute
                     (``python -m wb_kernels.bench.ncu_traffic``; a script, not imported here)

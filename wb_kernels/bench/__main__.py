@@ -1,4 +1,4 @@
-"""``python -m wb_kernels.bench ...``: the benchmark's command line (lesson 11); see ``--help``."""
+"""``python -m wb_kernels.bench ...``: the benchmark's command line (the dashboard lesson); see ``--help``."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""The benchmark's command line, ``python -m wb_kernels.bench`` (lesson 11; the GPU run behind every lesson's numbers).
+"""The benchmark's command line, ``python -m wb_kernels.bench`` (the dashboard lesson; the GPU run behind every lesson's numbers).
 
     python -m wb_kernels.bench --help
     python -m wb_kernels.bench --list                       # presets, stages, baselines

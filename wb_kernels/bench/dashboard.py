@@ -1,4 +1,4 @@
-"""Lesson 11's dashboard: pick head dim, dtype, masking and sequence length; the figures follow.
+"""The dashboard lesson's widget: pick head dim, dtype, masking and sequence length; the figures follow.
 
 Plain functions over a results file (:mod:`wb_kernels.bench.results`), tested by pytest; the notebook
 only calls :func:`dashboard_widget`, which wires them to ipywidgets. Lesson 03 reads its speed-ups

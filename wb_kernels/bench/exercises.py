@@ -1,4 +1,4 @@
-"""Lesson 11's exercises and its timing puzzle: what each answer must equal (computed when graded), and the
+"""The dashboard lesson's exercises and its timing puzzle: what each answer must equal (computed when graded), and the
 plausible wrong answers as data.
 
 The worked answers are in ``solutions.py`` next to this file: open it when you want them.
@@ -37,7 +37,7 @@ def _causal_tflops(seconds, causal=True, scale=1e12):
 
 
 def _intensity(itemsize=2, tensors=4):
-    # L = 6144, D = 64: a shape no lesson prints (lesson 06 prints L = 4096, lesson 11 L = 16384)
+    # L = 6144, D = 64: a shape no lesson prints (lesson 06 prints L = 4096, the dashboard lesson L = 16384)
     return attention_flops(1, 1, 6144, 6144, 64, causal=False) / (
         minimum_bytes(1, 1, 6144, 6144, 64, itemsize=itemsize) * tensors / 4)
 
@@ -78,7 +78,7 @@ EXERCISES = (
 
 
 def check(answer_1, answer_2, answer_3, answer_4, answer_5) -> None:
-    """Grade lesson 11's exercises (``...`` means not answered yet)."""
+    """Grade the dashboard lesson's exercises (``...`` means not answered yet)."""
     check_answers(EXERCISES, answer_1, answer_2, answer_3, answer_4, answer_5)
 
 

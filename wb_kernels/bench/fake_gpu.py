@@ -1,7 +1,7 @@
-"""A pretend GPU for lesson 11's timing puzzle: a few lines of Python that behave like the real thing where a timing
+"""A pretend GPU for the dashboard lesson's timing puzzle: a few lines of Python that behave like the real thing where a timing
 loop can go wrong, so that a loop is graded on a laptop (CI has no GPU) against a known truth.
 
-What it models, each the cause of one of the lies lesson 11 measures on a real GPU (:mod:`.pitfalls`):
+What it models, each the cause of one of the lies the dashboard lesson measures on a real GPU (:mod:`.pitfalls`):
 
 - calls are asynchronous: ``fn()`` spends host time (a Python wrapper, the launch) and returns while its kernel is
   only *queued*; the device runs the queue in order, after whatever is ahead of it;

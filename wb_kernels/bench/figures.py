@@ -1,4 +1,4 @@
-"""Figures from a benchmark results file (lesson 11, and ``python -m wb_kernels.bench --figures``).
+"""Figures from a benchmark results file (the dashboard lesson, and ``python -m wb_kernels.bench --figures``).
 
 Every function takes the results dict (:func:`wb_kernels.bench.load_results`) and a *view*: which
 dtype, head dim and masking to show, ``{"dtype": "float16", "D": 128, "causal": False}``. The

@@ -1,6 +1,6 @@
-"""How the benchmark measures (lesson 11): the contenders, one measurement, and the resumable sweep.
+"""How the benchmark measures (the dashboard lesson): the contenders, one measurement, and the resumable sweep.
 
-What one measurement is (the rules lesson 11 teaches, and :func:`wb_kernels.bench.pitfalls.honesty_demos`
+What one measurement is (the rules the dashboard lesson teaches, and :func:`wb_kernels.bench.pitfalls.honesty_demos`
 demonstrates):
 
 - fresh random inputs (never zeros: zeros make some GPUs run faster), drawn once per shape and

@@ -1,4 +1,4 @@
-"""Honest benchmarking, shown by getting it wrong on purpose (lesson 11's middle part).
+"""Honest benchmarking, shown by getting it wrong on purpose (the dashboard lesson's middle part).
 
 :func:`honesty_demos` measures each mistake next to the right way on a GPU: no warm-up, a CPU timer
 without synchronizing, the mean instead of the median, a warm L2 cache, clocks after idle, zeros
@@ -54,7 +54,7 @@ def _stats(samples) -> dict:
 
 
 def honesty_demos() -> dict:
-    """Measured examples of each benchmarking mistake (lesson 11). GPU only; about 15 s.
+    """Measured examples of each benchmarking mistake (the dashboard lesson). GPU only; about 15 s.
 
     Each entry holds the numbers of the wrong and the right way, measured one after the other.
     """
@@ -200,7 +200,7 @@ def honesty_demos() -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Printing and drawing them from the results file (what lesson 11 shows)
+# Printing and drawing them from the results file (what the dashboard lesson shows)
 # ----------------------------------------------------------------------------------------------
 
 HONESTY_TOPICS = ("warmup", "async", "medians", "l2", "clocks", "zeros")
@@ -301,7 +301,7 @@ def mistake_sizes(results) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
-# The two flushes and the two clocks (a committed history file; lesson 11)
+# The two flushes and the two clocks (a committed history file; the dashboard lesson)
 # ----------------------------------------------------------------------------------------------
 
 TIMING_MODES = ("write", 0.0), ("write", 300.0), ("read", 0.0), ("read", 300.0)  # (flush_mode, hold_us)
@@ -362,7 +362,7 @@ def timing_modes_figure(modes: dict, Hk: int):
 
 def demos_path():
     """The newest committed GPU results file that holds the honesty demonstrations (``--preset honesty``), or None:
-    lesson 11 reads them from there, whichever run the rest of the lesson reads."""
+    the dashboard lesson reads them from there, whichever run the rest of the lesson reads."""
     from .results import RESULTS_DIR, load_results
 
     found = []

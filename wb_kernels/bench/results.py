@@ -1,4 +1,4 @@
-"""The benchmark's results file (lesson 11, lesson 03's speed-ups, the README's performance table).
+"""The benchmark's results file (the dashboard lesson, lesson 03's speed-ups, the README's performance table).
 
 One JSON file per run under ``results/bench/``: the environment it ran in (:func:`environment`),
 the roofline's ceilings, the honesty demonstrations and one record per measurement. Written

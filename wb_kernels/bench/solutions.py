@@ -1,4 +1,4 @@
-"""Worked solutions to lesson 11's exercises and its timing puzzle. Try them first: the lesson's check cells tell you
+"""Worked solutions to the dashboard lesson's exercises and its timing puzzle. Try them first: the lesson's check cells tell you
 when you are right."""
 
 import statistics

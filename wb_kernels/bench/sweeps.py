@@ -1,4 +1,4 @@
-"""What the benchmark measures (lesson 11): problems, sweeps over them, and the named presets.
+"""What the benchmark measures (the dashboard lesson): problems, sweeps over them, and the named presets.
 
 A :class:`Config` is one problem (shapes, dtype, masking), a :class:`Sweep` is contenders x configs,
 and :data:`PRESETS` names the sweeps ``--preset`` runs. Also here: the counts every record carries
@@ -119,7 +119,7 @@ PRESET_HELP = {
                   "and FlashInfer fa3 (where installed): fp16/bf16, D=64/128, L=512..16384, B*L=16k, H=16, causal and not; GQA H=32 Hk=8 "
                   "B=4 L=4096 D=128. Own file: results/hopper/bench_<gpu>.json, with TFLOP/s and the ratios to cuDNN "
                   "printed (about 4 min on an H100)",
-    "honesty": "the honest-benchmarking demonstrations of lesson 11 (GPU only)",
+    "honesty": "the honest-benchmarking demonstrations of the dashboard lesson (GPU only)",
     "all": "public + ladder + flash-fp32 + tensor-cores + mma + honesty (the committed GPU run)",
     "decode": "one new token per sequence against a KV cache: wb.decode and its kernel alone vs SDPA's backends "
               "(enable_gqa), FlexAttention and a copy of the same bytes; H=32, Hk=32/8/1, B=1/8/64, Lk=1k..128k, "

@@ -1,4 +1,4 @@
-"""Stage 04: FlashAttention-2 on CUDA cores in numba.cuda (lesson 04; benchmarked in lesson 11).
+"""Stage 04: FlashAttention-2 on CUDA cores in numba.cuda (lesson 04; benchmarked in the dashboard lesson).
 
 One thread block owns a tile of ``block_m`` query rows. It streams K and V through shared memory
 in tiles of ``block_n`` keys and keeps, per query row, the running maximum ``m``, the running sum
