@@ -186,8 +186,30 @@ int64_t flash_decode_blocks_per_sm(bool bf16, int64_t head_dim, int64_t group, b
 
 // endregion
 
-// region: fill_decode_params
+// region: decode_inputs_and_params
 namespace wb {
+// What both entry points check and prepare first (their other checks differ): q, the caches and the status word on
+// the GPU in one 16-bit dtype, q (B, H, D) made contiguous and 16-byte aligned (a copy only when it is not: q is
+// small; the cache is read in place), the cache's layout, the lengths and the block table as int32 on q's device.
+// `entry` names the caller; each message is one string, built only when its check fails (see check_cache_layout).
+void prepare_decode_inputs(torch::Tensor& q, const torch::Tensor& k_pages, const torch::Tensor& v_pages,
+                           const std::optional<torch::Tensor>& block_table, torch::Tensor& seq_lens,
+                           torch::Tensor& table, const torch::Tensor& status, const char* entry) {
+    TORCH_CHECK(q.is_cuda() && k_pages.is_cuda() && v_pages.is_cuda() && status.is_cuda(),
+                std::string(entry) + ": q, the cache and the status word must be on the GPU");
+    TORCH_CHECK(q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16,
+                std::string(entry) + ": dtype must be float16 or bfloat16");
+    TORCH_CHECK(k_pages.scalar_type() == q.scalar_type() && v_pages.scalar_type() == q.scalar_type(),
+                std::string(entry) + ": q and the cache must have one dtype");
+    TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
+                std::string(entry) + ": q (B, H, D), pages (num_pages, Hk, page_size, D)");
+    q = q.contiguous();
+    if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 != 0) q = q.clone();
+    check_cache_layout(k_pages, v_pages);
+    seq_lens = seq_lens.to(q.device(), torch::kInt32).contiguous();
+    if (block_table.has_value()) table = block_table->to(q.device(), torch::kInt32).contiguous();
+}
+
 // The kernels' parameters for one call, filled once for both entry points: q, the caches read in place through their
 // strides, the lengths and block table (nullptr: a contiguous cache), the workspace (the splits' outputs, then their
 // LSEs), the status word and the answer's tensors; no counters (the entry point zeroes them where its kernel merges)
@@ -230,23 +252,10 @@ std::vector<torch::Tensor> flash_decode_forward(torch::Tensor q, torch::Tensor k
                                                 std::optional<torch::Tensor> block_table, torch::Tensor seq_lens,
                                                 torch::Tensor status, int64_t keys_per_split, int64_t num_splits,
                                                 double scale) {
-    TORCH_CHECK(q.is_cuda() && k_pages.is_cuda() && v_pages.is_cuda() && status.is_cuda(),
-                "flash_decode: q, the cache and the status word must be on the GPU");
-    const bool is_half = q.scalar_type() == torch::kHalf;
-    TORCH_CHECK(is_half || q.scalar_type() == torch::kBFloat16, "flash_decode: dtype must be float16 or bfloat16");
-    TORCH_CHECK(k_pages.scalar_type() == q.scalar_type() && v_pages.scalar_type() == q.scalar_type(),
-                "flash_decode: q and the cache must have one dtype");
-    TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
-                "flash_decode: q (B, H, D), pages (num_pages, Hk, page_size, D)");
-    // q is small: made contiguous and 16-byte aligned here (a copy only when it is not); the cache is read in place
-    q = q.contiguous();
-    if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 != 0) q = q.clone();
-    wb::check_cache_layout(k_pages, v_pages);
+    torch::Tensor table;  // the block table as int32 on q's device; undefined for a contiguous cache
+    wb::prepare_decode_inputs(q, k_pages, v_pages, block_table, seq_lens, table, status, "flash_decode");
+    const bool is_half = q.scalar_type() == torch::kHalf, paged = block_table.has_value();
     const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hk = k_pages.size(1);
-    seq_lens = seq_lens.to(q.device(), torch::kInt32).contiguous();
-    const bool paged = block_table.has_value();
-    torch::Tensor table;
-    if (paged) table = block_table->to(q.device(), torch::kInt32).contiguous();
     TORCH_CHECK(D == 64 || D == 128, "flash_decode: head dim must be 64 or 128, got ", D);
     TORCH_CHECK(k_pages.size(3) == D && H % Hk == 0, "flash_decode: the cache's D must be q's, and Hk divide H");
     TORCH_CHECK(seq_lens.numel() == B && (!paged || (table.dim() == 2 && table.size(0) == B && table.size(1) >= 1)),
@@ -421,22 +430,10 @@ std::vector<torch::Tensor> flash_decode_mma_forward(torch::Tensor q, torch::Tens
                                                     std::optional<torch::Tensor> block_table, torch::Tensor seq_lens,
                                                     torch::Tensor status, int64_t keys_per_split, int64_t num_splits,
                                                     double scale) {
-    TORCH_CHECK(q.is_cuda() && k_pages.is_cuda() && v_pages.is_cuda() && status.is_cuda(),
-                "flash_decode_mma: q, the cache and the status word must be on the GPU");
-    const bool is_half = q.scalar_type() == torch::kHalf;
-    TORCH_CHECK(is_half || q.scalar_type() == torch::kBFloat16, "flash_decode_mma: dtype must be float16 or bfloat16");
-    TORCH_CHECK(k_pages.scalar_type() == q.scalar_type() && v_pages.scalar_type() == q.scalar_type(),
-                "flash_decode_mma: q and the cache must have one dtype");
-    TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.sizes() == k_pages.sizes(),
-                "flash_decode_mma: q (B, H, D), pages (num_pages, Hk, page_size, D)");
-    q = q.contiguous();
-    if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 != 0) q = q.clone();
-    wb::check_cache_layout(k_pages, v_pages);
+    torch::Tensor table;  // the block table as int32 on q's device; undefined for a contiguous cache
+    wb::prepare_decode_inputs(q, k_pages, v_pages, block_table, seq_lens, table, status, "flash_decode_mma");
+    const bool is_half = q.scalar_type() == torch::kHalf, paged = block_table.has_value();
     const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hk = k_pages.size(1);
-    seq_lens = seq_lens.to(q.device(), torch::kInt32).contiguous();
-    const bool paged = block_table.has_value();
-    torch::Tensor table;
-    if (paged) table = block_table->to(q.device(), torch::kInt32).contiguous();
     TORCH_CHECK_VALUE(D == 64 || D == 128, "flash_decode_mma: head dim must be 64 or 128");
     TORCH_CHECK_VALUE(k_pages.size(3) == D && H % Hk == 0 && H / Hk <= wb::kMmaMaxGroup,
                       "flash_decode_mma: the cache's D must be q's, Hk divide H, and the group be at most 64 heads");
