@@ -92,14 +92,12 @@ fi
 python3 -m ipykernel install --user --name python3 >/dev/null 2>&1 || true
 
 gpu_name() { python3 scripts/status.py gpu; }  # h100, h200, ...: the name results and status files carry
-module_of() {  # the first of these modules that exists here (modules move between folders; the steps follow them)
-  local m; for m in "$@"; do [ -f "${m//.//}.py" ] && { echo "$m"; return; }; done; echo "$1"
-}
-TOKENS_MODULE=${TOKENS_MODULE:-$(module_of wb_kernels.bench.decoder_tokens wb_kernels.models.decoder_tokens)}
-SCALING_MODULE=${SCALING_MODULE:-$(module_of wb_kernels.stages.distributed.scaling wb_kernels.bench.scaling wb_kernels.bench.distributed_scaling)}
-DIST_RUN_MODULE=${DIST_RUN_MODULE:-$(module_of wb_kernels.stages.distributed.run)}
-TRAIN_MODULE=${TRAIN_MODULE:-$(module_of wb_kernels.models.char_transformer)}
-TRAFFIC_MODULE=${TRAFFIC_MODULE:-$(module_of wb_kernels.stages.naive.traffic)}
+# the modules the steps run (python -m); tests/test_status.py checks that each exists
+TOKENS_MODULE=wb_kernels.bench.decoder_tokens
+SCALING_MODULE=wb_kernels.stages.distributed.scaling
+DIST_RUN_MODULE=wb_kernels.stages.distributed.run
+TRAIN_MODULE=wb_kernels.models.char_transformer
+TRAFFIC_MODULE=wb_kernels.stages.naive.traffic
 pack() {
   if [ -n "$release_part" ]; then pack_release; return; fi
   tar czf "$OUT/gpu_results.tgz" logs notebooks $(ls -d results figures 2>/dev/null)

@@ -281,11 +281,10 @@ def test_the_diff_check_tells_outputs_from_sources(tmp_path):
 
 
 def test_every_module_gpu_check_runs_exists():
-    """gpu_check.sh names the modules its steps run through variables (modules move between folders): at least one
-    of each variable's candidates is a file of the package."""
+    """gpu_check.sh names the modules its steps run (``python -m``) in *_MODULE variables: each is a file of the
+    package, so a module that moved without the script fails here and not on the GPU machine."""
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
-    found = re.findall(r"^(\w+_MODULE)=\$\{\w+:-\$\(module_of ([\w. ]+)\)\}", script, re.M)
+    found = re.findall(r"^(\w+_MODULE)=([\w.]+)$", script, re.M)
     assert len(found) >= 5, "gpu_check.sh: the *_MODULE variables were not found"
-    missing = [name for name, candidates in found
-               if not any((ROOT / (c.replace(".", "/") + ".py")).exists() for c in candidates.split())]
+    missing = [(name, module) for name, module in found if not (ROOT / (module.replace(".", "/") + ".py")).exists()]
     assert not missing, f"gpu_check.sh runs modules that exist nowhere: {missing}"
