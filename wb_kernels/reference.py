@@ -27,7 +27,7 @@ from .arguments import CAUSAL_ALIGNMENTS, validate_inputs
 __all__ = ["reference", "reference_backward", "sum_kv_groups", "attention_mask", "causal_offset", "positive_scale",
            "repeat_kv_heads", "CAUSAL_ALIGNMENTS", "safe_softmax", "naive_softmax"]
 
-def _as_float64(x) -> np.ndarray:
+def as_float64(x) -> np.ndarray:
     if hasattr(x, "detach"):  # a torch tensor, on any device
         x = x.detach().cpu().double().numpy()
     return np.asarray(x, dtype=np.float64)
@@ -119,10 +119,10 @@ def reference(q, k, v, *, causal=False, key_padding_mask=None, scale: float | No
 
     Accepts NumPy arrays or torch tensors (any device and dtype, one for all three): converted to float64
     on the CPU first, so the reference never inherits the rounding of the stage it checks.
-    Bad input gets the errors :func:`wb_kernels.attention` gives (:func:`wb_kernels.validation.validate_inputs`).
+    Bad input gets the errors :func:`wb_kernels.attention` gives (:func:`wb_kernels.arguments.validate_inputs`).
     """
     validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    q, k, v = _as_float64(q), _as_float64(k), _as_float64(v)
+    q, k, v = as_float64(q), as_float64(k), as_float64(v)
     B, H, Lq, D = q.shape
     k, v = repeat_kv_heads(k, H), repeat_kv_heads(v, H)  # GQA: each group of query heads reads one K/V head
     Lk = k.shape[2]
@@ -169,7 +169,7 @@ def reference_backward(q, k, v, dout, *, causal=False, key_padding_mask=None, sc
     validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     if tuple(dout.shape) != tuple(q.shape):
         raise ValueError(f"dout: expected the output's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
-    q, k, v, dout = (_as_float64(x) for x in (q, k, v, dout))
+    q, k, v, dout = (as_float64(x) for x in (q, k, v, dout))
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
     k, v = repeat_kv_heads(k, H), repeat_kv_heads(v, H)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...reference import _as_float64, attention_mask
+from ...reference import as_float64, attention_mask
 
 __all__ = ["row_dot", "recompute_probs", "softmax_backward", "backward_tile_step", "blockwise_backward",
            "tile_pairs"]
@@ -84,8 +84,8 @@ def blockwise_backward(q, k, v, out, lse, dout, *, causal=False, key_padding_mas
     KV-stationary one: a key tile's dK and dV are complete once its query tiles have passed; dQ gathers shares
     from every key tile (the GPU's v1 does that in a second, Q-stationary pass; v2 with atomic adds).
     """
-    q, k, v, out, dout = (_as_float64(x) for x in (q, k, v, out, dout))
-    lse = _as_float64(lse)
+    q, k, v, out, dout = (as_float64(x) for x in (q, k, v, out, dout))
+    lse = as_float64(lse)
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
     if H % Hk:

@@ -18,7 +18,7 @@ Files:
   the tensor-core kernel's builds A/B'd in one run);
 - ``exercises.py`` and ``solutions.py``: the lesson's exercises and its puzzle (the merge), their worked answers;
 - ``NOTES.md``: the versions, each with its prediction and measurement;
-- the decode entry point itself is ``wb.decode`` (``wb_kernels/decoding.py``).
+- the decode entry point itself is ``wb.decode`` (``wb_kernels/api.py``; its checks in ``validation.py``, its run in ``execution.py``).
 
 The LLaMA-shaped decoder that lesson 07 generates with is a user of this rung, not part of it:
 ``wb_kernels/models/llama_decoder.py`` and its tokens-per-second benchmark ``wb_kernels/bench/decoder_tokens.py``.
