@@ -16,7 +16,6 @@ from wb_kernels.stages.mma import swizzle as mma_swizzle
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSON = ROOT / "notebooks" / "09_hopper.ipynb"
-SOURCE = "wb_kernels/stages/hopper/hopper_lab.cu"
 
 
 def _record(contender, tflops, *, dtype="float16", B=4, H=16, L=4096, D=128, causal=False, status="ok"):
@@ -166,10 +165,12 @@ def test_the_lessons_puzzle_stub_is_unsolved_and_its_two_fixes_solve_it(capsys):
 def test_every_attention_region_is_shown_once_in_the_files_order():
     """The shared tile steps, v1, v2, v3 and the host side: every region, once, in the file's order (so each function
     is shown before its caller); the primitives v2 and v3 use, before their kernels."""
-    from wb_kernels.sync import module_regions, notebook_regions
+    from wb_kernels.stages.hopper import build as hopper_build
+    from wb_kernels.sync import notebook_regions
 
-    shown = [name for name, module, _ in notebook_regions(LESSON) if module == SOURCE]
-    attention = [name for name in module_regions(ROOT / SOURCE) if name.startswith(("flash_", "tma_3d"))]
+    files = hopper_build.SOURCE.files()  # hopper_host.cu and the headers it includes
+    shown = [name for name, module, _ in notebook_regions(LESSON) if module in files]
+    attention = [name for name in hopper_build.SOURCE.regions() if name.startswith(("flash_", "tma_3d"))]
     assert {"flash_tile_steps", "flash_v1_tile_loop", "flash_v2_consumer", "flash_v3_turn", "flash_ws_roles"} <= set(attention)
     assert [name for name in shown if name in attention] == attention
     assert len(shown) == len(set(shown))

@@ -229,7 +229,7 @@ def consumer(ring: Ring, tiles: int, *, flip_on_wrap: bool = True, release: bool
 
 
 # region: ws_loops
-# v2 and v3 (flash_ws_kernel in hopper_lab.cu): the producer loads Q once, then runs the ring; each consumer warp
+# v2, v3 and v4 (flash_ws_kernel in hopper_attention.cuh): the producer loads Q once, then runs the ring; each consumer warp
 # waits for Q, walks the ring and arrives on kv_empty once per tile (kv_empty counts 8 arrivals: 4 warps x 2
 # consumers); all of them agree on `tiles` (key_tile_count of the block).
 Q_BYTES = 32768

@@ -144,7 +144,7 @@ def check_named_barriers() -> str:
 
 ATTENTION_SHAPES = [(1, 2, 1, 1, 2), (2, 3, 100, 77, 3), (1, 2, 64, 64, 1), (1, 2, 200, 70, 2), (2, 4, 130, 300, 2),
                     (1, 4, 77, 513, 1)]  # (B, H, Lq, Lk, Hk)
-# v2 and v3 also: 9 key tiles of 128 (the ring wraps two or three times), and Lq far above Lk, where bottom-right
+# v2, v3 and v4 also: 9 key tiles of 128 (the ring wraps two or three times), and Lq far above Lk, where bottom-right
 # causal leaves whole 128-row blocks without a key tile (the producer loads Q only)
 WS_EXTRA_SHAPES = [(1, 2, 300, 1100, 1), (1, 2, 1030, 200, 2)]
 LAUNCHERS = {1: lab.flash_v1, 2: lab.flash_v2, 3: lab.flash_v3, 4: lab.flash_v4}

@@ -70,7 +70,7 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
 // s[4 j + 2 r + e] = S[row r][8 j + 2 (lane % 4) + e].
 
 // How many key tiles of BLOCK_N the query rows m0 .. m0 + BLOCK_M - 1 need: all keys, or under the causal mask up to
-// the last row's diagonal. In v2 and v3 the producer and both consumers call it with the block's m0: they must agree.
+// the last row's diagonal. In v2, v3 and v4 the producer and both consumers call it with the block's m0: they must agree.
 template <int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ int key_tile_count(const FlashParams& params, int m0) {
     int kv_end = params.Lk;
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(WARPGROUP) flash_v1_kernel(const __grid_consta
 // endregion
 
 // region: flash_ws_layout
-// v2 and v3: warp specialization. A block of 3 warpgroups owns 128 query rows of one (batch, head):
+// v2, v3 and v4: warp specialization. A block of 3 warpgroups owns 128 query rows of one (batch, head):
 //   warpgroup   role                                     registers   waits on                  arrives at
 //   0           producer: one thread issues every TMA       24        kv_empty[s] (parity ^ 1)  q_full, kv_full[s] (expect_tx)
 //   1, 2        consumer c = 0, 1: query rows 64 c ..      240        q_full, kv_full[s]        kv_empty[s] (one thread per warp)

@@ -9,7 +9,7 @@ rounded to the input's 16-bit type before P V, O / l at the end, LSE = ln 2 (m +
 -inf for a row without keys. :func:`forward` runs it over (B, H, Lq, D) with K/V heads shared by groups of query
 heads (GQA) and returns ``(out, lse)`` for ``wb.check``.
 
-v2 and v3 (``flash_ws_kernel``) do the same arithmetic with other blocks: 128 query rows per block, of which each
+v2, v3 and v4 (``flash_ws_kernel``) do the same arithmetic with other blocks: 128 query rows per block, of which each
 consumer warpgroup owns 64 (``consumer_rows``), and 128 keys per tile. Both consumers walk every key tile of their
 block (the producer loads them once for both: ``key_tiles`` with the block's m0 and 128 rows), and each decides the
 mask from its own first row. v3 reorders the products (P V of a tile in the turn after its softmax), not the sums.
@@ -24,7 +24,7 @@ from ...reference import causal_offset
 __all__ = ["BLOCK_M", "BLOCK_N", "WS", "key_tiles", "forward"]
 
 BLOCK_M = BLOCK_N = 64
-WS = dict(block_m=128, block_n=128, consumer_rows=64)  # v2 and v3: forward(..., **WS)
+WS = dict(block_m=128, block_n=128, consumer_rows=64)  # v2, v3 and v4: forward(..., **WS)
 LOG2E = 1.4426950408889634
 
 
@@ -74,7 +74,7 @@ def _rows(q, k, v, keep, first_row, n_tiles, Lq, Lk, offset, scale_log2, dtype, 
 
 def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, block_m: int = BLOCK_M,
             block_n: int = BLOCK_N, consumer_rows: int | None = None):
-    """(out, lse) as the v1 kernel computes them (``**WS``: v2 and v3); q (B, H, Lq, D), k and v (B, Hk, Lk, D),
+    """(out, lse) as the v1 kernel computes them (``**WS``: v2, v3 and v4); q (B, H, Lq, D), k and v (B, Hk, Lk, D),
     16-bit NumPy arrays (float16; bfloat16 has no NumPy type, so the model runs in float16)."""
     consumer_rows = consumer_rows or block_m
     q, k, v = (np.asarray(x) for x in (q, k, v))
