@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import wb_kernels as wb
-from wb_kernels import decoding
+from wb_kernels import api, execution, validation
 
 torch = pytest.importorskip("torch")
 
@@ -23,8 +23,8 @@ TOLERANCE = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 def _reference(q, k, v, lens, table=None, kv_layout="HND"):
     """float64 (out, lse) of the problem as the caller gave it (read back from the GPU)."""
-    k, v = decoding.as_hnd(k, kv_layout), decoding.as_hnd(v, kv_layout)
-    out, lse = decoding.reference_decode(q, k, v, lens.cpu(), block_table=None if table is None else table.cpu())
+    k, v = validation.as_hnd(k, kv_layout), validation.as_hnd(v, kv_layout)
+    out, lse = execution.reference_decode(q, k, v, lens.cpu(), block_table=None if table is None else table.cpu())
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
@@ -69,7 +69,7 @@ def test_gpu_decode_captured_in_a_cuda_graph_replays_on_two_streams(paged):
         wb.decode(q, k, v, lens, block_table=table, max_seqlen=1024)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    decoding.decode_problems()  # start with no flag raised
+    api.decode_problems()  # start with no flag raised
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -89,7 +89,7 @@ def test_gpu_decode_captured_in_a_cuda_graph_replays_on_two_streams(paged):
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         _assert_matches(out, q, k, v, lens, table, lse=lse)
-        problems = decoding.decode_problems()
+        problems = api.decode_problems()
         assert bool(problems) == late and all("max_seqlen" in p for p in problems), problems
 
 
@@ -148,24 +148,24 @@ def test_gpu_opcheck():
 def test_gpu_max_seqlen_below_a_device_length_loses_no_key_and_is_reported():
     q, k, v, _ = _random_cache(3, 32, 8, 128, 8192, seed=8)
     lens = torch.tensor([8192, 100, 4000], dtype=torch.int32, device="cuda")
-    decoding.decode_problems()
+    api.decode_problems()
     out, lse = wb.decode(q, k, v, lens, max_seqlen=256, return_lse=True)
     _assert_matches(out, q, k, v, lens, lse=lse)
-    (problem,) = decoding.decode_problems()
+    (problem,) = api.decode_problems()
     assert "above max_seqlen" in problem and "pass a larger max_seqlen" in problem
-    assert decoding.decode_problems() == []  # read and reset
+    assert api.decode_problems() == []  # read and reset
     wb.decode(q, k, v, lens, max_seqlen=8192)
-    assert decoding.decode_problems() == []
+    assert api.decode_problems() == []
 
 
 def test_gpu_lengths_outside_the_cache_are_clamped_and_reported():
     q, k, v, _ = _random_cache(2, 8, 2, 64, 300, seed=9)
-    decoding.decode_problems()
+    api.decode_problems()
     out = wb.decode(q, k, v, torch.tensor([301, -4], dtype=torch.int32, device="cuda"))
     _assert_matches(out, q, k, v, torch.tensor([300, 0], dtype=torch.int32))
-    (problem,) = decoding.decode_problems(reset=False)
+    (problem,) = api.decode_problems(reset=False)
     assert "outside [0, the cache's capacity]" in problem
-    assert decoding.decode_problems() == [problem] and decoding.decode_problems() == []
+    assert api.decode_problems() == [problem] and api.decode_problems() == []
 
 
 
@@ -176,17 +176,17 @@ def test_gpu_split_kernel_clamps_and_reports_a_page_outside_the_pool(H, Hk, D):
     pool and raises status bit 4, whichever split the entry falls in; a valid table raises nothing."""
     q, k, v, table = _random_cache(3, H, Hk, D, 700, page_size=16, seed=11)
     lens = torch.tensor([700, 333, 517], dtype=torch.int32, device="cuda")
-    decoding.decode_problems()
+    api.decode_problems()
     out = wb.decode(q, k, v, lens, block_table=table, num_splits=4)
     _assert_matches(out, q, k, v, lens, table)
-    assert decoding.decode_problems() == []
+    assert api.decode_problems() == []
     bad = table.clone()
     bad[0, 40] = k.shape[0] + 10  # keys 640-655 of sequence 0: its last split
     bad[2, 3] = -3  # keys 48-63 of sequence 2: its first split
     out = wb.decode(q, k, v, lens, block_table=bad, num_splits=4)
     assert not bool(out.isnan().any())
     _assert_matches(out, q, k, v, lens, bad.clamp(0, k.shape[0] - 1))
-    problems = decoding.decode_problems()
+    problems = api.decode_problems()
     assert any("page number" in p for p in problems), problems
 
 # ---------------------------------------------------------------- layouts: read in place, or refused clearly

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import wb_kernels as wb
-from wb_kernels import decoding
+from wb_kernels import api
 from wb_kernels.stages.decode import build, launcher, tune
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -328,10 +328,10 @@ def test_gpu_mma_kernel_flags_a_page_outside_the_pool():
     q, (kp, vp, table), _, lens = make_cache(2, 32, 1, 64, [100, 100], page_size=16, seed=5)
     table[1, 2] = kp.shape[0] + 10
     q_, kp_, vp_, table_, lens_ = _cuda(q, kp, vp, table, lens, dtype="float16")
-    decoding.decode_problems()
+    api.decode_problems()
     out = wb.decode(q_, kp_, vp_, lens_, block_table=table_)
     assert not bool(out.isnan().any())
-    problems = decoding.decode_problems()
+    problems = api.decode_problems()
     assert any("page number" in p for p in problems), problems
 
 
@@ -354,7 +354,7 @@ def test_gpu_mma_kernel_in_a_cuda_graph_replays_other_lengths():
         wb.decode(q_, kp_, vp_, lens_, block_table=table_, max_seqlen=1024)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    decoding.decode_problems()
+    api.decode_problems()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = wb.decode(q_, kp_, vp_, lens_, block_table=table_, max_seqlen=1024)
@@ -367,7 +367,7 @@ def test_gpu_mma_kernel_in_a_cuda_graph_replays_other_lengths():
         # each sequence's pages in table order: (B, pages per sequence, Hk, page, D) -> (B, Hk, capacity, D)
         kc_, vc_ = (x[table_.long()].transpose(1, 2).reshape(B, Hk, capacity, D) for x in (kp_, vp_))
         _check(q_, kc_, vc_, np.asarray(lengths), out)
-        assert bool(decoding.decode_problems()) == late
+        assert bool(api.decode_problems()) == late
 
 
 # ---------------------------------------------------------------- CPU: the kernel's lanes in NumPy

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import wb_kernels as wb
-from wb_kernels import decoding
+from wb_kernels import validation
 from wb_kernels.stages.decode import launcher
 
 torch = pytest.importorskip("torch")
@@ -57,10 +57,10 @@ def test_bad_num_splits_are_refused_before_any_launch(num_splits, error, words, 
 def test_num_splits_range_grows_with_the_cache_and_stops_at_the_maximum():
     q, kp, vp, table, kc, vc, lens = _problem()
     with pytest.raises(ValueError, match=r"\[1, 4096\]"):
-        decoding._check_options(4097, None, 5000, lens)
-    assert decoding._check_options(4096, None, 5000, lens) == (4096, None)
-    assert decoding._check_options(64, None, 8, lens) == (64, None)  # more splits than keys: empty splits, allowed
-    assert decoding._check_options(np.int32(3), 8, 8, lens) == (3, 8)
+        validation.check_decode_options(4097, None, 5000, lens)
+    assert validation.check_decode_options(4096, None, 5000, lens) == (4096, None)
+    assert validation.check_decode_options(64, None, 8, lens) == (64, None)  # more splits than keys: empty splits, allowed
+    assert validation.check_decode_options(np.int32(3), 8, 8, lens) == (3, 8)
 
 
 @pytest.mark.parametrize("max_seqlen, error, words", [
@@ -83,12 +83,12 @@ def test_max_seqlen_above_the_capacity_is_the_capacity():
 
 
 def test_seqlen_bucket():
-    assert [decoding.seqlen_bucket(n, 10_000) for n in (0, 1, 256, 257, 1000, 4097)] == [256, 256, 256, 512, 1024,
+    assert [validation.seqlen_bucket(n, 10_000) for n in (0, 1, 256, 257, 1000, 4097)] == [256, 256, 256, 512, 1024,
                                                                                           8192]
-    assert decoding.seqlen_bucket(9000, 10_000) == 10_000  # never past the capacity
-    assert decoding.seqlen_bucket(5, 8) == 8
+    assert validation.seqlen_bucket(9000, 10_000) == 10_000  # never past the capacity
+    assert validation.seqlen_bucket(5, 8) == 8
     with pytest.raises(ValueError, match="seqlen_bucket"):
-        decoding.seqlen_bucket(-1, 8)
+        validation.seqlen_bucket(-1, 8)
 
 
 # ---------------------------------------------------------------- shapes, dtypes, the simulator's time

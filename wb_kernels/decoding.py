@@ -1,6 +1,8 @@
-"""``wb.decode``'s names where earlier code imports them (lesson 07's tests, ``wb_kernels.decoding.seqlen_bucket``
-in the decode launcher's messages). The entry point is :func:`wb_kernels.api.decode`, its checks are in
-:mod:`wb_kernels.validation` and its run in :mod:`wb_kernels.execution`; new code imports from those.
+"""``wb.decode``'s names at the module path earlier releases documented (``wb_kernels.decoding.seqlen_bucket``,
+``wb_kernels.decoding.decode_problems``), kept so that code written against them still imports. Nothing in the package
+imports this module: the entry point is :func:`wb_kernels.api.decode`, its checks are in :mod:`wb_kernels.validation`
+and its run in :mod:`wb_kernels.execution`; new code calls ``wb.decode``, ``wb.seqlen_bucket`` and
+``wb.decode_problems``.
 """
 
 from .api import decode, decode_problems
@@ -10,5 +12,3 @@ from .validation import (DECODE_STAGES, KV_LAYOUTS, MAX_NUM_SPLITS, as_hnd, chec
 
 __all__ = ["decode", "validate_decode", "DECODE_STAGES", "KV_LAYOUTS", "MAX_NUM_SPLITS", "reference_decode",
            "seqlen_bucket", "decode_problems", "as_hnd", "decode_eager", "check_decode_options"]
-
-_check_options = check_decode_options  # its earlier name (tests/test_decode_robustness.py)

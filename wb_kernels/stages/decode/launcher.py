@@ -2,7 +2,7 @@
 
 Two ways in:
 
-- ``wb.decode(q, k_cache, v_cache, cache_seqlens, block_table=...)`` (:mod:`wb_kernels.decoding`): one new query per
+- ``wb.decode(q, k_cache, v_cache, cache_seqlens, block_table=...)`` (:func:`wb_kernels.api.decode`): one new query per
   sequence against a cache, contiguous (B, Hk, L, D) or paged (num_pages, Hk, page_size, D) with a block table, as
   serving engines keep it;
 - ``wb.attention(q, k, v, stage="decode")``: any (B, H, Lq, D) problem, so that the benchmark and the property tests
@@ -153,7 +153,7 @@ STATUS_MESSAGES = {
     1: "a length in cache_seqlens was outside [0, the cache's capacity]: the kernel clamped it to the cache; fix the "
        "lengths (or the cache's size) you pass",
     2: "a length in cache_seqlens was above max_seqlen (more keys than the splits cover): the last split read the "
-       "rest, correct but slower; pass a larger max_seqlen (wb_kernels.decoding.seqlen_bucket) or None",
+       "rest, correct but slower; pass a larger max_seqlen (wb.seqlen_bucket) or None",
     4: "a page number in block_table was outside [0, the number of pages in the cache): the kernel read the nearest "
        "page instead, so that sequence's output is wrong; fix the block table",
 }
