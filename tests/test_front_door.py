@@ -81,7 +81,7 @@ def recording_stage(monkeypatch):
 @pytest.mark.parametrize("path", ["eager", "op"])
 def test_causal_keeps_its_canonical_form_to_the_kernel_and_back(recording_stage, given, canonical, path):
     """One form at validation (None, "top_left" or "bottom_right"), the same in the op's schema, the saved context and
-    the Backward; a stage's forward gets it too (no mask as a falsy value: see execution.run_forward)."""
+    the Backward; a stage's forward gets it too."""
     register()
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 3, 8, generator=generator, dtype=torch.float64, requires_grad=True) for _ in range(3))
@@ -93,7 +93,7 @@ def test_causal_keeps_its_canonical_form_to_the_kernel_and_back(recording_stage,
     else:
         out = torch.ops.wb.attention(q, k, v, None, "recording", canonical, None, True)[0]
     out.sum().backward()
-    assert recording_stage["forward"] == [canonical or False]
+    assert recording_stage["forward"] == [canonical]
     assert recording_stage["backward"] == [canonical]
 
 

@@ -156,10 +156,7 @@ def run_forward(call: AttentionCall, q, k, v, key_padding_mask=None, *, check_fi
             # NumPy arithmetic (the reference, and every kernel on the simulator) warns about NaN/Inf that
             # are the right answer here; a GPU computes the same silently
             warnings.simplefilter("ignore", RuntimeWarning)
-        # (no mask reaches a stage's forward as False, not None, until the decode rung's launcher takes None: it looks
-        # the kernel's mode up in a table keyed by False, stages/decode/launcher.py CAUSAL_MODES; every other stage
-        # and every Backward take the canonical value as it is)
-        out, lse = spec.forward(q, k, v, causal=causal or False, key_padding_mask=key_padding_mask, scale=scale)
+        out, lse = spec.forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     out, lse = _in_callers_dtypes(like_input(out, caller_q), like_input(lse, caller_q), caller_q)
     if non_finite:
         out, lse = propagate_non_finite(out, lse, q, k, causal=causal, key_padding_mask=key_padding_mask,

@@ -7,9 +7,8 @@ slider logic, tuning script and ``NOTES.md``; its lesson is ``notebooks/NN_<rung
 ``tests/test_<rung>.py``. A stage's ``forward`` receives inputs that :mod:`wb_kernels.validation` has already
 validated (:mod:`wb_kernels.execution` calls it), and returns ``(out, lse)``: q (B, H, Lq, D), k and v (B, Hk, Lk, D)
 with Hk dividing H (query head h uses key/value head h // (H // Hk)), and ``causal`` ``"top_left"``,
-``"bottom_right"`` or, for no mask, a falsy value: False, or None, the canonical form the rest of the call carries
-(:mod:`wb_kernels.execution` says when a forward gets which; a Backward gets None). Test it for truth, never against
-False; :func:`wb_kernels.reference.causal_offset` turns it into the offset of the diagonal.
+``"bottom_right"`` or None for no mask: the canonical form validation gives it, which every forward and Backward gets
+as it is (a rung's own code may still pass False). Test it for truth, never against False; :func:`wb_kernels.reference.causal_offset` turns it into the offset of the diagonal.
 
 The registry is discovered once per process, by the first lookup or when the package's torch operators are defined
 (:func:`wb_kernels.torch_ops.register`), so that a compiler tracing a first call never walks these folders.

@@ -30,7 +30,7 @@ from .splitkv import choose_num_splits, split_bounds
 
 __all__ = ["split_kv_forward", "forward", "decode_forward", "cuda_decode_forward", "check_cache_layout", "cuda_blocks_per_sm", "cuda_row_chunks", "cuda_kernel_for", "MMA_MIN_GROUP", "MMA_MAX_GROUP", "decode_bytes", "DecodeBytes", "uses_cuda_kernel", "CUDA_KERNEL_DTYPES", "CUDA_KERNEL_HEAD_DIMS", "contiguous_as_paged", "gather_pages", "num_sms", "CAUSAL_MODES", "status_buffer", "read_status", "STATUS_MESSAGES"]
 
-CAUSAL_MODES = {False: CAUSAL_NONE, True: CAUSAL_TOP_LEFT, "top_left": CAUSAL_TOP_LEFT,
+CAUSAL_MODES = {None: CAUSAL_NONE, False: CAUSAL_NONE, True: CAUSAL_TOP_LEFT, "top_left": CAUSAL_TOP_LEFT,
                 "bottom_right": CAUSAL_BOTTOM_RIGHT}
 _SIMULATOR_SMS = 4  # the simulator has no SMs; a small number keeps its grids (and its run time) small
 
