@@ -104,10 +104,10 @@ def recording(monkeypatch):
     monkeypatch.setattr(launcher, "num_sms", lambda: 132)
     monkeypatch.setattr(launcher, "status_buffer", lambda index: None)
     monkeypatch.setattr(torch.cuda, "device", lambda index: _NoDevice())
-    launcher._cuda_launch_plan.cache_clear()
+    launcher.cuda_launch_plan.cache_clear()
     launcher.cuda_blocks_per_sm.cache_clear()
     yield recorder
-    launcher._cuda_launch_plan.cache_clear()
+    launcher.cuda_launch_plan.cache_clear()
     launcher.cuda_blocks_per_sm.cache_clear()
 
 
@@ -266,7 +266,7 @@ def torch_tensor(mask):
 def test_gpu_mma_kernel_forced_on_any_group(group, D, monkeypatch, which_entry):
     """With the threshold at 1 every group up to 64 takes the mma kernel (15 of 16 rows padding at group 1)."""
     monkeypatch.setattr(launcher, "MMA_MIN_GROUP", 1)
-    launcher._cuda_launch_plan.cache_clear()
+    launcher.cuda_launch_plan.cache_clear()
     q, (kp, vp, table), (kc, vc), lens = make_cache(3, 2 * group, 2, D, [0, 1, 2100], page_size=16, seed=group)
     q_, kp_, vp_, kc_, vc_, table_, lens_ = _cuda(q, kp, vp, kc, vc, table, lens, dtype="float16")
     for num_splits in (None, 1, 5):
@@ -274,7 +274,7 @@ def test_gpu_mma_kernel_forced_on_any_group(group, D, monkeypatch, which_entry):
         _check(q_, kc_, vc_, lens, out)
         _check(q_, kc_, vc_, lens, wb.decode(q_, kc_, vc_, lens_, num_splits=num_splits))
     assert set(which_entry.used) == {"flash_decode_mma_forward"}
-    launcher._cuda_launch_plan.cache_clear()
+    launcher.cuda_launch_plan.cache_clear()
 
 
 @gpu_only

@@ -239,7 +239,7 @@ def test_the_cuda_split_count_comes_from_the_capacity_or_the_bucket_never_from_t
     monkeypatch.setattr(launcher, "cuda_blocks_per_sm", lambda *a: 2)
     monkeypatch.setattr(launcher, "num_sms", lambda: 132)
     monkeypatch.setattr(launcher, "status_buffer", lambda index: None)
-    launcher._cuda_launch_plan.cache_clear()
+    launcher.cuda_launch_plan.cache_clear()
 
     q = torch.zeros(8, 32, 128, dtype=torch.float16)
     k = torch.zeros(8, 8, 8192, 128, dtype=torch.float16)
@@ -247,7 +247,7 @@ def test_the_cuda_split_count_comes_from_the_capacity_or_the_bucket_never_from_t
         launcher.cuda_decode_forward(q, k, k, torch.tensor(lengths, dtype=torch.int32))
     launcher.cuda_decode_forward(q, k, k, torch.tensor([1] * 8, dtype=torch.int32), max_seqlen=1024)
     launcher.cuda_decode_forward(q, k, k, torch.tensor([900] * 8, dtype=torch.int32), max_seqlen=1024)
-    launcher._cuda_launch_plan.cache_clear()
+    launcher.cuda_launch_plan.cache_clear()
     by_capacity, by_bucket = recorder.calls[:3], recorder.calls[3:]
     assert len(set(by_capacity)) == 1 and len(set(by_bucket)) == 1
     keys, splits, contiguous = by_capacity[0]

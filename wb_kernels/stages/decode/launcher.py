@@ -279,7 +279,7 @@ def decode_bytes(B: int, H: int, Hk: int, L: int, D: int, itemsize: int, num_spl
 
 
 @functools.lru_cache(maxsize=4096)
-def _cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, num_splits, D: int,
+def cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, num_splits, D: int,
                       bf16: bool, paged: bool = False, kernel: str = "split") -> tuple:
     """What the CUDA kernel `kernel` runs for a problem: ``(keys_per_split, num_splits, default scale)``. Worked out
     once per problem shape and remembered: a decoder asks the same question for every layer of every step."""
@@ -323,7 +323,7 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
                         max_seqlen=None):
     """The CUDA C++ split-KV kernel: q (B, H, D) -> ``(out (B, H, D) in q's dtype, lse (B, H) float32)``.
 
-    Kept short, as it runs once per layer and token: the plan comes from :func:`_cuda_launch_plan`'s memory, and the
+    Kept short, as it runs once per layer and token: the plan comes from :func:`cuda_launch_plan`'s memory, and the
     extension makes q contiguous and the lengths int32 on q's device itself (where that costs next to nothing). The
     caches are read through their strides (no copy); a contiguous cache needs no block table. Nothing here reads a
     value from the GPU or depends on the lengths' values, so the call can be captured in a CUDA graph.
@@ -340,7 +340,7 @@ def cuda_decode_forward(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     capacity = (block_table.shape[1] if block_table is not None else 1) * k_cache.shape[2]
     max_len = capacity if max_seqlen is None else min(capacity, int(max_seqlen))
     kernel = cuda_kernel_for(H, k_cache.shape[1])
-    keys_per_split, num_splits, default_scale = _cuda_launch_plan(device_index, B, H, k_cache.shape[1], max_len,
+    keys_per_split, num_splits, default_scale = cuda_launch_plan(device_index, B, H, k_cache.shape[1], max_len,
                                                                   num_splits, D, q.dtype == torch.bfloat16,
                                                                   block_table is not None, kernel)
     if not _on_gpu(cache_seqlens) or (block_table is not None and not _on_gpu(block_table)):

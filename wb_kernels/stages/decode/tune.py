@@ -73,7 +73,7 @@ from wb_kernels import timing
 from wb_kernels.cuda_build import build_flags
 from wb_kernels.timing import DEVICE_TIME as DECODE_TIMING  # the decode benchmark's timing, the same object
 from wb_kernels.stages.decode import build
-from wb_kernels.stages.decode.launcher import (_cuda_launch_plan, cuda_blocks_per_sm, cuda_row_chunks, cuda_split_plan,
+from wb_kernels.stages.decode.launcher import (cuda_launch_plan, cuda_blocks_per_sm, cuda_row_chunks, cuda_split_plan,
                                                decode_bytes)
 from wb_kernels.stages.decode.splitkv import choose_num_splits
 
@@ -167,7 +167,7 @@ def measure(variants, workloads, reps: int) -> list:
         # what the launcher runs (its plan, at the default build's occupancy: the CUDA runtime's blocks per SM)
         device = torch.cuda.current_device()
         occupancy = cuda_blocks_per_sm(device, False, D, group)
-        launcher_splits = _cuda_launch_plan(device, B, H, Hk, L, None, D, False)[1]
+        launcher_splits = cuda_launch_plan(device, B, H, Hk, L, None, D, False)[1]
 
         target = torch.empty_like(k)
 
@@ -248,7 +248,7 @@ def measure_mma_threshold(reps: int) -> list:
                                                       enable_gqa=True)[:, :, 0]
             kv_bytes = 2 * k.numel() * k.element_size()
             for kernel, entry in (("split", ext.flash_decode_forward), ("mma", ext.flash_decode_mma_forward)):
-                keys, splits, scale = _cuda_launch_plan(device, B, H, Hk, L, None, D, False, False, kernel)
+                keys, splits, scale = cuda_launch_plan(device, B, H, Hk, L, None, D, False, False, kernel)
 
                 def call():
                     return entry(q, k, v, None, lens, status, keys, splits, scale)
@@ -408,7 +408,7 @@ def measure_mma_variant(variant, reps: int) -> tuple:
 
         baselines = {"copy": time_call(copy, reps), **_mma_sdpa_baselines(q, k, v, reps)}
         fastest = min((n for n in baselines if n.startswith("sdpa")), key=baselines.get)
-        launcher_splits = _cuda_launch_plan(device, B, H, Hk, L, None, D, False, False, "mma")[1]
+        launcher_splits = cuda_launch_plan(device, B, H, Hk, L, None, D, False, False, "mma")[1]
         shape = dict(B=B, H=H, Hk=Hk, Lk=L, D=D, kv_bytes=kv_bytes)
         shapes.append(dict(shape, baselines_ms={n: round(t, 5) for n, t in baselines.items()}, sdpa_fastest=fastest,
                            launcher_splits=launcher_splits,
@@ -565,7 +565,7 @@ def measure_trace(kernel: str = "mma", variant=None, reps: int = 5) -> list:
         if paged:  # pages of TRACE_PAGE_SIZE keys in a shuffled pool, as the decode benchmark's paged rows
             table = torch.randperm(B * L // TRACE_PAGE_SIZE, device="cuda", generator=gen).view(B, -1).int()
             k, v = paged_copy(k, table, TRACE_PAGE_SIZE), paged_copy(v, table, TRACE_PAGE_SIZE)
-        keys, splits = _cuda_launch_plan(torch.cuda.current_device(), B, H, Hk, L, asked, D, False, paged,
+        keys, splits = cuda_launch_plan(torch.cuda.current_device(), B, H, Hk, L, asked, D, False, paged,
                                          kernel)[:2]
         blocks = B * Hk * splits * (cuda_row_chunks(H // Hk) if kernel == "split" else 1)
         status = torch.zeros(4 + 32 * blocks, dtype=torch.int32, device="cuda")  # the flags, then 16 int64 a block

@@ -299,7 +299,7 @@ def run_hostile(json_lines: bool) -> int:
             met = "returned"
         except Exception as error:  # noqa: BLE001 - what the call met is the record
             met = f"{type(error).__name__}: {error}"[:700]
-        _say(json.dumps({"rank": rank, "call": name, "met": met}) if json_lines else f"rank {rank} {name}: {met}")
+        say_line(json.dumps({"rank": rank, "call": name, "met": met}) if json_lines else f"rank {rank} {name}: {met}")
     return 0
 
 
@@ -314,7 +314,7 @@ def init_ranks(backend: str, timeout: float):
     return device
 
 
-def _say(line: str) -> None:
+def say_line(line: str) -> None:
     """One line in one write: the ranks share torchrun's stdout, and print's separate writes of the text and its
     newline interleave between processes (a short line in one write to a pipe is atomic)."""
     sys.stdout.flush()
@@ -368,7 +368,7 @@ def main(argv=None) -> int:
                     # (one that only some ranks meet leaves the others in a collective until --timeout ends it)
                     failed += 1
                     record.update(status="FAILED", reason=f"{type(error).__name__}: {error}"[:500])
-                    _say(json.dumps(record) if args.json
+                    say_line(json.dumps(record) if args.json
                          else f"rank {rank}/{world} {method:7s} {case.label():40s} FAILED  {record['reason']}")
                     continue
                 if result is None:
@@ -386,7 +386,7 @@ def main(argv=None) -> int:
                         ok = max(errors.values()) <= args.tolerance
                     failed += not ok
                     record["status"] = "ok" if ok else "FAILED"
-                _say(json.dumps(record) if args.json
+                say_line(json.dumps(record) if args.json
                      else f"rank {rank}/{world} {method:7s} {case.label():40s} {record['status']:7s} {detail}")
     finally:
         dist.destroy_process_group()

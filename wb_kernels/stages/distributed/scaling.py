@@ -532,9 +532,9 @@ def _results_path(out_dir: Path, ranks: Ranks) -> Path:
 
 
 def _say(line: str) -> None:
-    from .run import _say as say_once
+    from .run import say_line  # (run imports torch at the top; this module is read on machines without it)
 
-    say_once(line)
+    say_line(line)
 
 
 class Stopped(BaseException):
