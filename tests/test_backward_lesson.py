@@ -135,7 +135,7 @@ NUMBA_FILE = "wb_kernels/stages/backward/cuda_cores.py"
 
 @pytest.mark.parametrize("file", [NUMBA_FILE, "wb_kernels/stages/backward/flash_backward.cu"])
 def test_the_lesson_shows_every_region_of_the_kernels_in_file_order(file):
-    from wb_kernels.sync import module_regions, notebook_regions
+    from wb_kernels.lesson_sync import module_regions, notebook_regions
 
     shown = [name for name, module, _ in notebook_regions(LESSON) if module == file]
     assert shown == list(module_regions(REPO / file)), "show every region once, in the file's order"
@@ -146,7 +146,7 @@ def test_the_backward_pieces_rebuild_the_package_factory():
 
     from wb_kernels import region_cells
     from wb_kernels.stages.backward import cuda_cores
-    from wb_kernels.sync import module_regions
+    from wb_kernels.lesson_sync import module_regions
 
     function, pieces = region_cells.PIECES[NUMBA_FILE]
     assert [name for name in module_regions(REPO / NUMBA_FILE) if name in pieces] == list(pieces)
@@ -157,7 +157,7 @@ def test_the_backward_pieces_rebuild_the_package_factory():
 def test_an_edited_backward_piece_is_what_the_launcher_runs(monkeypatch, capsys):
     from wb_kernels import region_cells
     from wb_kernels.stages.backward import cuda_cores
-    from wb_kernels.sync import module_regions
+    from wb_kernels.lesson_sync import module_regions
 
     shipped = module_regions(REPO / NUMBA_FILE)["backward_dkdv_accumulate"]
     edited = shipped.replace("acc_dv[i, dd] += p_reg[i]", "acc_dv[i, dd] += 2 * p_reg[i]")

@@ -387,7 +387,7 @@ def test_extension_builds_the_text_its_rung_asks_for(monkeypatch):
 
 def test_resync_names_the_file_a_region_moved_to(tmp_path):
     """flash_decode.cu became five files: a lesson's cell naming the old file is rewritten with the region's new one."""
-    from wb_kernels.sync import notebook_regions, resync_notebook
+    from wb_kernels.lesson_sync import notebook_regions, resync_notebook
 
     text = cuda_build.module_regions(REPO / "wb_kernels/stages/decode/decode_merge.cuh")["merge_splits"]
     notebook = {"cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,

@@ -825,7 +825,7 @@ def test_the_lesson_shows_every_cuda_region_in_file_order_each_function_before_i
     from pathlib import Path
 
     from wb_kernels.stages.decode import build
-    from wb_kernels.sync import notebook_regions
+    from wb_kernels.lesson_sync import notebook_regions
 
     lesson = Path(__file__).resolve().parent.parent / "notebooks" / "07_decode.ipynb"
     shown = [name for name, module, _ in notebook_regions(lesson) if module in build.SOURCE.files()]

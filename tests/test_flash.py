@@ -356,7 +356,7 @@ def test_region_pieces_rebuild_the_package_factories():
     import inspect
 
     from wb_kernels.stages.flash import one_row_per_thread, region_cells
-    from wb_kernels.sync import module_regions
+    from wb_kernels.lesson_sync import module_regions
 
     for file, (function, pieces) in region_cells.PIECES.items():
         assert [name for name in module_regions(REPO / file) if name in pieces] == list(pieces), file
@@ -367,7 +367,7 @@ def test_region_pieces_rebuild_the_package_factories():
 
 def test_an_edited_piece_is_what_the_lesson_builds(capsys):
     from wb_kernels.stages.flash import region_cells
-    from wb_kernels.sync import module_regions
+    from wb_kernels.lesson_sync import module_regions
 
     file = "wb_kernels/stages/flash/kernel.py"
     shipped = module_regions(REPO / file)["flash_pv"]

@@ -34,7 +34,7 @@ from wb_kernels.stages.hopper import tma_swizzle as ts
 from wb_kernels.stages.hopper import v1_model
 from wb_kernels.stages.hopper import wgmma_fragments as wf
 from wb_kernels.stages.mma import swizzle as mma_swizzle
-from wb_kernels.sync import module_regions
+from wb_kernels.lesson_sync import module_regions
 from stage_cases import tool_or_skip
 
 REPO = Path(__file__).resolve().parents[1]

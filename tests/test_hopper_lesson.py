@@ -166,7 +166,7 @@ def test_every_attention_region_is_shown_once_in_the_files_order():
     """The shared tile steps, v1, v2, v3 and the host side: every region, once, in the file's order (so each function
     is shown before its caller); the primitives v2 and v3 use, before their kernels."""
     from wb_kernels.stages.hopper import build as hopper_build
-    from wb_kernels.sync import notebook_regions
+    from wb_kernels.lesson_sync import notebook_regions
 
     files = hopper_build.SOURCE.files()  # hopper_host.cu and the headers it includes
     shown = [name for name, module, _ in notebook_regions(LESSON) if module in files]

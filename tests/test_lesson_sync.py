@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from wb_kernels.sync import module_regions, notebook_regions, region_source, resync_notebook
+from wb_kernels.lesson_sync import module_regions, notebook_regions, region_source, resync_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -17,7 +17,7 @@ def test_region_cells_equal_the_package(notebook):
     for name, module, text in notebook_regions(notebook):
         assert text == region_source(module, name), (
             f"{notebook.name}: the cell showing region {name!r} of {module} differs from the package; "
-            "run `python -m wb_kernels.sync` on the lesson, or copy the cell into the package")
+            "run `python -m wb_kernels.lesson_sync` on the lesson, or copy the cell into the package")
 
 
 def test_sync_detects_drift(tmp_path):
@@ -62,7 +62,7 @@ def test_resync_restores_an_edited_region_cell_and_keeps_outputs(tmp_path):
 
 
 def test_replace_region_swaps_one_body_and_raises_key_error_for_a_missing_region():
-    from wb_kernels.sync import lines_changed, replace_region
+    from wb_kernels.lesson_sync import lines_changed, replace_region
 
     python = "a = 1\n    # region: body\n    x = 1\n    # endregion\nb = 2\n"
     assert replace_region(python, "body", "\n    x = 2\n") == "a = 1\n    # region: body\n    x = 2\n    # endregion\nb = 2\n"

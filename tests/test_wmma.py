@@ -22,7 +22,7 @@ from wb_kernels import cuda_build
 from wb_kernels.stages.wmma import build as wmma_build
 from wb_kernels.stages.wmma.fragment_model import fragment_model, round_to, ulp
 from wb_kernels.stages.wmma.launcher import DEFAULT_VARIANT
-from wb_kernels.sync import module_regions
+from wb_kernels.lesson_sync import module_regions
 from stage_cases import (CUDA_GPU_SHAPES, check_bottom_right_rows_without_keys, check_cuda_gqa_case, check_cuda_stage,
                          check_rows_without_keys, cuda_gqa_parameters, tool_or_skip)
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cuda_toolchain import NvccNotFound, find_cuobjdump, find_nvcc  # noqa: F401 (where nvcc comes from)
-from .sync import PACKAGE_ROOT, install_input_transformer, lines_changed, module_regions, replace_region
+from .lesson_sync import PACKAGE_ROOT, install_input_transformer, lines_changed, module_regions, replace_region
 
 __all__ = [
     "CudaBuildError", "NvccNotFound", "EditableSource", "Extension", "enable_region_cells", "record_region_cell", "build_flags",

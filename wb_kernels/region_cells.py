@@ -20,7 +20,7 @@ import importlib
 import re
 from pathlib import Path
 
-from .sync import PACKAGE_ROOT, install_input_transformer, lines_changed, module_regions, replace_region
+from .lesson_sync import PACKAGE_ROOT, install_input_transformer, lines_changed, module_regions, replace_region
 
 __all__ = ["PIECES", "enable_region_cells", "record_piece", "assemble", "reset", "edited_pieces"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...cuda_build import CudaBuildError, EditableSource, Extension, compile_cubin, ptxas_entries
-from ...sync import module_regions
+from ...lesson_sync import module_regions
 from ..mma import build as mma_build
 
 __all__ = ["SOURCE", "SOURCE_NAME", "VARIANTS", "Variant", "KernelResources", "package_source", "current_source",

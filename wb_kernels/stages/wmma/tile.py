@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ... import cuda_build
-from ...sync import module_regions
+from ...lesson_sync import module_regions
 
 __all__ = ["SOURCE", "HOST_MODEL", "TileModelError", "package_source", "kernel_text", "source_with",
            "hmma_instructions", "host_product", "build", "product"]

@@ -123,7 +123,7 @@ def resync_notebook(notebook_path) -> list:
     cells' outputs. A region that moved to another file of its folder (a file split in several) gets that file's
     name in its cell's header. Returns the names of the regions whose cell changed.
 
-        python -m wb_kernels.sync notebooks/02_naive.ipynb ...
+        python -m wb_kernels.lesson_sync notebooks/02_naive.ipynb ...
     """
     path = Path(notebook_path)
     notebook = json.loads(path.read_text())
