@@ -108,7 +108,7 @@ def test_flash_v0_refuses_what_it_predates():
 def test_backward_on_cuda_cores_matches_the_reference():
     q, k, v, mask = _inputs(1, 2, 1, 9, 11, 16, True, seed=5)
     dout = _inputs(1, 2, 2, 9, 11, 16, False, seed=6)[0]
-    out, lse = table("flash")["v6"](q, k, v, causal="bottom_right", key_padding_mask=mask)
+    out, lse = table("flash")["v7"](q, k, v, causal="bottom_right", key_padding_mask=mask)
     grads = table("backward")["cuda-cores"](q, k, v, out, lse, dout, causal="bottom_right", key_padding_mask=mask)
     assert all(type(g) is type(q) for g in grads)
     wb.check_gradients("backward cuda-cores", grads, q, k, v, dout, causal="bottom_right", key_padding_mask=mask,

@@ -7,13 +7,14 @@ caller's kind (float32 inputs; no validation, which ``wb.attention`` does):
   attention and the bottom-right causal alignment, and refuses both.
 - ``"v3-tiles"``: the register-blocked kernel with version 3's tile shapes (D = 64: 128 x 64 tiles, 8 rows x 8 keys
   per thread; D = 128: 64 x 64 tiles, 16 threads per row), run with the current kernel's arithmetic (versions 5 and
-  6), so that it differs from ``"v6"`` in the tiles alone. On the simulator it runs the simulator's small tiles, as
+  7), so that it differs from ``"v7"`` in the tiles alone. On the simulator it runs the simulator's small tiles, as
   every entry does.
-- ``"v6"``: what ``stage="flash"`` runs: version 4's tiles at D = 128, the float64 log of the row sum (5) and the
-  stored m*c (6).
+- ``"v7"``: what ``stage="flash"`` runs: version 4's tiles at D = 128, the float64 log of the row sum (5), and the
+  exponent exp2((x - m) c) with masked scores marked by the lowest float32 (7, which replaced 6's stored m*c).
 
-Versions 1, 2, 4 and 5 are history only (:data:`HISTORY_ONLY`): 1 and 2 are the register blocking before the index
-fixes that made it fast, whose code is gone; 4 is ``"v6"``'s tiles, and 5's arithmetic is part of 6.
+Versions 1, 2, 4, 5 and 6 are history only (:data:`HISTORY_ONLY`): 1 and 2 are the register blocking before the index
+fixes that made it fast, whose code is gone; 4 is ``"v7"``'s tiles, 5's arithmetic is part of 7, and 6's stored m*c
+was replaced by 7's exponent (it took very negative scores for masked ones).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _v3_tiles(q, k, v, *, causal=False, key_padding_mask=None, scale=None):
 VERSIONS = {
     "v0": in_callers_kind(_one_row),
     "v3-tiles": in_callers_kind(_v3_tiles),
-    "v6": in_callers_kind(flash_forward),
+    "v7": in_callers_kind(flash_forward),
 }
-DEFAULT_VERSION = "v6"  # what stage="flash" runs
-HISTORY_ONLY = ("v1", "v2", "v4", "v5")
+DEFAULT_VERSION = "v7"  # what stage="flash" runs
+HISTORY_ONLY = ("v1", "v2", "v4", "v5", "v6")
