@@ -32,8 +32,9 @@
 #                                        DIST_SCALING_ARGS="--dtypes float16": passed on to the benchmark
 #   scripts/gpu_check.sh release K/N    part K of N of the release: every GPU test, every property test and every
 #                                        lesson (executed in place, then under strict nbval) at one named commit, in N
-#                                        GPU calls of under 600 s each (N = 3: release 1/3, 2/3, 3/3). Each part
-#                                        builds the CUDA extensions (cached on a warm machine), then runs its share of
+#                                        parts of under RELEASE_LIMIT (540) s each (N = 3: release 1/3, 2/3, 3/3), so
+#                                        that a machine with a per-command time limit can run them one command each.
+#                                        Each part builds the CUDA extensions (cached where the machine is reused), then runs its share of
 #                                        the test files (pytest-xdist, TESTS_WORKERS=6) beside its share of the lessons
 #                                        (LESSON_WORKERS=4 at once), and records each unit's counts and verdict in
 #                                        results/status/<gpu>.json ("release": the commit, each part, whether every
@@ -43,7 +44,7 @@
 #                                        release_KofN.tgz (the part's logs and junit files, its executed lessons, the
 #                                        status file, the README with its status block rendered from it, results and
 #                                        figures it wrote) and <gpu>.json: unpack the tarball at the repository's root
-#                                        before the next call (a warm machine keeps a copy of the status in
+#                                        before the next part (a reused machine also keeps a copy of the status in
 #                                        logs/release/; the README must match the status file for
 #                                        tests/test_status.py). The shares are balanced by the seconds each file and
 #                                        lesson took in the last release (`python3 scripts/status.py release-plan 3`
@@ -275,7 +276,7 @@ if has distributed; then
 fi
 if [ -n "$release_part" ]; then
   # ---- release K/N: one part of the release (usage above). Tests and lessons run side by side after the build;
-  # every command gets what is left of the part's limit, so the part records its result inside one GPU call.
+  # every command gets what is left of the part's limit, so the part records its result inside one command.
   commit=${WB_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
   [ -n "$commit" ] || { echo "release: no commit to name (set WB_GIT_COMMIT=<commit> where .git is absent)" | tee -a "$LOG"; exit 2; }
   export WB_GIT_COMMIT=$commit
@@ -292,7 +293,7 @@ if [ -n "$release_part" ]; then
   rm -rf "$rel_logs"; mkdir -p "$rel_logs"; touch "$rel_logs/.started"
   release_started=$SECONDS
   # the part's commands stop starting, and are stopped, RELEASE_LIMIT (540) s after this script started (the wheels
-  # included), which leaves the record and the packing inside the GPU call's 600 s
+  # included), which leaves the record and the packing inside a 600 s limit on the whole command
   export RELEASE_DEADLINE=$(( $(date +%s) + ${RELEASE_LIMIT:-540} - SECONDS ))
   left() { local s=$(( RELEASE_DEADLINE - $(date +%s) )); [ "$s" -gt 5 ] && echo "$s" || echo 5; }
   pack_release() {  # this part's logs, its executed lessons, the status file, results and figures it wrote
@@ -308,7 +309,7 @@ if [ -n "$release_part" ]; then
   echo "== release $release_part at $commit on $gpu, what has not passed yet: tests [$PART_TESTS]$([ "$PART_PROPERTIES" = 1 ] && echo ' + properties'); lessons [$PART_LESSONS]" | tee -a "$LOG"
   { nvidia-smi; python3 -c "import sys, torch, numpy, numba; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda); print('numpy', numpy.__version__, 'numba', numba.__version__)"; \
     python3 -c "import wb_kernels as wb; print(wb.banner())"; } > "$rel_logs/env.log" 2>&1
-  BUILD_LIMIT=$(left) build_rungs  # every CUDA C++ rung's extension, side by side (cached on a warm machine)
+  BUILD_LIMIT=$(left) build_rungs  # every CUDA C++ rung's extension, side by side (cached where the machine is reused)
   cp logs/build_*.log "$rel_logs/" 2>/dev/null
   steps_rc=()
   for script in wb_kernels/stages/*/build.py; do

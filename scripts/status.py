@@ -14,7 +14,7 @@ machine is recorded as ``results/status/cpu.json`` (``make status-cpu``). ``test
 README's block differs from what the committed files render.
 
 The release (``scripts/gpu_check.sh release K/N``): every GPU test, every property test and every lesson under nbval
-at one named commit, in N parts of one GPU call each. ``release-plan`` splits the test files and the lessons into
+at one named commit, in N parts of one command each. ``release-plan`` splits the test files and the lessons into
 the N parts by the seconds each took in the last release (before any: a test file's lines, a lesson's stored cell
 timings), and ``--shell`` prints what of one part has not passed yet; ``release-done`` says whether a part already
 passed at the commit (the part is then skipped); ``release-record`` writes each unit's counts and verdict (the
@@ -201,7 +201,7 @@ def _render_release_file(data: dict) -> str:
     seconds = sum(part.get("seconds", 0) for part in release.get("parts", {}).values())
     calls = sum(part.get("calls", 1) for part in release.get("parts", {}).values())
     return (f"- **{m.get('gpu') or data['name']}**, {release['date']} (torch {m.get('torch')}, {seconds / 60:.0f} min "
-            f"in {calls} GPU call{'s' if calls != 1 else ''}), {release_summary(release)}.{earlier}")
+            f"in {calls} run{'s' if calls != 1 else ''} of its parts), {release_summary(release)}.{earlier}")
 
 
 def update_readme(readme: Path = ROOT / "README.md", status_dir: Path = STATUS_DIR) -> Path:
@@ -213,7 +213,7 @@ def update_readme(readme: Path = ROOT / "README.md", status_dir: Path = STATUS_D
 
 # ---------------------------------------------------------------------------------------------------- the release
 # A part is named "K/N" (part K of N). Its record lives in the release entry of results/status/<gpu>.json, and a copy
-# in logs/release/<gpu>.json, which a GPU machine kept warm between calls still has when the tree sent to it lacks
+# in logs/release/<gpu>.json, which a GPU machine reused between parts still has when the tree sent to it lacks
 # the record of the part before.
 RELEASE_COPY = ROOT / "logs" / "release"
 # Seconds a unit is assumed to take when no release has recorded it: a test file by its lines, a lesson by the cell
@@ -247,7 +247,7 @@ def parse_part(part: str):
 
 
 def load_status(gpu: str) -> dict:
-    """The machine's status file merged with the warm machine's copy (the parts either of them recorded)."""
+    """The machine's status file merged with the reused machine's copy (the parts either of them recorded)."""
     path = STATUS_DIR / f"{gpu}.json"
     data = json.loads(path.read_text()) if path.exists() else {"name": gpu, "release": None, "history": []}
     if "release" not in data and "suites" in data:  # a file from before the release path: all of it is history
@@ -378,7 +378,7 @@ def _verdict(rcs: list, suites: dict) -> str:
 
 
 def release_record(gpu: str, part: str, commit: str, *, logs: Path, step_rcs: dict, seconds: float) -> Path:
-    """Write part `part`'s result into the release entry of results/status/<gpu>.json (and the warm machine's copy).
+    """Write part `part`'s result into the release entry of results/status/<gpu>.json (and the reused machine's copy).
 
     `logs`: the part's folder (tests.xml, properties.xml, nbval_<lesson>.xml); `step_rcs`: each step's exit status
     (124 or 137: stopped by the part's time limit): ``tests``, ``properties``, ``execute:<lesson>``,
