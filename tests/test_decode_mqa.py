@@ -1,4 +1,4 @@
-"""The decode rung's tensor-core kernel for MQA and large groups (issue #30): ``decode_mma_kernel`` in flash_decode.cu,
+"""The decode rung's tensor-core kernel for MQA and large groups (issue #30): ``decode_mma_kernel`` in decode_mma_kernel.cuh,
 one block per (sequence, KV head, split) with the group's query heads as the M rows of mma.sync, so each split reads
 its keys once.
 
@@ -380,14 +380,14 @@ WARPS = 8  # WB_DECODE_MMA_WARPS
 
 
 def mma_shape(tiles_m, warps=WARPS):
-    """flash_decode.cu's MmaShape: (slices, keys per tile, keys per warp) for `tiles_m` row tiles."""
+    """decode_mma_kernel.cuh's MmaShape: (slices, keys per tile, keys per warp) for `tiles_m` row tiles."""
     slices = warps // tiles_m
     keys = max(slices * 16, 64)
     return slices, keys, keys // slices
 
 
 def test_the_model_has_the_kernels_shape():
-    """The model's warps and tile rule are the ones flash_decode.cu's MmaShape states."""
+    """The model's warps and tile rule are the ones decode_mma_kernel.cuh's MmaShape states."""
     source = build.package_source()
     assert f"#define WB_DECODE_MMA_WARPS {WARPS}\n" in source
     assert "static constexpr int KEYS = SLICES * 16 > 64 ? SLICES * 16 : 64;" in source
@@ -554,7 +554,7 @@ def test_the_mma_sweep_table_names_the_best_checked_point():
 
 
 def test_the_mma_variants_are_knobs_of_the_kernels_source():
-    """Each variant's macros exist in flash_decode.cu with a default (so the default build is the measured one),
+    """Each variant's macros exist in the decode CUDA sources with a default (so the default build is the measured one),
     its flags keep the package's nvcc flags, and an unknown variant's name is refused before anything runs."""
     from wb_kernels.stages.decode import tune
 

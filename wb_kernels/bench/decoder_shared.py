@@ -73,7 +73,7 @@ NOTES = {
                "scaled_dot_product_attention with its FLASH, EFFICIENT and MATH backends: cuDNN's re-plans for every new key "
                "length, that is on every decode step, about 60 ms per call on an H100, see tune_*.json's "
                "sdpa_growing_cache); wb: llama_decoder.wb_attend, wb.decode (on a GPU in float16/bfloat16, the "
-               "CUDA C++ kernel of flash_decode.cu), with the host's longest length as max_seqlen; flashinfer: "
+               "CUDA C++ kernels of stages/decode/), with the host's longest length as max_seqlen; flashinfer: "
                "llama_decoder.FlashInferAttend, FlashInfer's BatchDecodeWithPagedKVCacheWrapper (the attention vLLM and "
                "SGLang serve with) on the paged cache only, planned once per step and reused by every layer, as "
                "serving engines do (in a graph: llama_decoder.FlashInferGraphAttend, a wrapper made with "

@@ -6,7 +6,8 @@ Files:
   of splits;
 - ``kernel.py``: the split-KV and merge kernels in numba.cuda (GQA: a block serves a KV head's query heads; paged:
   keys gathered through the block table); they run on the simulator and on a GPU;
-- ``flash_decode.cu`` + ``build.py``: the same algorithm in CUDA C++ for the GPU (16-byte loads, several keys in
+- ``decode_host.cu`` (with the device code in ``decode_params.cuh``, ``decode_merge.cuh``, ``decode_split_kernel.cuh``,
+  ``decode_mma_kernel.cuh``) + ``build.py``: the same algorithm in CUDA C++ for the GPU (16-byte loads, several keys in
   flight per lane, the KV group's query heads in registers), built with torch's ``load_inline``; what ``wb.decode``
   runs on a GPU for float16/bfloat16 at D 64 or 128;
 - ``launcher.py``: launching them, the paged-cache helpers, and this stage's ``wb.attention`` entry;

@@ -50,7 +50,7 @@ def split_weights(lses) -> np.ndarray:
     return weights / weights.sum()
 
 
-CUDA_ROWS_PER_BLOCK = 4  # flash_decode.cu's blocks hold up to 4 query heads: what a GPU runs for 16-bit caches
+CUDA_ROWS_PER_BLOCK = 4  # the CUDA split kernel's blocks hold up to 4 query heads: what a GPU runs for 16-bit caches
 
 
 def row_chunks(H: int, Hk: int, rows_per_block: int = CUDA_ROWS_PER_BLOCK) -> int:

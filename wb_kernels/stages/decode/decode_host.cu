@@ -16,7 +16,7 @@
 // - nothing depends on the lengths' values on the host, and every buffer comes from PyTorch's caching allocator, so a
 //   call can be captured in a CUDA graph and replayed with other lengths: the last split of a sequence reads every
 //   key past the others' (a length beyond the launch's max_seqlen costs time, never keys), and lengths the kernel
-//   had to clamp or extend are flagged in a status word the host reads when it chooses (wb.decoding.decode_problems).
+//   had to clamp or extend are flagged in a status word the host reads when it chooses (wb.decode_problems).
 // The caches are read through their strides (HND, NHD, a slice of a longer cache: no copy); D is contiguous.
 // notebooks/07_decode.ipynb shows the kernels region by region (// region: NAME), each device function before
 // its caller.

@@ -170,7 +170,7 @@ def draw_page_pool(block_table, seq_lens, num_pages: int, page_size: int):
 
 
 def draw_fused_merge(num_splits: int = 4, finish_order=(2, 0, 3, 1)):
-    """flash_decode.cu's merge in the split kernel's own launch, for one (sequence, KV head): each split block writes
+    """The CUDA split kernel's merge in its own launch, for one (sequence, KV head): each split block writes
     its partial output and LSE, then adds one to the group's counter with a release at GPU scope (its results are
     visible before its count); the block whose add returns ``num_splits - 1`` is the last, acquires, and merges every
     split's partial result (read from L2). The counters are the call's own, zeroed by a memset before the launch. `finish_order` is the order in which the blocks

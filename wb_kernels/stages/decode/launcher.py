@@ -135,12 +135,12 @@ def forward(q, k, v, *, causal=False, key_padding_mask=None, scale=None, num_spl
                             num_splits=num_splits, max_len=Lk)
 
 
-CUDA_KERNEL_DTYPES = ("float16", "bfloat16")  # what flash_decode.cu is built for
+CUDA_KERNEL_DTYPES = ("float16", "bfloat16")  # what the CUDA decode kernels are built for
 CUDA_KERNEL_HEAD_DIMS = (64, 128)
 
 
 def uses_cuda_kernel(q) -> bool:
-    """Whether wb.decode runs the CUDA C++ kernel (flash_decode.cu) for this q: a GPU, 16-bit data, D 64 or 128."""
+    """Whether wb.decode runs the CUDA C++ kernels (decode_host.cu) for this q: a GPU, 16-bit data, D 64 or 128."""
     if not (BACKEND.is_gpu and is_torch(q) and q.is_cuda):
         return False
     return str(q.dtype).removeprefix("torch.") in CUDA_KERNEL_DTYPES and q.shape[-1] in CUDA_KERNEL_HEAD_DIMS
@@ -203,7 +203,7 @@ def cuda_split_plan(max_len: int, num_splits: int) -> tuple:
 # the bytes' answer (the first group the split kernel reads twice), to be confirmed on a GPU (the
 # WB_DECODE_MMA_MIN_GROUP environment variable or this attribute change it; the launch plans remember the kernel).
 MMA_MIN_GROUP = int(os.environ.get("WB_DECODE_MMA_MIN_GROUP", "5"))
-MMA_MAX_GROUP = 64  # 4 row tiles of 16: flash_decode.cu's kMmaMaxGroup
+MMA_MAX_GROUP = 64  # 4 row tiles of 16: decode_mma_kernel.cuh's kMmaMaxGroup
 # the mma kernel's splits: at least one 64-key tile. (Two tiles until 2026-11-26; the H100's sweep of the 8-warp
 # kernel, results/decode/mma_sweep_h100.json: MQA B1 Lk2048 ran 32 splits of 64 keys faster than 16 of 128)
 MMA_MIN_KEYS_PER_SPLIT = 64
@@ -241,7 +241,7 @@ def cuda_blocks_per_sm(device_index: int, bf16: bool, D: int, group: int, paged:
 
 def cuda_row_chunks(group: int) -> int:
     """Blocks per (sequence, KV head, split) of the CUDA split kernel for a group of `group` query heads:
-    flash_decode.cu's launch_rows puts 1, 2 or (for larger groups) 4 query heads in a block. (The mma kernel: 1.)"""
+    decode_host.cu's launch_rows puts 1, 2 or (for larger groups) 4 query heads in a block. (The mma kernel: 1.)"""
     rows = 1 if group == 1 else 2 if group == 2 else 4
     return -(-group // rows)
 
@@ -287,7 +287,7 @@ def cuda_launch_plan(device_index: int, B: int, H: int, Hk: int, max_len: int, n
         group = H // Hk
         # the mma kernel: one block per (sequence, KV head, split) whatever the group, so MQA at B = 1 has B * Hk = 1
         # block per split; shorter splits (two of its 64-key tiles) and more of them keep the SMs busy, and past 4 x 64
-        # (row, split) pairs its splits are merged by the second kernel's B x H blocks, not one (flash_decode.cu)
+        # (row, split) pairs its splits are merged by the second kernel's B x H blocks, not one (decode_host.cu)
         shorter = ({"min_keys_per_split": MMA_MIN_KEYS_PER_SPLIT, "max_splits": MMA_MAX_SPLITS} if kernel == "mma"
                    else {"min_keys_per_split": SPLIT_MIN_KEYS_PER_SPLIT})
         num_splits = choose_num_splits(B, Hk, max_len, num_sms(),

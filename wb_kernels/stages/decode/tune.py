@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build, check and time the CUDA C++ decode kernel's launch variants and numbers of splits on one GPU, in one run.
 
-A variant is a build of ``flash_decode.cu`` with other values of its three knobs (``-D`` flags):
+A variant is a build of ``decode_host.cu`` (and the headers it includes) with other values of its three knobs (``-D`` flags):
 
 - ``WB_DECODE_WARPS``: warps per block of the split kernel (each warp walks its own keys);
 - ``WB_KEYS_IN_FLIGHT``: key steps whose K and V loads a lane issues before it uses the first;
@@ -101,7 +101,7 @@ class Variant:
                 f"-DWB_DECODE_FUSED_MERGE={self.fused}"]
 
 
-DEFAULT = Variant(8, 2, 1, 1)  # what flash_decode.cu builds without flags
+DEFAULT = Variant(8, 2, 1, 1)  # what decode_host.cu builds without flags
 # the previous default (a second kernel merges), the first version (4 warps, 4 steps in flight, per-key softmax,
 # separate merge), and fused ones around the default. (Names before 2026-11-24 had no _fm: all merged separately.)
 VARIANTS = (DEFAULT, Variant(8, 2, 1, 1, 0), Variant(4, 4, 0, 0, 0), Variant(8, 4, 1, 1), Variant(8, 4, 0, 1),
@@ -285,7 +285,7 @@ def smallest_winning_group(rows: list):
 
 @dataclass(frozen=True)
 class MmaVariant:
-    """A build of flash_decode.cu with `defines` (``WB_DECODE_MMA_*`` knobs) on top of the package's nvcc flags."""
+    """A build of decode_host.cu with `defines` (``WB_DECODE_MMA_*`` knobs) on top of the package's nvcc flags."""
 
     name: str
     defines: tuple = ()  # ((macro, value), ...)
@@ -649,7 +649,7 @@ def main(argv=None) -> int:
         result = dict(kind=f"decode_{kernel}_trace", environment=environment(),
                       command=" ".join(["python -m wb_kernels.stages.decode.tune"] + (argv or sys.argv[1:])),
                       notes=dict(stamps="thread 0 of each block: %globaltimer (ns) and clock64 at " +
-                                        ", ".join(KERNEL_TRACE_PHASES[kernel]) + f" (flash_decode.cu, {define})",
+                                        ", ".join(KERNEL_TRACE_PHASES[kernel]) + f" (decode_host.cu, {define})",
                                  call=f"the 5th of 5 calls of {entry} at the launcher's splits, "
                                       "each after the L2 was flushed by reading 256 MB; a merge kernel that "
                                       "follows is not stamped",

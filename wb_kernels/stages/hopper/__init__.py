@@ -3,10 +3,12 @@
 Work in progress (NOTES.md says what runs and what remains); registered as the stage ``"hopper"`` of
 ``wb.attention``, which runs v1 on a Hopper GPU. Files:
 
-- ``hopper_lab.cu``: v0, the primitives lab (mbarrier, the TMA tile load with the 128-byte swizzle, the wgmma
-  shared-memory descriptor, wgmma in its SS and RS forms, setmaxnreg, named barriers, each in a small kernel with a
-  torch launcher), v1, attention with those pieces and one warpgroup, v2 (a producer warpgroup and two consumers,
-  full/empty mbarrier ring, setmaxnreg) and v3 (v2's consumers in ping-pong through named barriers);
+- ``hopper_primitives_lab.cuh``: v0, the primitives lab (mbarrier, the TMA tile load with the 128-byte swizzle, the
+  wgmma shared-memory descriptor, wgmma in its SS and RS forms, setmaxnreg, named barriers, each in a small kernel);
+- ``hopper_attention.cuh``: attention with those pieces: v1 (one warpgroup), v2 (a producer warpgroup and two
+  consumers, full/empty mbarrier ring, setmaxnreg), v3 (v2's consumers in ping-pong through named barriers) and v4
+  (the softmax of a tile under the previous tile's P V);
+- ``hopper_host.cu``: the tensor maps and the torch entry points of both (it includes the two headers);
 - ``build.py``: the lab described to the shared :mod:`wb_kernels.cuda_build`, for ``sm_90a``: the extension (with the
   barrier watchdog by default) and, without a GPU, the compile report and the SASS (``HGMMA``, ``UTMALDG``); a wgmma
   that ptxas serialized fails both;

@@ -10,7 +10,7 @@ For a box whose rows are exactly 128 bytes (64 fp16/bf16 elements, what this run
 "chunk c of row r goes to chunk c ^ (r % 8) of the same row": the XOR :func:`wb_kernels.stages.mma.swizzle.swizzled_offset`
 computes for the mma rung's cp.async tiles at D = 64. :func:`swizzled_image` builds the shared-memory image both
 ways and the tests hold them equal, and equal to what the GPU's TMA wrote (``lab.tma_tile``). The wgmma descriptor's
-swizzle mode 1 reads the same layout back (``hopper_lab.cu``, region ``wgmma_descriptor``).
+swizzle mode 1 reads the same layout back (``hopper_primitives_lab.cuh``, region ``wgmma_descriptor``).
 
 Sources: NVIDIA, *CUDA C++ Programming Guide*, "Tensor Memory Access" (swizzle modes); CUDA Driver API,
 ``cuTensorMapEncodeTiled``; *PTX ISA*, "cp.async.bulk.tensor" and the wgmma "Matrix Descriptor Format".

@@ -1,7 +1,7 @@
 """v1's control flow and arithmetic in NumPy, block by block and tile by tile (rung ``hopper``; tests/test_hopper.py);
 with ``**WS`` (128-row blocks of two 64-row consumers, 128-key tiles), v2's and v3's.
 
-``flash_v1_kernel`` in ``hopper_lab.cu`` with whole 64 x 64 matrices where the kernel has registers (the register
+``flash_v1_kernel`` in ``hopper_attention.cuh`` with whole 64 x 64 matrices where the kernel has registers (the register
 layouts are checked apart, in ``wgmma_fragments``): which key tiles a block of 64 query rows loads (``kv_end``,
 all keys or up to the last row's causal diagonal), which tiles need the mask (ragged keys, key padding, the causal
 diagonal), the online softmax in base 2 with masks by select and 0 as the base of a row that has seen no key, P

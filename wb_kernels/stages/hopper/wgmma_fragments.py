@@ -7,7 +7,7 @@ the wgmma figures for m64nNk16): the accumulator repeats the m16n8 C fragment on
 of the RS form is the m16n8k16 A fragment (:mod:`wb_kernels.stages.mma.fragments`). So the mma rung's lesson
 carries over: S's accumulators are, register pair by register pair, the A operand of the next product.
 
-The functions here write down the index arithmetic of ``hopper_lab.cu`` in Python, so that the tests can hold it to
+The functions here write down the index arithmetic of ``hopper_primitives_lab.cuh`` in Python, so that the tests can hold it to
 that model:
 
 - :func:`accumulator_coords`: ``d[4 j + 2 h + e]`` of thread ``t`` is D[16 w + lane / 4 + 8 h][8 j + 2 (lane % 4) + e];
