@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...arguments import canonical_causal
 from .sharding import LAYOUTS, shard_length
 
 __all__ = ["describe", "check_agreement", "exchange", "agree"]
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-_CAUSAL = {False: 0, None: 0, True: 1, "top_left": 1, "bottom_right": 2}
+_CAUSAL = {None: 0, "top_left": 1, "bottom_right": 2}  # arguments.canonical_causal's forms
 _CAUSAL_NAMES = {0: "False", 1: "'top_left'", 2: "'bottom_right'"}
 _MISSING = -1
 _MIX = 0x9E3779B97F4A7C15 - 2**64  # an odd multiplier (as a signed int64): position-dependent weights
@@ -65,7 +66,10 @@ def _scale_bits(scale):
 
 def describe(*, q, k, v, key_padding_mask, Lq, Lk, causal, scale, layout, extra=(), q_digest=False):
     """This rank's call as a list of int64 numbers (the layout of :func:`check_agreement`'s fields)."""
-    causal_code = _CAUSAL.get(causal, 3) if isinstance(causal, (bool, str, type(None))) else 3
+    try:  # every rank's value in its one canonical form, so causal=1 and causal=True agree
+        causal_code = _CAUSAL[canonical_causal(causal)]
+    except (TypeError, ValueError):
+        causal_code = 3  # not a causal value: said as such, beside what the other ranks have
     return ([*_shape(q), *_shape(k), *_shape(v), _dtype(q), _dtype(k), _dtype(v),
              *_shape(key_padding_mask, 2), _digest(key_padding_mask), int(Lq), int(Lk), causal_code,
              LAYOUTS.index(layout) if layout in LAYOUTS else _MISSING, *_scale_bits(scale),
