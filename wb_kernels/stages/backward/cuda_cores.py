@@ -49,7 +49,7 @@ from ...backend import BACKEND
 from ...device import empty, is_torch, kernel_view, to_work
 from ...reference import causal_offset
 from ...resources import register_kernel
-from ..flash.kernel import LOG2E, NEG_HALF, allow_shared_bytes, jit_options  # noqa: F401 (NEG_HALF: lesson 08)
+from ..flash.kernel import LOG2E, allow_shared_bytes, jit_options
 
 __all__ = ["BackwardConfig", "SIMULATOR_CONFIG", "GPU_CONFIGS", "config_for", "backward_shared_layout",
            "make_backward_kernels", "get_kernels", "preprocess_kernel", "flash_gradients", "simulator_seconds",

@@ -35,11 +35,10 @@ from ...resources import register_kernel
 
 __all__ = ["DecodeConfig", "make_partial_kernel", "merge_kernel", "load_query_rows", "load_kv_tile", "score_tile",
            "online_softmax_tile", "write_partial", "get_partial_kernel", "config_for",
-           "SIMULATOR_CONFIG", "GPU_CONFIG", "NEG_BIG", "NEG_HALF", "CAUSAL_NONE", "CAUSAL_TOP_LEFT",
+           "SIMULATOR_CONFIG", "GPU_CONFIG", "NEG_BIG", "CAUSAL_NONE", "CAUSAL_TOP_LEFT",
            "CAUSAL_BOTTOM_RIGHT", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE"]
 
 NEG_BIG = -3.4028234663852886e38  # a finite "minus infinity" for masked scores: the lowest float32, below every score
-NEG_HALF = NEG_BIG  # the old name of the masked-score threshold (it was -0.5e30, which real scores can pass)
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
 

@@ -39,14 +39,13 @@ from ..naive.kernel import check_grid
 
 __all__ = ["FlashConfig", "make_flash_kernel", "flash_forward", "shared_layout", "config_for", "get_kernel",
            "jit_options", "allow_shared_bytes", "kernel_name", "kernel_signature", "SIGNATURE",
-           "SIMULATOR_CONFIG", "GPU_CONFIGS", "NEG_BIG", "NEG_HALF", "LOG2E", "LN2", "STAGE"]
+           "SIMULATOR_CONFIG", "GPU_CONFIGS", "NEG_BIG", "LOG2E", "LN2", "STAGE"]
 
 # A finite "minus infinity": the kernel is compiled with fastmath, which lets the compiler assume that no value is
 # ever infinite, so masked scores get NEG_BIG, the lowest float32, below every score the kernel can compute: a
 # score of -1e35 is a score (only a score equal to NEG_BIG, the end of float32's range, counts as masked). Whether a
 # row has seen a key is its running sum l > 0 (its largest score contributes exp2(0) = 1), never a value's size.
 NEG_BIG = float(np.finfo(np.float32).min)  # -3.4028235e38
-NEG_HALF = NEG_BIG  # the old name of the masked-score threshold (it was -0.5e30, which real scores can pass)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 STATIC_SHARED_LIMIT = 48 * 1024  # beyond this a kernel must opt in to more dynamic shared memory
