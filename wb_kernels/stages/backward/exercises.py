@@ -20,6 +20,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ...check import check_gradients
+from ...inputs import random_qkv
+from ...reference import reference
 from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies
 from .blockwise import blockwise_backward, recompute_probs
 from .launcher import DEFAULT_VARIANT
@@ -72,9 +75,7 @@ def puzzle_problem():
     """(q, k, v, dout, keep), float64: B = 1, H = 4 query heads on Hk = 2 key/value heads, Lq = 29, Lk = 27, D = 16;
     keys 0 to 2 padded. With the bottom-right causal mask row i sees keys 3 .. i - 2: rows 0 to 4 see none (inside
     the first query tile, whose rows 5 to 7 do see keys), and most rows see keys of several tiles of 8."""
-    import wb_kernels as wb
-
-    q, k, v = wb.random_qkv(1, 4, 29, 16, Lk=27, dtype="float64", seed=8, std=1.5)
+    q, k, v = random_qkv(1, 4, 29, 16, Lk=27, dtype="float64", seed=8, std=1.5)
     k, v = k[:, :2].copy(), v[:, :2].copy()
     dout = np.random.default_rng(9).standard_normal(q.shape)
     keep = np.ones((1, 27), dtype=bool)
@@ -83,11 +84,9 @@ def puzzle_problem():
 
 
 def _puzzle_result(step):
-    import wb_kernels as wb
-
     q, k, v, dout, keep = puzzle_problem()
     options = dict(causal="bottom_right", key_padding_mask=keep, scale=PUZZLE_SCALE)
-    out, lse = wb.reference(q, k, v, **options)
+    out, lse = reference(q, k, v, **options)
     try:
         with np.errstate(all="ignore"):  # a wrong step overflows or makes NaN: the verdict says so, not a warning
             grads = blockwise_backward(q, k, v, out, lse, dout, block_m=PUZZLE_BLOCK, block_n=PUZZLE_BLOCK,
@@ -98,7 +97,7 @@ def _puzzle_result(step):
         if not np.isfinite(grad).all():
             return SimpleNamespace(passed=False, reason=f"{name} holds NaN or Inf (rows 0 to 4 see no key: their "
                                                         "LSE is -inf, and exp(-inf - -inf) is NaN)")
-    return wb.check_gradients("your tile step", grads, q, k, v, dout, verbose=False, raise_on_failure=False,
+    return check_gradients("your tile step", grads, q, k, v, dout, verbose=False, raise_on_failure=False,
                               **options)
 
 

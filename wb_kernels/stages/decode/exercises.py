@@ -13,6 +13,9 @@ import math
 
 import numpy as np
 
+from ...check import check as check_against_reference
+from ...inputs import random_qkv
+from ...reference import attention_mask, reference
 from ...check import CheckResult
 from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies, merged_lse_allowance
 from .slider import attention_cost, cache_memory, split_weights
@@ -69,9 +72,7 @@ def puzzle_inputs():
     """The puzzle's problem (float64, one head, 37 queries and keys, D = 16, causal): key 0 is padding, so row 0
     sees no key at all; keys 10-14 are padding, so split 2 (keys 10-14 of 8 splits of 5) is empty for every row; the
     early rows see only the first splits; and a large scale puts some LSEs near a thousand."""
-    import wb_kernels as wb
-
-    q, k, v = wb.random_qkv(1, 1, 37, 16, dtype="float64", seed=7)
+    q, k, v = random_qkv(1, 1, 37, 16, dtype="float64", seed=7)
     keep = np.ones(37, dtype=bool)
     keep[0] = False
     keep[10:15] = False
@@ -83,11 +84,9 @@ def check_merge_puzzle(merge) -> None:
     """Split the puzzle's keys into ``PUZZLE_SPLITS`` splits, compute each split's ``(out_s, lse_s)`` with
     :func:`partial_attention`, merge them with the learner's `merge` (outs (S, rows, D), lses (S, rows) ->
     (out (rows, D), lse (rows,))) and check output and LSE against the float64 reference. Prints one line."""
-    import wb_kernels as wb
-
     q, k, v, keep = puzzle_inputs()
     Lq, Lk = q.shape[2], k.shape[2]
-    allowed = wb.attention_mask(Lq, Lk, causal=True, key_padding_mask=keep[None])[0, 0]  # (Lq, Lk)
+    allowed = attention_mask(Lq, Lk, causal=True, key_padding_mask=keep[None])[0, 0]  # (Lq, Lk)
 
     def run():
         outs, lses = [], []
@@ -100,8 +99,8 @@ def check_merge_puzzle(merge) -> None:
         out, lse = np.asarray(out, dtype=np.float64), np.asarray(lse, dtype=np.float64)
         if out.shape != (Lq, q.shape[3]) or lse.shape != (Lq,) or np.isnan(out).any() or np.isnan(lse).any():
             return CheckResult("your merge", math.nan, 0.0)  # a NaN (or a wrong shape) is never right
-        ref = wb.reference(q, k, v, causal=True, key_padding_mask=keep[None], scale=PUZZLE_SCALE)
-        result = wb.check("your merge", out[None, None], q, k, v, lse=lse[None, None], causal=True,
+        ref = reference(q, k, v, causal=True, key_padding_mask=keep[None], scale=PUZZLE_SCALE)
+        result = check_against_reference("your merge", out[None, None], q, k, v, lse=lse[None, None], causal=True,
                           key_padding_mask=keep[None], scale=PUZZLE_SCALE, ref=ref, verbose=False,
                           raise_on_failure=False)
         # the hint's formula, exp(lse_s - lse) with the merged lse, carries that lse's rounding (near a thousand:

@@ -13,6 +13,9 @@ import math
 
 import numpy as np
 
+from ...check import check as check_against_reference
+from ...inputs import random_qkv
+from ...reference import reference
 from ...check import CheckResult
 from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies, merged_lse_allowance
 from .sharding import causal_ceiling
@@ -88,9 +91,7 @@ def puzzle_inputs():
     length; and a large scale puts LSEs near two thousand."""
     import torch
 
-    import wb_kernels as wb
-
-    q, k, v = wb.random_qkv(2, 2, 37, 16, dtype="float64", seed=9)
+    q, k, v = random_qkv(2, 2, 37, 16, dtype="float64", seed=9)
     q, k, v = (torch.as_tensor(x) for x in (q, k, v))
     k, v = k[:, :1].contiguous(), v[:, :1].contiguous()
     keep = torch.ones(2, 37, dtype=torch.bool)
@@ -106,8 +107,6 @@ def check_merge_step_puzzle(merge_step) -> None:
     rank's accumulator, and check output and LSE against the float64 reference. Prints one line."""
     import torch
 
-    import wb_kernels as wb
-
     q, k, v, keep = puzzle_inputs()
 
     def run():
@@ -119,9 +118,9 @@ def check_merge_step_puzzle(merge_step) -> None:
         out, lse = torch.as_tensor(out, dtype=torch.float64), torch.as_tensor(lse, dtype=torch.float64)
         if torch.isnan(out).any() or torch.isnan(lse).any():
             return CheckResult("your merge", math.nan, 0.0)  # a NaN is never right
-        ref = wb.reference(q.numpy(), k.numpy(), v.numpy(), causal=True, key_padding_mask=keep.numpy(),
+        ref = reference(q.numpy(), k.numpy(), v.numpy(), causal=True, key_padding_mask=keep.numpy(),
                            scale=PUZZLE_SCALE)
-        result = wb.check("your merge", out.numpy(), q.numpy(), k.numpy(), v.numpy(), lse=lse.numpy(), causal=True,
+        result = check_against_reference("your merge", out.numpy(), q.numpy(), k.numpy(), v.numpy(), lse=lse.numpy(), causal=True,
                           key_padding_mask=keep.numpy(), scale=PUZZLE_SCALE, ref=ref, verbose=False,
                           raise_on_failure=False)
         # the hint's formula, exp(lse_side - lse) with the merged lse, carries that lse's rounding (near two

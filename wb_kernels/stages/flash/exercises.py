@@ -18,6 +18,8 @@ import math
 
 import numpy as np
 
+from ...check import check as check_against_reference
+from ...inputs import random_qkv
 from ...check import CheckResult
 from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies
 from .kernel import STAGE
@@ -64,9 +66,7 @@ def puzzle_problem():
     causal mask rows 0 to 7 see no key, and rows 8 on see their first key in the second block, every third of them
     with scores near -780, so a step that returns its stand-in max 0 for a row without keys (in place of -inf) and
     carries it into that block underflows those rows to a sum of 0."""
-    import wb_kernels as wb
-
-    q, k, v = wb.random_qkv(1, 1, PUZZLE_ROWS, 16, Lk=PUZZLE_KEYS, dtype="float64", seed=15, std=1.5)
+    q, k, v = random_qkv(1, 1, PUZZLE_ROWS, 16, Lk=PUZZLE_KEYS, dtype="float64", seed=15, std=1.5)
     q[..., 0] = np.where(np.arange(PUZZLE_ROWS) % 3 == 2, -40.0, 40.0)
     k[..., 0] = 75.0 + 0.3 * np.arange(PUZZLE_KEYS)
     keep = np.ones(PUZZLE_KEYS, dtype=bool)
@@ -75,8 +75,6 @@ def puzzle_problem():
 
 
 def _puzzle_result(step) -> CheckResult:
-    import wb_kernels as wb
-
     q, k, v, keep = puzzle_problem()
     with np.errstate(all="ignore"):  # a wrong step overflows or makes NaN: the verdict says so, not a warning
         out, lse, history = blockwise_attention(q[0, 0], k[0, 0], v[0, 0], block_n=PUZZLE_BLOCK, causal=True,
@@ -84,7 +82,7 @@ def _puzzle_result(step) -> CheckResult:
     if any(np.isnan(h["l"]).any() or np.isnan(h["m"]).any() for h in history):
         # the final division hides a NaN sum in a row without keys; the kernel would not: it has to fail here
         return CheckResult("your online softmax", math.nan, 0.0)
-    return wb.check("your online softmax", out[None, None], q, k, v, lse=lse[None, None], causal=True,
+    return check_against_reference("your online softmax", out[None, None], q, k, v, lse=lse[None, None], causal=True,
                     key_padding_mask=keep[None], verbose=False, raise_on_failure=False)
 
 

@@ -31,6 +31,8 @@ import sys
 
 import numpy as np
 
+from ...check import check as check_against_reference
+from ...inputs import random_padding_mask, random_qkv
 from . import lab
 from .build import GEMM_VARIANTS
 from .tma_swizzle import swizzled_image, tma_box
@@ -156,8 +158,6 @@ def check_attention(version: int = 1, quick: bool = False) -> str:
     and 128, bottom-right causal, key padding) and the rows without keys, for the sanitizers."""
     import torch
 
-    import wb_kernels as wb
-
     flash = LAUNCHERS[version]
     failures, cases = [], 0
     shapes = ATTENTION_SHAPES + (WS_EXTRA_SHAPES if version > 1 else [])
@@ -167,19 +167,19 @@ def check_attention(version: int = 1, quick: bool = False) -> str:
     for dtype in dtypes:
         for D in head_dims:
             for B, H, Lq, Lk, Hk in shapes:
-                q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, dtype=dtype, framework="torch", device="cuda",
+                q, k, v = random_qkv(B, H, Lq, D, Lk=Lk, dtype=dtype, framework="torch", device="cuda",
                                         seed=Lq + 3 * Lk + D)
                 k, v = k[:, :Hk].contiguous(), v[:, :Hk].contiguous()
                 for causal in (("bottom_right",) if quick else (False, "top_left", "bottom_right")):
                     for padded in ((True,) if quick else (False, True)):
-                        mask = wb.random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
+                        mask = random_padding_mask(B, Lk, seed=Lk, framework="torch", device="cuda") if padded else None
                         name = f"v{version} {dtype} D={D} {(B, H, Lq, Lk)} Hk={Hk} causal={causal} padded={padded}"
                         _running(name)
                         out, lse = flash(q, k, v, causal=causal, key_padding_mask=mask)
                         torch.cuda.synchronize()
                         cases += 1
                         try:
-                            result = wb.check(name, out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask,
+                            result = check_against_reference(name, out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask,
                                               verbose=False, raise_on_failure=False)
                         except AssertionError as error:  # wb.check's CheckFailed: a wrong shape
                             failures.append(f"{name}: {error}")
@@ -188,7 +188,7 @@ def check_attention(version: int = 1, quick: bool = False) -> str:
                             failures.append(result.line())
     # rows 0-4 see only keys 0-4, all padded out: zeros and an LSE of -inf
     for D in head_dims:
-        q, k, v = wb.random_qkv(1, 2, 70, D, dtype="float16", framework="torch", device="cuda", seed=3)
+        q, k, v = random_qkv(1, 2, 70, D, dtype="float16", framework="torch", device="cuda", seed=3)
         mask = torch.ones(1, 70, dtype=torch.bool, device="cuda")
         mask[0, :5] = False
         _running(f"v{version} rows without keys D={D}")

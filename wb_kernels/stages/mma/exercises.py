@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...check import check as check_against_reference
+from ...inputs import random_qkv
 from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies
 from . import swizzle, warp_model
 
@@ -97,9 +99,7 @@ def puzzle_inputs():
     p = 2^(s - 0) then underflows to 0 even in fp32."""
     import torch
 
-    import wb_kernels as wb
-
-    q, k, v = wb.random_qkv(2, 1, 100, 64, dtype="float16", framework="torch", seed=6, std=3.0)
+    q, k, v = random_qkv(2, 1, 100, 64, dtype="float16", framework="torch", seed=6, std=3.0)
     keep = torch.ones(2, 100, dtype=torch.bool)
     keep[0, 0] = False
     keep[1, :70] = False
@@ -114,15 +114,13 @@ def check_fragment_softmax_puzzle(step) -> None:
     ``fragment_softmax_step`` and check its output and LSE against the float64 reference. Prints one line."""
     import torch
 
-    import wb_kernels as wb
-
     q, k, v, keep = puzzle_inputs()
 
     def run():
         with np.errstate(all="ignore"):  # a wrong step makes inf - inf or overflows: its verdict says so, not NumPy
             out, lse = warp_model.forward(q, k, v, causal=True, key_padding_mask=keep, dtype="float16",
                                           softmax_step=step)
-        return wb.check("your fragment softmax", torch.from_numpy(np.asarray(out)).half(), q, k, v,
+        return check_against_reference("your fragment softmax", torch.from_numpy(np.asarray(out)).half(), q, k, v,
                         lse=np.asarray(lse), causal=True, key_padding_mask=keep, verbose=False,
                         raise_on_failure=False)
 

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from ...backend import BACKEND
+from ...inputs import random_qkv
 from ... import nsight
 from ...attention_costs import attention_flops
 from ...results_files import shown_path
@@ -247,12 +249,10 @@ def _call(contender: str, q, k, v):
 def run_child(contender: str, shape, dtype: str, warmup: int) -> None:
     import torch
 
-    import wb_kernels as wb
-
-    if not wb.BACKEND.is_gpu:
+    if not BACKEND.is_gpu:
         sys.exit("profile needs a CUDA GPU")
     B, H, L, D = shape
-    q, k, v = wb.random_qkv(B, H, L, D, dtype=dtype, framework="torch", device="cuda")
+    q, k, v = random_qkv(B, H, L, D, dtype=dtype, framework="torch", device="cuda")
     call = _call(contender, q, k, v)
     for _ in range(warmup):
         call()

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ...check import check as check_against_reference
+from ...inputs import random_padding_mask, random_qkv
 from ... import device
 from ...backend import BACKEND
 from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies
@@ -119,14 +121,12 @@ def puzzle_problems():
       element 1 has all its keys masked (its rows give zeros and LSE -inf);
     - Lq = 20 > Lk = 16, top-left causal, ordinary scores (std 1, scale 0.3) and a padding mask: every key
       carries weight in several rows, so a key left out or a sum divided too early shows."""
-    import wb_kernels as wb
-
-    q, k, v = wb.random_qkv(2, 1, 12, 16, Lk=20, seed=11, std=20.0)
+    q, k, v = random_qkv(2, 1, 12, 16, Lk=20, seed=11, std=20.0)
     mask = np.ones((2, 20), dtype=bool)
     mask[1] = False
     large = (q, k, v, "bottom_right", mask, 1 / math.sqrt(16))
-    q, k, v = wb.random_qkv(2, 1, 20, 16, Lk=16, seed=12)
-    mask = wb.random_padding_mask(2, 16, seed=12, keep_fraction=0.9)
+    q, k, v = random_qkv(2, 1, 20, 16, Lk=16, seed=12)
+    mask = random_padding_mask(2, 16, seed=12, keep_fraction=0.9)
     mask[0] = True
     ordinary = (q, k, v, True, mask, 0.3)
     return [large, ordinary]
@@ -136,8 +136,6 @@ def puzzle_problems():
 def check_scaled_softmax_puzzle(scaled_softmax_kernel) -> None:
     """Run the three-kernel attention with the learner's softmax kernel in the middle (``scores_kernel`` launched
     with scale 1, the learner's kernel given the scale) and hold the output and LSE to the float64 reference."""
-    import wb_kernels as wb
-
     def run():
         for q, k, v, causal, mask, scale in puzzle_problems():
             softmax = _LaunchedWithScale(scaled_softmax_kernel, scale)
@@ -150,7 +148,7 @@ def check_scaled_softmax_puzzle(scaled_softmax_kernel) -> None:
                 return _overran("on the simulator your kernel read or wrote past the end of an array (IndexError)")
             if softmax.overran:  # a GPU checks no bounds: the guard rows past the last row show it
                 return _overran("your kernel wrote past the last row of its arrays")
-            result = wb.check("your softmax", out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask,
+            result = check_against_reference("your softmax", out, q, k, v, lse=lse, causal=causal, key_padding_mask=mask,
                               scale=scale, verbose=False, raise_on_failure=False)
             if not result.passed:
                 return result

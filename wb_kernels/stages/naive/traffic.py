@@ -23,6 +23,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ... import timing
+from ...backend import BACKEND, device_name
+from ...inputs import random_qkv
+
 ROOT = Path(__file__).resolve().parents[3]  # the repository
 KERNELS = ("scores_kernel", "row_softmax_kernel", "weighted_sum_kernel")
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
@@ -30,15 +34,14 @@ DEFAULT_OUTPUT = ROOT / "results" / "naive" / "traffic.json"
 
 
 def run_child(B: int, H: int, L: int, D: int) -> None:
-    import wb_kernels as wb
     from wb_kernels.stages.naive.kernel import naive_forward
 
-    if not wb.BACKEND.is_gpu:
+    if not BACKEND.is_gpu:
         sys.exit("measure_traffic needs a CUDA GPU (the simulator has no DRAM to measure)")
-    q, k, v = wb.random_qkv(B, H, L, D, framework="torch", device="cuda")
+    q, k, v = random_qkv(B, H, L, D, framework="torch", device="cuda")
     naive_forward(q, k, v)  # one launch of each kernel: the ones ncu profiles
-    wb.timing.synchronize()
-    print(json.dumps({"device": wb.device_name()}))
+    timing.synchronize()
+    print(json.dumps({"device": device_name()}))
 
 
 def parse_ncu_csv(text: str) -> dict:

@@ -13,6 +13,8 @@ from functools import partial
 
 import numpy as np
 
+from ...check import check as check_against_reference
+from ...inputs import random_padding_mask, random_qkv
 from ...exercises import Exercise, Puzzle, check_answers, hands_copies
 from .slider import attention_probabilities, materialized_bytes
 
@@ -58,12 +60,10 @@ def puzzle_problems():
     """The grader's problems, each (q, k, v, key_padding_mask): float32, every one with Lq != Lk (top-left and
     bottom-right alignment differ), a batch element whose keys are all padding (its rows must give zeros), and
     logits up to the thousands (exp overflows there in float32 and in float64 without the max subtracted)."""
-    import wb_kernels as wb
-
     problems = []
     for Lq, Lk, seed in ((6, 9, 21), (9, 5, 22)):  # Lq < Lk (decoding with a cache), then Lq > Lk
-        q, k, v = wb.random_qkv(2, 2, Lq, 16, Lk=Lk, seed=seed, std=20.0)
-        mask = wb.random_padding_mask(2, Lk, seed=seed)
+        q, k, v = random_qkv(2, 2, Lq, 16, Lk=Lk, seed=seed, std=20.0)
+        mask = random_padding_mask(2, Lk, seed=seed)
         mask[0, :3] = True  # batch element 0 keeps some keys ...
         mask[1] = False     # ... and batch element 1 none: its rows see no key
         problems.append((q, k, v, mask))
@@ -74,14 +74,12 @@ def puzzle_problems():
 def check_attention_puzzle(my_attention) -> None:
     """Run the learner's ``my_attention(q, k, v, key_padding_mask)`` on the puzzle's problems and hold each output
     to the float64 reference (``causal="bottom_right"``) with ``wb.check``'s rule, in float32. Prints one line."""
-    import wb_kernels as wb
-
     for q, k, v, mask in puzzle_problems():
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             # overflows and 0/0 are the symptoms of the mistakes this puzzle catches: the verdict says it
             warnings.simplefilter("ignore", RuntimeWarning)
             out = np.asarray(my_attention(q, k, v, mask), dtype=np.float32)
-        result = wb.check("your attention", out, q, k, v, causal="bottom_right", key_padding_mask=mask,
+        result = check_against_reference("your attention", out, q, k, v, causal="bottom_right", key_padding_mask=mask,
                           verbose=False, raise_on_failure=False)
         if not result.passed:
             print(f"puzzle: not solved yet: the output (Lq={q.shape[2]}, Lk={k.shape[2]}) does not match the "

@@ -10,6 +10,8 @@ import math
 import re
 from types import SimpleNamespace
 
+from ...check import check as check_against_reference
+from ...inputs import random_padding_mask, random_qkv
 from ...backend import BACKEND
 from ...exercises import Exercise, Puzzle, check_answers, check_puzzle, hands_copies
 from .kernel import make_block_softmax_kernel, make_tiled_weighted_sum_kernel, shared_bytes_per_block, tiled_forward
@@ -52,24 +54,22 @@ def check_scores_puzzle(make_scores_kernel, tile: int = 8) -> None:
     weighted sum, on a problem of several tiles with both masks, and check it against the float64 reference. On a
     GPU, also :data:`_GPU_LAUNCHES` launches at tile 32 on a larger problem (see above). A kernel that raises (an
     index past an array's end on the simulator, say) is not solved either, and the verdict says what it raised."""
-    import wb_kernels as wb
-
     def grade(q, k, v, mask, tile, softmax_threads):
         kernels = (make_scores_kernel(tile), make_block_softmax_kernel(softmax_threads),
                    make_tiled_weighted_sum_kernel(tile))
         out, lse = tiled_forward(q, k, v, causal=True, key_padding_mask=mask, tile=tile,
                                  softmax_threads=softmax_threads, kernels=kernels)
-        return wb.check("your scores kernel", out, q, k, v, lse=lse, causal=True, key_padding_mask=mask,
+        return check_against_reference("your scores kernel", out, q, k, v, lse=lse, causal=True, key_padding_mask=mask,
                         verbose=False, raise_on_failure=False)
 
     def run():
         try:
-            q, k, v = wb.random_qkv(1, 2, 19, 32, Lk=21, seed=13)
-            result = grade(q, k, v, wb.random_padding_mask(1, 21, seed=14), tile, 16)
+            q, k, v = random_qkv(1, 2, 19, 32, Lk=21, seed=13)
+            result = grade(q, k, v, random_padding_mask(1, 21, seed=14), tile, 16)
             if result.passed and BACKEND.is_gpu:
                 B, H, Lq, Lk, D = _GPU_PROBLEM
-                q, k, v = wb.random_qkv(B, H, Lq, D, Lk=Lk, seed=13)
-                mask = wb.random_padding_mask(B, Lk, seed=14)
+                q, k, v = random_qkv(B, H, Lq, D, Lk=Lk, seed=13)
+                mask = random_padding_mask(B, Lk, seed=14)
                 for _ in range(_GPU_LAUNCHES):
                     result = grade(q, k, v, mask, _GPU_TILE, 128)
                     if not result.passed:
