@@ -4,7 +4,8 @@ api -> stages (the rungs) -> the shared floor (results files, timing, counts). E
 1. No import cycle anywhere in ``wb_kernels``.
 2. A rung (anything under ``wb_kernels/stages/``) never imports ``wb_kernels.bench`` or ``wb_kernels.models``: a rung
    does not know the code that measures or uses it. What both need sits on the floor below them
-   (``results_files``, ``timing``, ``attention_costs``, ``nsight``, ``tuning``, ``inputs``).
+   (``results_files``, ``timing``, ``attention_costs``, ``nsight``, ``tuning``, ``inputs``, and the check, the
+   reference and what they stand on: ``check``, ``reference``, ``arguments``, ``device``, ``backend``).
 3. ``bench`` and ``models`` reach a rung only through the stage registry (``wb_kernels.stages``), a rung's
    ``__init__`` exports (``wb_kernels.stages.<rung>``) or the public API (``wb_kernels``), never a rung's module
    (``wb_kernels.stages.<rung>.<module>``).
@@ -34,7 +35,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "wb_kernels"
-FLOOR = ("results_files", "timing", "attention_costs", "nsight", "tuning")  # below both the rungs and the benchmark
+FLOOR = ("results_files", "timing", "attention_costs", "nsight", "tuning", "inputs", "check", "reference", "arguments",
+         "device", "backend")  # below both the rungs and the benchmark
 USERS = ("bench", "models")  # the code that measures or uses the rungs
 
 

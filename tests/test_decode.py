@@ -704,11 +704,11 @@ def test_cuda_signature_covers_only_cuda_tensors():
 def test_wb_decode_checks_a_signature_once_and_still_refuses_bad_inputs(monkeypatch):
     import torch
 
-    import wb_kernels.validation as decoding
+    import wb_kernels.validation as validation
 
     calls = []
-    original = decoding.validate_decode
-    monkeypatch.setattr(decoding, "validate_decode", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = validation.validate_decode
+    monkeypatch.setattr(validation, "validate_decode", lambda *a, **k: calls.append(1) or original(*a, **k))
     q = torch.randn(2, 8, 64, dtype=torch.float16, device="cuda")
     k = torch.randn(2, 2, 40, 64, dtype=torch.float16, device="cuda")
     lens = torch.tensor([40, 17], dtype=torch.int32, device="cuda")
@@ -838,3 +838,12 @@ def test_the_lesson_shows_every_cuda_region_in_file_order_each_function_before_i
     cells = json.loads(lesson.read_text())["cells"]
     first_cuda = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith(f"# region: params_and_guards"))
     assert any("enable_region_cells()" in "".join(c["source"]) for c in cells[:first_cuda])
+
+
+def test_the_earlier_decode_import_path_still_imports():
+    """wb_kernels.decoding was where earlier releases documented seqlen_bucket and decode_problems: it still gives the
+    package's own functions (nothing in the package imports it)."""
+    from wb_kernels import decoding
+
+    assert decoding.seqlen_bucket is wb.seqlen_bucket and decoding.decode_problems is wb.decode_problems
+    assert decoding.decode is wb.decode

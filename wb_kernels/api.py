@@ -23,14 +23,16 @@ from __future__ import annotations
 import sys
 
 from . import stages as _stages  # the registry, read through its module: a test that swaps it swaps it here too
-from .arguments import (canonical_causal, canonical_scale, kind_of, require_array, validate_gradient,
+from .arguments import (Inputs, canonical_causal, canonical_scale, kind_of, require_array, validate_gradient,
                         validate_inputs)
-from .execution import attention_eager, decode_eager, run_backward, run_forward
+from .execution import attention_eager, decode_eager, propagate_non_finite, run_backward, run_forward
 from .stages import available_backwards, available_stages, get_backward, get_stage  # (the public names)
-from .validation import validate, validate_call
+from .validation import SIMULATOR_MAX_SECONDS, validate, validate_call
 
+# the last five were public here before the front door was layered (they live in arguments, execution and validation)
 __all__ = ["attention", "attention_backward", "decode", "decode_problems", "validate", "available_stages",
-           "get_stage", "available_backwards", "get_backward", "torch_operators"]
+           "get_stage", "available_backwards", "get_backward", "torch_operators", "validate_inputs", "require_array",
+           "Inputs", "propagate_non_finite", "SIMULATOR_MAX_SECONDS"]
 
 _ops = None  # wb_kernels.torch_ops, once torch_operators() has defined the operators (it imports torch)
 
