@@ -23,8 +23,8 @@ from typing import Optional
 from .backend import BACKEND
 
 __all__ = ["REPO_ROOT", "round_significant", "nvidia_smi", "package_version", "environment", "git_commit",
-           "load_results", "save_results", "newest_results", "committed_results", "committed_decode_results",
-           "gpu_short_name", "shown_path", "recorded_arguments"]
+           "load_results", "save_results", "newest_matching", "newest_results", "committed_results",
+           "committed_decode_results", "gpu_short_name", "shown_path", "recorded_arguments"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # wb_kernels/results_files.py -> the repository
 
@@ -131,20 +131,27 @@ def save_results(results: dict, path) -> None:
     os.replace(temporary, path)
 
 
-def newest_results(folder: str, backend: str, *, decode: bool) -> Optional[Path]:
-    """The newest results file under results/<folder>/ from `backend` ("gpu" or "simulator"), of the decode presets
-    (``"kind": "decode"``) or not, by the date its environment records; None where there is none. Files that are not
-    benchmark results (no "records": tuning logs, ...) or cannot be read are passed over."""
+def newest_matching(folder: Path, pattern: str, accept) -> Optional[Path]:
+    """The newest file of `folder` matching `pattern` whose results `accept(data)`, by the date its environment
+    records (then by name); None where there is none. Files that cannot be read are passed over."""
     found = []
-    for path in sorted((REPO_ROOT / "results" / folder).glob("*.json")):
+    for path in sorted(Path(folder).glob(pattern)):
         try:
             data = load_results(path)
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and "records" in data and (data.get("kind") == "decode") == decode \
-                and data.get("environment", {}).get("backend") == backend:
-            found.append((data["environment"].get("date", ""), path))
-    return max(found)[1] if found else None
+        if isinstance(data, dict) and accept(data):
+            found.append((str((data.get("environment") or {}).get("date", "")), path.name, path))
+    return max(found)[2] if found else None
+
+
+def newest_results(folder: str, backend: str, *, decode: bool) -> Optional[Path]:
+    """The newest results file under results/<folder>/ from `backend` ("gpu" or "simulator"), of the decode presets
+    (``"kind": "decode"``) or not, by the date its environment records; None where there is none. Files that are not
+    benchmark results (no "records": tuning logs, ...) are passed over."""
+    return newest_matching(REPO_ROOT / "results" / folder, "*.json",
+                           lambda data: "records" in data and (data.get("kind") == "decode") == decode
+                           and (data.get("environment") or {}).get("backend") == backend)
 
 
 def committed_results(kind: str = "gpu") -> Optional[Path]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..results_files import nvidia_smi, round_significant
+from ..results_files import newest_matching, nvidia_smi, round_significant
 from ..timing import free_device_memory
 from .failures import error_line
 
@@ -363,14 +363,7 @@ def timing_modes_figure(modes: dict, Hk: int):
 def demos_path():
     """The newest committed GPU results file that holds the honesty demonstrations (``--preset honesty``), or None:
     the dashboard lesson reads them from there, whichever run the rest of the lesson reads."""
-    from .results import RESULTS_DIR, load_results
+    from .results import RESULTS_DIR
 
-    found = []
-    for path in sorted(RESULTS_DIR.glob("*.json")):
-        try:
-            data = load_results(path)
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and data.get("honesty") and data.get("environment", {}).get("backend") == "gpu":
-            found.append((data["environment"].get("date", ""), path))
-    return max(found)[1] if found else None
+    return newest_matching(RESULTS_DIR, "*.json", lambda data: bool(data.get("honesty"))
+                           and (data.get("environment") or {}).get("backend") == "gpu")

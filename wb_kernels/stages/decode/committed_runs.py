@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ...results_files import REPO_ROOT, committed_decode_results, committed_results, load_results
+from ...results_files import (REPO_ROOT, committed_decode_results, committed_results, load_results,
+                               newest_matching)
 from .costs import row_chunks
 
 __all__ = ["committed_gpu", "committed_tune_results", "describe_tune_run", "NO_DECODER_RUN",
@@ -215,15 +216,8 @@ def committed_decode_bar_results(folder=None):
     from ``python -m wb_kernels.bench --preset decode-bar --fresh --json ...``), by the date it records, or None.
     The full decode preset's file (``results/decode/bench_<gpu>.json``) is :func:`committed_decode_results`'."""
     folder = Path(folder) if folder is not None else REPO_ROOT / "results" / "decode" / "history"
-    found = []
-    for path in sorted(folder.glob("bench_decode_bar_*.json")):
-        try:
-            data = load_results(path)
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and (data.get("environment") or {}).get("backend") == "gpu":
-            found.append((str(data["environment"].get("date", "")), path.name, path))
-    return max(found)[2] if found else None
+    return newest_matching(folder, "bench_decode_bar_*.json",
+                           lambda data: (data.get("environment") or {}).get("backend") == "gpu")
 
 
 def copy_bandwidths() -> dict:
