@@ -23,9 +23,15 @@ from __future__ import annotations
 import numpy as np
 
 from .arguments import CAUSAL_ALIGNMENTS, validate_inputs
+from .variants import NO_VARIANTS, Variants, canonical_variants
 
-__all__ = ["reference", "reference_backward", "sum_kv_groups", "attention_mask", "causal_offset", "positive_scale",
+__all__ = ["reference", "reference_backward", "reference_gradients", "visible_keys", "sum_kv_groups", "attention_mask", "causal_offset", "positive_scale",
            "repeat_kv_heads", "CAUSAL_ALIGNMENTS", "safe_softmax", "naive_softmax"]
+
+def as_numpy(x) -> np.ndarray:
+    """A NumPy array of `x` (a torch tensor on any device, or an array), its dtype kept."""
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+
 
 def as_float64(x) -> np.ndarray:
     if hasattr(x, "detach"):  # a torch tensor, on any device
@@ -114,32 +120,85 @@ def safe_softmax(scores: np.ndarray, axis: int = -1) -> np.ndarray:
         return np.divide(e, total, out=np.zeros_like(e), where=total != 0)
 
 
-def reference(q, k, v, *, causal=False, key_padding_mask=None, scale: float | None = None):
+def visible_keys(Lq: int, Lk: int, causal=False, key_padding_mask=None, batch: int = 1,
+                 variants: Variants = NO_VARIANTS):
+    """:func:`attention_mask` with the masks of `variants` (a sliding window, documents) too: (B, 1, Lq, Lk), True
+    where query i sees key j."""
+    allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=batch)
+    return allowed & _variant_mask(Lq, Lk, causal, variants, batch) if variants else allowed
+
+
+def _variant_mask(Lq: int, Lk: int, causal, variants: Variants, batch: int):
+    """The masks a variant adds (window, documents) as a bool array (B, 1, Lq, Lk), True where the key is visible."""
+    allowed = np.ones((batch, 1, Lq, Lk), dtype=bool)
+    offset = causal_offset(causal, Lq, Lk) or 0
+    if variants.window is not None:
+        left, right = variants.window
+        distance = np.arange(Lk)[None, :] - (np.arange(Lq)[:, None] + offset)  # j - (i + offset)
+        if left is not None:
+            allowed &= distance >= -left
+        if right is not None:
+            allowed &= distance <= right
+    if variants.document_ids is not None:
+        q_ids, k_ids = (as_numpy(ids).astype(np.int64) for ids in variants.document_ids)
+        allowed &= (q_ids[:, None, :, None] == k_ids[:, None, None, :])
+    return allowed
+
+
+def _variant_scores(raw, causal, variants: Variants):
+    """Scaled scores (B, H, Lq, Lk) with softcap, then ALiBi and the bias tensor applied (no mask yet)."""
+    B, H, Lq, Lk = raw.shape
+    scores = raw
+    if variants.softcap is not None:
+        scores = variants.softcap * np.tanh(raw / variants.softcap)
+    if variants.alibi_slopes is not None:
+        offset = causal_offset(causal, Lq, Lk) or 0
+        distance = np.abs(np.arange(Lk)[None, :] - (np.arange(Lq)[:, None] + offset))
+        scores = scores - as_float64(variants.alibi_slopes)[:, :, None, None] * distance
+    if variants.bias is not None:
+        scores = scores + as_float64(variants.bias)
+    return scores
+
+
+def _forward64(q, k, v, *, causal, key_padding_mask, scale, variants: Variants):
+    """Everything the forward and backward references share, in float64: raw scores, masked scores, P, out, LSE."""
+    q, k, v = as_float64(q), as_float64(k), as_float64(v)
+    B, H, Lq, D = q.shape
+    k, v = repeat_kv_heads(k, H), repeat_kv_heads(v, H)  # GQA: each group of query heads reads one K/V head
+    Lk = k.shape[2]
+    scale = 1.0 / np.sqrt(D) if scale is None else float(scale)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf inputs propagate, silently
+        raw = scale * np.einsum("bhqd,bhkd->bhqk", q, k)  # (B, H, Lq, Lk): the O(L^2) matrix S
+        scores = _variant_scores(raw, causal, variants) if variants else raw
+    allowed = visible_keys(Lq, Lk, causal, key_padding_mask, B, variants)
+    scores = np.where(allowed, scores, -np.inf)
+    sinks = None if variants.sinks is None else np.broadcast_to(as_float64(variants.sinks)[None, :, None, None],
+                                                               (B, H, Lq, 1))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        logits = scores if sinks is None else np.concatenate([scores, sinks], axis=-1)
+        probs = safe_softmax(logits)  # P, also O(L^2); a sink's column carries no value
+        row_max = logits.max(axis=-1)
+        finite_max = np.where(np.isfinite(row_max), row_max, 0.0)
+        lse = finite_max + np.log(np.exp(logits - finite_max[..., None]).sum(axis=-1))
+        out = np.einsum("bhqk,bhkd->bhqd", probs[..., :Lk], v)
+    return dict(q=q, k=k, v=v, raw=raw, scale=scale, probs=probs, out=out, lse=lse, Lk=Lk)
+
+
+def reference(q, k, v, *, causal=False, key_padding_mask=None, scale: float | None = None, softcap=None,
+              alibi_slopes=None, bias=None, window=None, document_ids=None, sinks=None):
     """Exact attention in float64. Returns ``(out, lse)`` as float64 NumPy arrays.
 
     Accepts NumPy arrays or torch tensors (any device and dtype, one for all three): converted to float64
     on the CPU first, so the reference never inherits the rounding of the stage it checks.
     Bad input gets the errors :func:`wb_kernels.attention` gives (:func:`wb_kernels.arguments.validate_inputs`).
+    The variants (``softcap``, ``alibi_slopes``, ``bias``, ``window``, ``document_ids``, ``sinks``) are
+    :mod:`wb_kernels.variants`' (their order and meaning there); with sinks a row's LSE includes its sink.
     """
     validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    q, k, v = as_float64(q), as_float64(k), as_float64(v)
-    B, H, Lq, D = q.shape
-    k, v = repeat_kv_heads(k, H), repeat_kv_heads(v, H)  # GQA: each group of query heads reads one K/V head
-    Lk = k.shape[2]
-    if scale is None:
-        scale = 1.0 / np.sqrt(D)
-    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf inputs propagate, silently
-        scores = scale * np.einsum("bhqd,bhkd->bhqk", q, k)  # (B, H, Lq, Lk): the O(L^2) matrix S
-    allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)
-    scores = np.where(allowed, scores, -np.inf)
-    probs = safe_softmax(scores)  # P, also O(L^2)
-    with np.errstate(invalid="ignore", over="ignore"):
-        out = np.einsum("bhqk,bhkd->bhqd", probs, v)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        row_max = scores.max(axis=-1)
-        finite_max = np.where(np.isfinite(row_max), row_max, 0.0)
-        lse = finite_max + np.log(np.exp(scores - finite_max[..., None]).sum(axis=-1))
-    return out, lse
+    variants = canonical_variants(q, k, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, window=window,
+                                  document_ids=document_ids, sinks=sinks)
+    found = _forward64(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, variants=variants)
+    return found["out"], found["lse"]
 
 
 def sum_kv_groups(grad, Hk: int):
@@ -154,36 +213,60 @@ def sum_kv_groups(grad, Hk: int):
     return grad.reshape(B, Hk, H // Hk, L, D).sum(2)
 
 
-def reference_backward(q, k, v, dout, *, causal=False, key_padding_mask=None, scale: float | None = None):
-    """The gradients of :func:`reference` in float64: ``(dq, dk, dv)`` for the loss gradient `dout` = dL/d(out).
+def reference_gradients(q, k, v, dout, *, causal=False, key_padding_mask=None, scale: float | None = None,
+                        softcap=None, alibi_slopes=None, bias=None, window=None, document_ids=None, sinks=None) -> dict:
+    """The gradients of :func:`reference` in float64, as ``{"q": dq, "k": dk, "v": dv}`` plus ``"bias"`` (summed
+    over the bias's broadcast dimensions) and ``"sinks"`` (H,) when the call has them; `dout` = dL/d(out).
 
-    With S = scale * q kᵀ (masked to -inf), P = softmax(S) row by row and out = P v:
+    With S = scale * q kᵀ, C = softcap · tanh(S / softcap) (or S), Z = C + ALiBi + bias masked to -inf,
+    P = softmax of [Z, sink] row by row and out = P[:, :Lk] v:
 
         dv = Pᵀ dout                    dP = dout vᵀ
         D_i = sum_d dout_id * out_id    (= sum_j P_ij dP_ij: the softmax's Jacobian, one number per row)
-        dS = P * (dP - D)               dq = scale * dS k,   dk = scale * dSᵀ q
+        dZ = P * (dP - D)               dbias = dZ summed to the bias's shape
+        dsink_h = -sum_i P_i,sink D_i   (the sink's column has no value: its dP is 0)
+        dS = dZ * (1 - tanh²(S / softcap))   (or dZ)
+        dq = scale * dS k,   dk = scale * dSᵀ q
 
     and dk, dv summed over the query heads that share a key/value head (GQA). A row that sees no key has P = 0,
-    so it gets zero gradients and gives none. Accepts what :func:`reference` accepts, and `dout` shaped like q.
+    so it gets zero gradients and gives none.
     """
     validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     if tuple(dout.shape) != tuple(q.shape):
         raise ValueError(f"dout: expected the output's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
-    q, k, v, dout = (as_float64(x) for x in (q, k, v, dout))
-    B, H, Lq, D = q.shape
-    Hk, Lk = k.shape[1], k.shape[2]
-    k, v = repeat_kv_heads(k, H), repeat_kv_heads(v, H)
-    scale = 1.0 / np.sqrt(D) if scale is None else float(scale)
+    variants = canonical_variants(q, k, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, window=window,
+                                  document_ids=document_ids, sinks=sinks)
+    Hk = k.shape[1]
+    f = _forward64(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, variants=variants)
+    dout = as_float64(dout)
+    Lk = f["Lk"]
+    probs = f["probs"][..., :Lk]
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf inputs propagate, silently
-        scores = scale * np.einsum("bhqd,bhkd->bhqk", q, k)
-        scores = np.where(attention_mask(Lq, Lk, causal, key_padding_mask, batch=B), scores, -np.inf)
-        probs = safe_softmax(scores)  # P (B, H, Lq, Lk), recomputed: the forward need not keep it
-        out = np.einsum("bhqk,bhkd->bhqd", probs, v)
         dv = np.einsum("bhqk,bhqd->bhkd", probs, dout)
-        dprobs = np.einsum("bhqd,bhkd->bhqk", dout, v)
-        row_dot = (dout * out).sum(-1, keepdims=True)  # D_i
-        dscores = probs * (dprobs - row_dot)
-        dq = scale * np.einsum("bhqk,bhkd->bhqd", dscores, k)
-        dk = scale * np.einsum("bhqk,bhqd->bhkd", dscores, q)
-    return dq, sum_kv_groups(dk, Hk), sum_kv_groups(dv, Hk)
+        dprobs = np.einsum("bhqd,bhkd->bhqk", dout, f["v"])
+        row_dot = (dout * f["out"]).sum(-1, keepdims=True)  # D_i
+        dz = probs * (dprobs - row_dot)
+        grads = {}
+        if variants.bias is not None:
+            grads["bias"] = _sum_to_shape(dz, tuple(variants.bias.shape))
+        if variants.sinks is not None:
+            grads["sinks"] = -(f["probs"][..., Lk] * row_dot[..., 0]).sum(axis=(0, 2))
+        ds = dz if variants.softcap is None else dz * (1 - np.tanh(f["raw"] / variants.softcap) ** 2)
+        dq = f["scale"] * np.einsum("bhqk,bhkd->bhqd", ds, f["k"])
+        dk = f["scale"] * np.einsum("bhqk,bhqd->bhkd", ds, f["q"])
+    return {"q": dq, "k": sum_kv_groups(dk, Hk), "v": sum_kv_groups(dv, Hk), **grads}
 
+
+def _sum_to_shape(x: np.ndarray, shape: tuple) -> np.ndarray:
+    """`x` summed over the dimensions where `shape` has 1 (the transpose of broadcasting to x's shape)."""
+    axes = tuple(i for i, (n, m) in enumerate(zip(shape, x.shape)) if n == 1 and m != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+def reference_backward(q, k, v, dout, *, causal=False, key_padding_mask=None, scale: float | None = None,
+                       **variants):
+    """``(dq, dk, dv)`` of :func:`reference_gradients` (the gradients of q, k and v; a variant's own gradient is in
+    that function's dict). Accepts what :func:`reference` accepts, and `dout` shaped like q."""
+    grads = reference_gradients(q, k, v, dout, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                **variants)
+    return grads["q"], grads["k"], grads["v"]

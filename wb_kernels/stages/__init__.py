@@ -46,6 +46,9 @@ class Stage:
     # named versions of the kernel (a rung that grows in versions, each kept runnable): forward(..., version=name)
     # runs one of them, and the benchmark times each as the contender "<name>-<version>" beside the stage's default
     versions: tuple = ()
+    # the attention variants it computes (names from wb_kernels.variants.VARIANT_NAMES): a call that uses one it
+    # lacks is refused naming the stages that have it; forward(..., variants=Variants) receives them when used
+    variants: tuple = ()
 
 
 @dataclass(frozen=True)
