@@ -17,7 +17,8 @@ from .api import (attention, attention_backward, available_backwards, available_
                   get_backward, get_stage, validate)
 from .check import CheckFailed, CheckResult, GradientCheckResult, check, check_gradients
 from .inputs import random_padding_mask, random_qkv
-from .reference import attention_mask, reference, safe_softmax
+from .reference import attention_mask, reference, reference_gradients, safe_softmax
+from .variants import VARIANT_NAMES, document_ids_from_cu_seqlens
 from .timing import peak_memory, time_call
 from .validation import seqlen_bucket
 
@@ -26,7 +27,7 @@ __all__ = [
     "seqlen_bucket", "validate", "check",
     "check_gradients", "CheckFailed", "CheckResult", "GradientCheckResult", "random_qkv", "random_padding_mask",
     "reference", "attention_mask", "safe_softmax", "available_stages", "get_stage", "available_backwards",
-    "get_backward", "peak_memory", "time_call",
+    "get_backward", "peak_memory", "time_call", "reference_gradients", "VARIANT_NAMES", "document_ids_from_cu_seqlens",
 ]
 __version__ = "0.1.0"
 

@@ -28,6 +28,7 @@ from .arguments import (Inputs, canonical_causal, canonical_scale, kind_of, requ
 from .execution import attention_eager, decode_eager, propagate_non_finite, run_backward, run_forward
 from .stages import available_backwards, available_stages, get_backward, get_stage  # (the public names)
 from .validation import SIMULATOR_MAX_SECONDS, validate, validate_call
+from .variants import canonical_variants
 
 # the last five were public here before the front door was layered (they live in arguments, execution and validation)
 __all__ = ["attention", "attention_backward", "decode", "decode_problems", "validate", "available_stages",
@@ -62,7 +63,8 @@ def _operators_defined(torch) -> bool:
 
 
 def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_mask=None,
-              scale: float | None = None, return_lse: bool = False, check_finite: bool = True):
+              scale: float | None = None, return_lse: bool = False, check_finite: bool = True, softcap=None,
+              alibi_slopes=None, bias=None, window=None, document_ids=None, sinks=None):
     """Exact attention softmax(scale * q k^T [masked]) v with the chosen stage's kernel.
 
     Inputs
@@ -101,6 +103,12 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
         or the inputs' device.
     scale
         a finite number; defaults to 1/sqrt(D).
+    softcap, alibi_slopes, bias, window, document_ids, sinks
+        the attention variants real models use (:mod:`wb_kernels.variants` says what each does and in which order:
+        Gemma 2's softcap, ALiBi, an additive bias broadcast to (B, H, Lq, Lk), a sliding window (left, right),
+        packed documents' ids, gpt-oss's learnable sinks). Tensors of q's kind on q's device. ``bias`` and ``sinks``
+        get gradients through autograd. A stage that does not compute a variant refuses the call, naming the
+        stages that do (``wb.get_stage(name).variants``). With sinks, the LSE includes the row's sink.
 
     Returns the output (B, H, Lq, D) in the caller's kind (NumPy, or torch on q's device) and dtype, and with
     ``return_lse=True`` also the per-row log-sum-exp (B, H, Lq) (float32; float64 for float64 input). The LSE
@@ -133,54 +141,65 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     take minutes for), MemoryError (a stage's Lq x Lk
     buffers would not fit: the message says how much they need and suggests the flash stages).
     """
+    variants = dict(softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, window=window, document_ids=document_ids,
+                    sinks=sinks)
+    if all(value is None for value in variants.values()):
+        variants = {}  # (a plain call passes none on: the direct path stays a few attribute reads)
     torch = sys.modules.get("torch")  # None: no torch tensor can have been given
     if torch is not None:
         compiling = torch.compiler.is_compiling()
         if _ops is None and not compiling:
             torch_operators()  # defined eagerly, once (one global's read after it): a compiler could not
-        if compiling or (isinstance(q, torch.Tensor) and _needs_op(torch, q, k, v)):
+        if compiling or (isinstance(q, torch.Tensor) and _needs_op(torch, q, k, v, bias, sinks)):
             return _through_op(torch, q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask,
-                               scale=scale, return_lse=return_lse, check_finite=check_finite)
+                               scale=scale, return_lse=return_lse, check_finite=check_finite, variants=variants)
     out, lse = attention_eager(q, k, v, key_padding_mask, stage=stage, causal=causal, scale=scale,
-                               check_finite=check_finite)
+                               check_finite=check_finite, **variants)
     if return_lse:
         return out, lse
     return out
 
 
-def _needs_op(torch, q, k, v) -> bool:
+def _needs_op(torch, q, k, v, bias=None, sinks=None) -> bool:
     """Whether an eager torch call must go through the operators: a gradient is asked for, or the tensors are not
     plain ones (meta, fake or functional tensors: torch.export, shape inference). (A compiler's tracing is tested
     before, and without :func:`~wb_kernels.device.is_torch`, whose cache of types a compiler cannot guard on.) A CUDA
     call that needs none of this keeps the direct path: a few attribute reads here."""
     if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return False  # mixed kinds: validation says what is wrong
-    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+    learnable = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (bias, sinks))
+    if (q.requires_grad or k.requires_grad or v.requires_grad or learnable) and torch.is_grad_enabled():
         return True
     return type(q) is not torch.Tensor or q.is_meta
 
 
-def _through_op(torch, q, k, v, *, stage, causal, key_padding_mask, scale, return_lse, check_finite):
+def _through_op(torch, q, k, v, *, stage, causal, key_padding_mask, scale, return_lse, check_finite, variants):
     """wb.attention with autograd. In eager mode everything is validated here, before anything runs, a stage
     without a backward is refused before its forward when a gradient is asked for, and the call runs
     :class:`~wb_kernels.torch_ops.EagerAttention` (the op's arithmetic without ``torch.library``'s per-call
     wrappers); while a compiler traces, and for fake or meta tensors, it is ``torch.ops.wb.attention``, checked by
     the op's fake implementation (shapes) and its real one (everything, at run time)."""
-    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    learnable = [variants.get(name) for name in ("bias", "sinks")]
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in learnable))
     if not (torch.compiler.is_compiling() or type(q) is not torch.Tensor or q.is_meta):
-        call = validate_call(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        call = validate_call(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                             **variants)
         if wants_grad:
             _stages.get_backward(stage)  # ValueError naming the stages that have one, before the forward runs
-        out, lse = _ops.EagerAttention.apply(q, k, v, key_padding_mask, call, bool(check_finite))
+        out, lse = _ops.EagerAttention.apply(q, k, v, key_padding_mask, *learnable, call, bool(check_finite))
         return (out, lse) if return_lse else out
     if not isinstance(stage, str):
         validate_call(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     causal, scale = canonical_causal(causal), canonical_scale(scale)  # the schema's form: the canonical one
+    extra = ()
+    if variants:
+        extra = _ops.variant_args(canonical_variants(q, k, **variants))
     if wants_grad:
         _stages.get_backward(stage)  # (a dictionary's lookup: the registry was discovered with the operators)
     if not _operators_defined(torch):
         raise RuntimeError(f"wb.attention's operator, torch.ops.wb.attention, {_ops_missing()}")
-    out, lse = torch.ops.wb.attention(q, k, v, key_padding_mask, stage, causal, scale, bool(check_finite))
+    out, lse = torch.ops.wb.attention(q, k, v, key_padding_mask, stage, causal, scale, bool(check_finite), *extra)
     return (out, lse) if return_lse else out
 
 
@@ -191,7 +210,8 @@ def _ops_missing() -> str:
 
 
 def attention_backward(q, k, v, dout, *, stage: str = "reference", causal=False, key_padding_mask=None,
-                       scale: float | None = None, out=None, lse=None):
+                       scale: float | None = None, out=None, lse=None, softcap=None, alibi_slopes=None, bias=None,
+                       window=None, document_ids=None, sinks=None):
     """The gradients of :func:`attention` with respect to q, k and v: ``(dq, dk, dv)`` for `dout` = dL/d(out).
 
     For NumPy users (the lesson runs it on a laptop) and anyone who wants gradients without autograd. Inputs and
@@ -201,11 +221,17 @@ def attention_backward(q, k, v, dout, *, stage: str = "reference", causal=False,
     dk and dv are summed over each group of query heads that share a key/value head (GQA). A row that sees no key
     gets zero gradients. Returns the gradients in the caller's kind and each input's dtype, without autograd
     history (no double backward: through autograd, differentiating wb.attention's gradients again raises).
+    A call with variants (:func:`attention`'s ``softcap`` ... ``sinks``) returns ``(dq, dk, dv, dbias, dsinks)``,
+    the last two None where the call has no bias or no sinks.
 
     Raises the errors :func:`attention` raises, a ValueError naming the stages that have a backward when `stage`
     has none, and TypeError/ValueError for a `dout`, `out` or `lse` of the wrong kind, shape, dtype or device.
     """
-    call = validate_call(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    variants = dict(softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, window=window, document_ids=document_ids,
+                    sinks=sinks)
+    variants = {} if all(value is None for value in variants.values()) else variants
+    call = validate_call(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                         **variants)
     _stages.get_backward(stage)
     inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     validate_gradient(dout, q, inputs)

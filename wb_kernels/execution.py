@@ -23,7 +23,8 @@ from . import stages as _stages
 from .arguments import dtype_name
 from .backend import BACKEND
 from .device import is_torch, like_input
-from .reference import attention_mask, reference
+from .reference import reference, visible_keys
+from .variants import NO_VARIANTS
 from .validation import (AttentionCall, DecodeCall, as_hnd, check_decode_options, check_decode_simulator_time,
                          host_array, validate_call, validate_decode_call)
 
@@ -66,7 +67,7 @@ def _numpy64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def propagate_non_finite(out, lse, q, k, *, causal=False, key_padding_mask=None, scale=None):
+def propagate_non_finite(out, lse, q, k, *, causal=False, key_padding_mask=None, scale=None, variants=NO_VARIANTS):
     """Make NaN/Inf in q and k reach `out` and `lse` as they do in SDPA (see :func:`wb_kernels.attention`).
 
     A row gets NaN (all of its output and its LSE) when it sees at least one key and either its query
@@ -74,14 +75,15 @@ def propagate_non_finite(out, lse, q, k, *, causal=False, key_padding_mask=None,
     Inf that meets a query value of the same sign or a zero). Scores that come out -Inf leave the key
     out of the row, as in SDPA; the kernels handle those themselves. Values (v) need nothing here:
     ``P @ V`` carries their NaN/Inf in every kernel. Returns ``(out, lse)``, changed in place where
-    possible. Costs O(B*H*Lq*D) plus O(Lq*D) per key that holds a NaN/Inf.
+    possible. Costs O(B*H*Lq*D) plus O(Lq*D) per key that holds a NaN/Inf. With `variants`, their masks (a window,
+    documents) say which keys a row sees; a row that sees none keeps its output 0 and its LSE (its sink's, or -inf).
     """
     qn, kn = _numpy64(q), _numpy64(k)
     B, H, Lq, D = qn.shape
     Hk, Lk = kn.shape[1], kn.shape[2]
     group = H // Hk  # query heads per key head (GQA)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)[:, 0]  # (B, Lq, Lk)
+    allowed = visible_keys(Lq, Lk, causal, key_padding_mask, B, variants)[:, 0]  # (B, Lq, Lk)
     poisoned = ~np.isfinite(qn).all(-1)  # (B, H, Lq)
     bad_keys = ~np.isfinite(kn).all(-1)  # (B, Hk, Lk)
     chunk = 256  # keys per step: bounds the (group, Lq, chunk) scores held at once
@@ -156,18 +158,23 @@ def run_forward(call: AttentionCall, q, k, v, key_padding_mask=None, *, check_fi
             # NumPy arithmetic (the reference, and every kernel on the simulator) warns about NaN/Inf that
             # are the right answer here; a GPU computes the same silently
             warnings.simplefilter("ignore", RuntimeWarning)
-        out, lse = spec.forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        if call.variants:  # (only a stage that computes them is given them: validation refused the others)
+            out, lse = spec.forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                    variants=call.variants)
+        else:
+            out, lse = spec.forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     out, lse = _in_callers_dtypes(like_input(out, caller_q), like_input(lse, caller_q), caller_q)
     if non_finite:
         out, lse = propagate_non_finite(out, lse, q, k, causal=causal, key_padding_mask=key_padding_mask,
-                                        scale=scale)
+                                        scale=scale, variants=call.variants)
     return out, lse
 
 
 def run_backward(call: AttentionCall, q, k, v, out, lse, dout, key_padding_mask=None):
     """A validated call's gradients from its stage's :class:`~wb_kernels.stages.Backward`: ``(dq, dk, dv)`` in the
     caller's kind, each in its input's dtype. What ``wb.attention_backward`` and both autograd paths run; `out` and
-    `lse` are the forward's."""
+    `lse` are the forward's. A call with variants gets ``(dq, dk, dv, dbias, dsinks)``: the gradients of its bias
+    and sinks (each None where the call has none), which the stage's Backward returns in a dict."""
     backward, causal, scale = _stages.get_backward(call.stage.name), call.causal, call.scale
     caller = (q, k, v)
     q, k, v, out, lse, dout = (_contiguous(x) for x in (q, k, v, out, lse, dout))
@@ -179,14 +186,25 @@ def run_backward(call: AttentionCall, q, k, v, out, lse, dout, key_padding_mask=
     with warnings.catch_warnings() if quiet else contextlib.nullcontext():
         if quiet:
             warnings.simplefilter("ignore", RuntimeWarning)
-        grads = backward.gradients(q, k, v, out, lse, dout, causal=causal, key_padding_mask=key_padding_mask,
-                                   scale=scale)
-    return tuple(_in_dtype(like_input(g, x), dtype_name(x)) for g, x in zip(grads, caller))
+        if call.variants:
+            found = backward.gradients(q, k, v, out, lse, dout, causal=causal, key_padding_mask=key_padding_mask,
+                                       scale=scale, variants=call.variants)
+            extras = [(found.get(name), getattr(call.variants, name)) for name in ("bias", "sinks")]
+            grads = (found["q"], found["k"], found["v"])
+        else:
+            grads = backward.gradients(q, k, v, out, lse, dout, causal=causal, key_padding_mask=key_padding_mask,
+                                       scale=scale)
+    grads = tuple(_in_dtype(like_input(g, x), dtype_name(x)) for g, x in zip(grads, caller))
+    if call.variants:
+        grads += tuple(None if x is None else _in_dtype(like_input(g, x), dtype_name(x)) for g, x in extras)
+    return grads
 
-def attention_eager(q, k, v, key_padding_mask=None, *, stage="reference", causal=False, scale=None, check_finite=True):
+def attention_eager(q, k, v, key_padding_mask=None, *, stage="reference", causal=False, scale=None, check_finite=True,
+                    **variants):
     """A call validated (:func:`~wb_kernels.validation.validate_call`), then run (:func:`run_forward`): what an eager
     ``wb.attention`` and the registered op's real implementation do. Returns ``(out, lse)``."""
-    call = validate_call(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    call = validate_call(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                         **variants)
     return run_forward(call, q, k, v, key_padding_mask, check_finite=check_finite)
 
 

@@ -32,6 +32,7 @@ from . import stages as _stages
 from .execution import attention_eager, decode_eager, run_backward, run_forward
 from .arguments import validate_inputs
 from .validation import AttentionCall, validate_decode_shapes
+from .variants import Variants, canonical_variants
 
 __all__ = ["register", "registered", "EagerAttention", "MISSING", "DOUBLE_BACKWARD"]
 
@@ -43,6 +44,32 @@ DOUBLE_BACKWARD = ("wb.attention has no double backward: its gradients come from
                    "be differentiated again. Compute that term with torch.nn.functional.scaled_dot_product_attention")
 
 _LIBRARY = None  # the torch.library.Library, once registered: one registration per process
+
+# The attention variants (wb_kernels.variants) in the operators' schemas: each one a value or an optional tensor, all
+# defaulting to None so that a call without them reads as before. window (left, right) is two optional ints (both None:
+# no window), document_ids the pair of q's and k's ids.
+VARIANT_SCHEMA = ("float? softcap=None, Tensor? alibi_slopes=None, Tensor? bias=None, int? window_left=None, "
+                  "int? window_right=None, Tensor? q_document_ids=None, Tensor? k_document_ids=None, "
+                  "Tensor? sinks=None")
+VARIANT_ARGS = 8  # how many arguments VARIANT_SCHEMA adds
+
+
+def variant_args(variants: Variants) -> tuple:
+    """A call's canonical variants as the schema's arguments (VARIANT_SCHEMA's order)."""
+    window = variants.window or (None, None)
+    documents = variants.document_ids or (None, None)
+    return (variants.softcap, variants.alibi_slopes, variants.bias, *window, *documents, variants.sinks)
+
+
+def _variant_kwargs(*args):
+    """The schema's variant arguments (those given; the rest None) as :func:`~wb_kernels.variants.canonical_variants`'
+    keywords."""
+    args = args + (None,) * (VARIANT_ARGS - len(args))
+    softcap, alibi_slopes, bias, window_left, window_right, q_document_ids, k_document_ids, sinks = args
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    documents = None if q_document_ids is None else (q_document_ids, k_document_ids)
+    return dict(softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, window=window, document_ids=documents,
+                sinks=sinks)
 
 
 def registered() -> bool:
@@ -59,10 +86,12 @@ def register() -> None:
     _stages.available_stages()
     _stages.available_backwards()
     library = torch.library.Library("wb", "DEF")
-    library.define("attention(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, str stage, str? causal, "
-                   "float? scale, bool check_finite) -> (Tensor, Tensor)")
-    library.define("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-                   "Tensor? key_padding_mask, str stage, str? causal, float? scale) -> (Tensor, Tensor, Tensor)")
+    library.define(f"attention(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, str stage, str? causal, "
+                   f"float? scale, bool check_finite, {VARIANT_SCHEMA}) -> (Tensor, Tensor)")
+    # (the bias's and the sinks' gradients are empty tensors when the call has none: a schema returns no optionals)
+    library.define(f"attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                   f"Tensor? key_padding_mask, str stage, str? causal, float? scale, {VARIANT_SCHEMA}) "
+                   f"-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
     library.define("decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
                    "str stage, float? scale, int? num_splits, int? max_seqlen, str kv_layout) -> (Tensor, Tensor)")
     for device in ("CPU", "CUDA"):
@@ -81,51 +110,82 @@ def register() -> None:
 
 # ----------------------------------------------------------------------------------------------- wb::attention
 
-def _attention(q, k, v, key_padding_mask, stage, causal, scale, check_finite):
+def _attention(q, k, v, key_padding_mask, stage, causal, scale, check_finite, *variants):
     return attention_eager(q, k, v, key_padding_mask, stage=stage, causal=causal, scale=scale,
-                           check_finite=check_finite)
+                           check_finite=check_finite, **_variant_kwargs(*variants))
 
 
-def _attention_fake(q, k, v, key_padding_mask, stage, causal, scale, check_finite):
+def _attention_fake(q, k, v, key_padding_mask, stage, causal, scale, check_finite, *variants):
     # the checks that read shapes, dtypes and devices only: a fake tensor has no values
     inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    canonical_variants(q, k, **_variant_kwargs(*variants))
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty((inputs.B, inputs.H, inputs.Lq), dtype=lse_dtype)
 
 
-def _keep_for_backward(ctx, q, k, v, key_padding_mask, out, lse):
-    """What both autograd paths save: the inputs, out and the LSE (never P: the backward recomputes it)."""
-    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
+def _keep_for_backward(ctx, q, k, v, key_padding_mask, out, lse, variant_tensors=()):
+    """What both autograd paths save: the inputs, out and the LSE (never P: the backward recomputes it), and the
+    variants' tensors (ALiBi slopes, bias, document ids, sinks) where the call has them."""
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, *variant_tensors)
     ctx.mark_non_differentiable(lse)  # Backward.gradients takes dL/d(out) only
     # and no tensor of zeros for the LSE's unused gradient on every backward call (measured on the H100: a zeros
     # kernel and its allocation in each training step of a small problem)
     ctx.set_materialize_grads(False)
 
 
+# the positions of the tensors among VARIANT_SCHEMA's arguments (the rest are numbers)
+_VARIANT_TENSORS = (1, 2, 5, 6, 7)
+
+
 def _save_attention(ctx, inputs, output):
-    q, k, v, key_padding_mask, stage, causal, scale, _ = inputs
+    q, k, v, key_padding_mask, stage, causal, scale, _ = inputs[:8]
+    variants = tuple(inputs[8:]) + (None,) * (VARIANT_ARGS - len(inputs[8:]))
     _stages.get_backward(stage)  # a stage without one is refused while tracing too, not first in the backward pass
-    _keep_for_backward(ctx, q, k, v, key_padding_mask, *output)
+    _keep_for_backward(ctx, q, k, v, key_padding_mask, *output, [variants[i] for i in _VARIANT_TENSORS])
     ctx.options = (stage, causal, scale)  # as the forward was called: canonical already
+    ctx.variant_numbers = variants  # (its tensors are read back from saved_tensors)
+
+
+def _saved_variants(ctx) -> list:
+    variants = list(ctx.variant_numbers)
+    for position, tensor in zip(_VARIANT_TENSORS, ctx.saved_tensors[6:]):
+        variants[position] = tensor
+    return variants
 
 
 def _attention_gradient(ctx, dout, _dlse):
+    nothing = (None,) * (8 + VARIANT_ARGS)
     if dout is None:  # (grads are not materialized: the loss did not depend on out)
-        return None, None, None, None, None, None, None, None
-    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-    dq, dk, dv = torch.ops.wb.attention_backward(dout, q, k, v, out, lse, key_padding_mask, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None
+        return nothing
+    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors[:6]
+    variants = _saved_variants(ctx)
+    dq, dk, dv, dbias, dsinks = torch.ops.wb.attention_backward(dout, q, k, v, out, lse, key_padding_mask,
+                                                                *ctx.options, *variants)
+    grads = [dq, dk, dv, *nothing[3:]]
+    grads[8 + 2] = dbias if variants[2] is not None else None
+    grads[8 + 7] = dsinks if variants[7] is not None else None
+    return tuple(grads)
 
 
 # ------------------------------------------------------------------------------------------ wb::attention_backward
 
-def _attention_backward(dout, q, k, v, out, lse, key_padding_mask, stage, causal, scale):
+def _attention_backward(dout, q, k, v, out, lse, key_padding_mask, stage, causal, scale, *variants):
+    kwargs = _variant_kwargs(*variants)
+    canonical = canonical_variants(q, k, **kwargs) if any(x is not None for x in kwargs.values()) else None
     call = AttentionCall(_stages.get_stage(stage), causal, scale)  # the forward validated these options
-    return run_backward(call, q, k, v, out, lse, dout, key_padding_mask)
+    if canonical is None:
+        dq, dk, dv = run_backward(call, q, k, v, out, lse, dout, key_padding_mask)
+        return dq, dk, dv, q.new_empty(0), q.new_empty(0)
+    call = AttentionCall(call.stage, causal, scale, canonical)
+    dq, dk, dv, dbias, dsinks = run_backward(call, q, k, v, out, lse, dout, key_padding_mask)
+    return (dq, dk, dv, q.new_empty(0) if dbias is None else dbias, q.new_empty(0) if dsinks is None else dsinks)
 
 
-def _attention_backward_fake(dout, q, k, v, out, lse, key_padding_mask, stage, causal, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _attention_backward_fake(dout, q, k, v, out, lse, key_padding_mask, stage, causal, scale, *variants):
+    bias, sinks = _variant_kwargs(*variants)["bias"], _variant_kwargs(*variants)["sinks"]
+    dbias = q.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dsinks
 
 
 def _save_nothing(ctx, inputs, output):
@@ -165,7 +225,8 @@ class EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, call, check_finite):
+    def forward(ctx, q, k, v, key_padding_mask, bias, sinks, call, check_finite):
+        # (bias and sinks are call.variants' own tensors, passed again so that autograd gives them gradients)
         out, lse = run_forward(call, q, k, v, key_padding_mask, check_finite=check_finite)
         _keep_for_backward(ctx, q, k, v, key_padding_mask, out, lse)
         ctx.call = call
@@ -174,12 +235,16 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # (grads are not materialized: the loss did not depend on out)
-            return None, None, None, None, None, None
+            return (None,) * 8
         q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        dq, dk, dv = run_backward(ctx.call, q, k, v, out, lse, dout, key_padding_mask)
+        dbias = dsinks = None
+        if ctx.call.variants:
+            dq, dk, dv, dbias, dsinks = run_backward(ctx.call, q, k, v, out, lse, dout, key_padding_mask)
+        else:
+            dq, dk, dv = run_backward(ctx.call, q, k, v, out, lse, dout, key_padding_mask)
         if torch.is_grad_enabled():  # create_graph=True: a loss may be built from these gradients
             dq, dk, dv = _DoubleBackwardRefused.apply(dq, dk, dv, q, k, v, dout)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, dbias, dsinks, None, None
 
 
 # --------------------------------------------------------------------------------------------------- wb::decode

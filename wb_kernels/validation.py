@@ -27,6 +27,7 @@ from . import stages as _stages
 from .arguments import canonical_causal, canonical_scale, dtype_name, require_array, validate_inputs
 from .backend import BACKEND
 from .device import ValidatedCalls, cuda_signature, is_torch
+from .variants import NO_VARIANTS, Variants, canonical_variants
 
 __all__ = ["validate", "validate_call", "AttentionCall", "SIMULATOR_MAX_SECONDS", "check_simulator_time",
            "validate_decode", "validate_decode_shapes", "validate_decode_call", "DecodeCall", "check_decode_options",
@@ -69,7 +70,8 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def validate(q, k, v, *, stage: str = "reference", causal=False, key_padding_mask=None, scale=None):
+def validate(q, k, v, *, stage: str = "reference", causal=False, key_padding_mask=None, scale=None,
+             variants: Variants = NO_VARIANTS):
     """Raise a clear ValueError/TypeError/MemoryError for anything `stage` cannot run. Returns the Stage.
 
     First the stage name, then the rules of every entry point (:func:`validate_inputs`), then the stage's
@@ -83,6 +85,11 @@ def validate(q, k, v, *, stage: str = "reference", causal=False, key_padding_mas
     inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     B, H, Lq, Lk, D, device = inputs.B, inputs.H, inputs.Lq, inputs.Lk, inputs.D, inputs.device
 
+    missing = [name for name in variants.used() if name not in spec.variants]
+    if missing:
+        able = [name for name, st in _stages.available_stages().items() if set(variants.used()) <= set(st.variants)]
+        raise ValueError(f"stage {stage!r} does not compute {', '.join(missing)}; the stages that compute "
+                         f"{variants.describe()} are {', '.join(able) or 'none'}")
     if spec.needs_gpu and not device.startswith("cuda"):
         raise ValueError(
             f"stage {stage!r} runs only on a CUDA GPU and takes CUDA torch tensors; got inputs on {device}"
@@ -115,14 +122,16 @@ class AttentionCall:
     execution (:mod:`wb_kernels.execution`), the torch operators and their saved autograd context carry it to the
     kernel and back.
 
-    The tensors (q, k, v, the key padding mask) travel beside it, as the registered op's schema has them. The next
-    option (an attention variant: a bias, a window, a softcap, sinks, document ids) is one more field here, validated
-    in :func:`validate_call` and read by the stages through :func:`wb_kernels.execution.run_forward`: not a new path.
+    The tensors (q, k, v, the key padding mask) travel beside it, as the registered op's schema has them. The
+    attention variants (a bias, a window, a softcap, sinks, document ids) are one field, validated in
+    :func:`validate_call` and read by the stages that compute them through :func:`wb_kernels.execution.run_forward`;
+    their tensors (the bias, the sinks: differentiable) also travel beside it through the op and autograd.
     """
 
     stage: "_stages.Stage"  # the registered stage, whose forward (and Backward) run the call
     causal: Optional[str]  # None (no mask), "top_left" or "bottom_right" (canonical_causal)
     scale: Optional[float]  # a finite float, or None = 1/sqrt(D) (canonical_scale)
+    variants: Variants = NO_VARIANTS  # softcap, ALiBi, bias, window, documents, sinks (wb_kernels.variants)
 
 
 # CUDA inputs' signatures (and the call's options) that passed validate_call, with the call: a signature checked once is
@@ -131,10 +140,12 @@ _VALIDATED_CALLS = ValidatedCalls()
 
 
 def validate_call(q, k, v, *, stage: str = "reference", causal=False, key_padding_mask=None,
-                  scale=None) -> AttentionCall:
+                  scale=None, **variants) -> AttentionCall:
     """:func:`validate`, then the call as one :class:`AttentionCall`; from a cache when CUDA inputs of this signature
-    and these options passed before (their checks read shapes, dtypes and devices only)."""
-    key = cuda_signature(q, k, v, key_padding_mask)
+    and these options passed before (their checks read shapes, dtypes and devices only). `variants` are the keyword
+    arguments of :func:`wb_kernels.variants.canonical_variants` (a call that uses one is never cached)."""
+    used = any(value is not None for value in variants.values())
+    key = None if used else cuda_signature(q, k, v, key_padding_mask)
     if key is not None and isinstance(stage, str) and isinstance(scale, (float, int, type(None))) \
             and isinstance(causal, (bool, str, type(None))):
         key = (key, stage, causal, scale)
@@ -142,8 +153,13 @@ def validate_call(q, k, v, *, stage: str = "reference", causal=False, key_paddin
         key = None
     call = _VALIDATED_CALLS.get(key)
     if call is None:
-        spec = validate(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-        call = _VALIDATED_CALLS.remember(key, AttentionCall(spec, canonical_causal(causal), canonical_scale(scale)))
+        if used:
+            validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)  # q, k first
+        canonical = canonical_variants(q, k, **variants) if used else NO_VARIANTS
+        spec = validate(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                        variants=canonical)
+        call = _VALIDATED_CALLS.remember(key, AttentionCall(spec, canonical_causal(causal), canonical_scale(scale),
+                                                            canonical))
     return call
 
 

@@ -7,14 +7,18 @@ differentiable with them.
 Lesson: ``notebooks/08_backward.ipynb``; tests: ``tests/test_backward.py``.
 """
 
-from ...reference import reference_backward
+from ...reference import reference_backward, reference_gradients
+from ...variants import fields_of
 from .. import Backward
 from .cuda_cores import flash_gradients
 from .launcher import mma_gradients
 from .versions import VERSIONS  # noqa: F401  (its kept versions by name: versions.py, NOTES.md)
 
 
-def _reference_gradients(q, k, v, out, lse, dout, *, causal=False, key_padding_mask=None, scale=None):
+def _reference_gradients(q, k, v, out, lse, dout, *, causal=False, key_padding_mask=None, scale=None, variants=None):
+    if variants:  # a dict with the bias's and the sinks' gradients too (wb_kernels.execution.run_backward)
+        return reference_gradients(q, k, v, dout, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                   **fields_of(variants))
     return reference_backward(q, k, v, dout, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
 
 
