@@ -49,7 +49,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .inputs import DTYPES
-from .reference import attention_mask, reference, reference_backward, repeat_kv_heads, safe_softmax
+from .reference import (reference, reference_gradients, repeat_kv_heads, safe_softmax, variant_probabilities,
+                        visible_keys)
+from .variants import NO_VARIANTS, Variants, canonical_variants, fields_of
 from .arguments import dtype_name, require_array, validate_inputs
 
 __all__ = ["CheckFailed", "CheckResult", "GradientCheckResult", "check", "check_gradients", "torch_error",
@@ -129,7 +131,8 @@ def _floor_device(x) -> str:
     return str(x.device) if hasattr(x, "device") and getattr(x.device, "type", "cpu") == "cuda" else "cpu"
 
 
-def _score_rounding_chunks(q, k, *, dtype, causal, key_padding_mask, scale, rows_per_chunk=None):
+def _score_rounding_chunks(q, k, *, dtype, causal, key_padding_mask, scale, rows_per_chunk=None,
+                           variants: Variants = NO_VARIANTS):
     """Yield ``(rows, eps, allowed)`` over chunks of query rows (float64 torch tensors q, k): ``eps[b, h, i, j]``
     is the probabilistic rounding bound of the scaled score ``scale * q_i . k_j`` accumulated in float32
     (float64 for float64 inputs), ``u sqrt(D) |scale| sqrt(sum_d q_id^2 k_jd^2)`` (Higham and Mary), and
@@ -142,7 +145,7 @@ def _score_rounding_chunks(q, k, *, dtype, causal, key_padding_mask, scale, rows
     k = repeat_kv_heads(k, H)  # GQA: the key each query head really meets
     scale = D ** -0.5 if scale is None else scale
     unit_roundoff = 2.0 ** -53 if dtype == "float64" else 2.0 ** -24  # the stages accumulate in float32
-    allowed_all = torch.from_numpy(attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)).to(q.device)
+    allowed_all = torch.from_numpy(visible_keys(Lq, Lk, causal, key_padding_mask, B, variants)).to(q.device)
     k_squared_t = (k * k).transpose(-1, -2)
     rows_per_chunk = rows_per_chunk or max(1, 2 ** 22 // max(1, B * H * Lk))
     for start in range(0, Lq, rows_per_chunk):
@@ -152,7 +155,8 @@ def _score_rounding_chunks(q, k, *, dtype, causal, key_padding_mask, scale, rows
         yield rows, eps, allowed_all[:, :, rows].expand_as(eps)
 
 
-def dot_product_floor(q, k, *, dtype: str, causal=False, key_padding_mask=None, scale=None) -> float:
+def dot_product_floor(q, k, *, dtype: str, causal=False, key_padding_mask=None, scale=None,
+                      variants: Variants = NO_VARIANTS) -> float:
     """The rounding bound of one scaled score at the largest score magnitude a row attends to: the least
     PyTorch's LSE error counts as (module docstring)."""
     device = _floor_device(q)
@@ -161,20 +165,21 @@ def dot_product_floor(q, k, *, dtype: str, causal=False, key_padding_mask=None, 
         return 0.0
     largest = 0.0
     for _, eps, allowed in _score_rounding_chunks(q64, k64, dtype=dtype, causal=causal,
-                                                  key_padding_mask=key_padding_mask, scale=scale):
+                                                  key_padding_mask=key_padding_mask, scale=scale, variants=variants):
         largest = max(largest, float((eps * allowed).max()))
     return largest
 
 
 def output_floor(q, k, v, out_ref, lse_ref, *, dtype: str, causal=False, key_padding_mask=None,
-                 scale=None, rows_per_chunk=None) -> float:
+                 scale=None, rows_per_chunk=None, variants: Variants = NO_VARIANTS) -> float:
     """What rounding each score once costs the output, to first order: the least PyTorch's output error
     counts as (module docstring).
 
     A score error ``delta_ij`` moves output ``o_id`` by ``sum_j p_ij delta_ij (v_jd - o_id)``. With the
     ``delta_ij`` independent and of the size ``eps_ij`` of one float32 dot product's rounding, its typical
     size is ``sqrt(sum_j (p_ij eps_ij (v_jd - o_id))^2)``; the floor is the largest over rows and columns.
-    P comes from the reference (``exp(s_ij - lse_i)``), so the floor needs no kernel's output."""
+    P comes from the reference (``exp(s_ij - lse_i)``), so the floor needs no kernel's output. With `variants`, P is
+    the reference's with them (a softcap only shrinks a score's rounding: eps_ij stays a bound)."""
     import torch
 
     device = _floor_device(q)
@@ -189,11 +194,18 @@ def output_floor(q, k, v, out_ref, lse_ref, *, dtype: str, causal=False, key_pad
     scale_value = D ** -0.5 if scale is None else scale
     k_t, v_squared = k64.transpose(-1, -2), v64 * v64
     largest = 0.0
+    variant_p = None
+    if variants:
+        variant_p = torch.from_numpy(variant_probabilities(q, k, causal=causal, key_padding_mask=key_padding_mask,
+                                                           scale=scale, variants=variants)).to(device)
     for rows, eps, allowed in _score_rounding_chunks(q64, k64, dtype=dtype, causal=causal,
                                                      key_padding_mask=key_padding_mask, scale=scale,
-                                                     rows_per_chunk=rows_per_chunk):
-        scores = scale_value * (q64[:, :, rows] @ k_t)
-        probs = torch.exp((scores - lse64[:, :, rows, None]).clamp(max=0.0))
+                                                     rows_per_chunk=rows_per_chunk, variants=variants):
+        if variant_p is None:
+            scores = scale_value * (q64[:, :, rows] @ k_t)
+            probs = torch.exp((scores - lse64[:, :, rows, None]).clamp(max=0.0))
+        else:
+            probs = torch.nan_to_num(variant_p[:, :, rows], nan=0.0)
         probs = probs * (allowed & seen[:, :, rows, None])
         weight = (probs * eps) ** 2
         o = out64[:, :, rows]
@@ -203,8 +215,60 @@ def output_floor(q, k, v, out_ref, lse_ref, *, dtype: str, causal=False, key_pad
     return largest
 
 
+def torch_ops_attention(q, k, v, *, causal=None, key_padding_mask=None, scale=None, variants=NO_VARIANTS):
+    """Attention with `variants` (canonical) written in PyTorch ops, in q's dtype on q's device: ``(out, lse)``.
+
+    What PyTorch's own error is measured with for a call that uses variants SDPA lacks (a softcap, sinks, a window
+    beside a bias): scores ``q kᵀ`` in the inputs' dtype, then the variants in :mod:`wb_kernels.variants`' order in that
+    dtype, masks, ``torch.softmax`` (and ``logsumexp`` in float32 for the LSE); differentiable (the gradient checks
+    run autograd through it). Every tensor argument must be a torch tensor on q's device.
+    """
+    import torch
+
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    kk, vv = repeat_kv_heads(k, H), repeat_kv_heads(v, H)
+    s = (q @ kk.transpose(-1, -2)) * (D ** -0.5 if scale is None else scale)
+    if variants.softcap is not None:
+        s = variants.softcap * torch.tanh(s / variants.softcap)
+    offset = Lk - Lq if causal == "bottom_right" else 0
+    distance = (torch.arange(Lk, device=q.device)[None] - torch.arange(Lq, device=q.device)[:, None] - offset)
+    if variants.alibi_slopes is not None:
+        s = s - variants.alibi_slopes.to(s.dtype)[:, :, None, None] * distance.abs().to(s.dtype)
+    if variants.bias is not None:
+        s = s + variants.bias.to(s.dtype)
+    visible = torch.from_numpy(visible_keys(Lq, Lk, causal, key_padding_mask, B, variants)).to(q.device)
+    s = s.masked_fill(~visible, float("-inf"))
+    if variants.sinks is not None:
+        s = torch.cat([s, variants.sinks.to(s.dtype)[None, :, None, None].expand(B, H, Lq, 1)], -1)
+    lse = torch.logsumexp(s.float(), -1)
+    seen = visible.any(-1, keepdim=True) if variants.sinks is None else torch.ones_like(visible[..., :1])
+    # a row that sees no key: zeros (and no NaN from a softmax of -inf alone, in the values or the gradients)
+    p = torch.softmax(s.masked_fill(~seen, 0.0), -1).masked_fill(~seen, 0.0)[..., :Lk]
+    return p @ vv, lse
+
+
+def _variants_as(variants: Variants, device: str, dtype: str, grad: bool = False) -> Variants:
+    """`variants` with its float tensors in `dtype` on `device` (leaves that require grad where `grad`), ids on
+    `device`: what :func:`torch_ops_attention` computes PyTorch's error with."""
+    import torch
+
+    def moved(x, float_dtype=True, leaf=False):
+        if x is None:
+            return None
+        x = x.detach() if hasattr(x, "detach") else torch.from_numpy(np.ascontiguousarray(x))
+        x = x.to(device=device, dtype=getattr(torch, dtype)) if float_dtype else x.to(device)
+        return x.clone().requires_grad_(True) if leaf else x
+
+    documents = variants.document_ids
+    return Variants(softcap=variants.softcap, alibi_slopes=moved(variants.alibi_slopes),
+                    bias=moved(variants.bias, leaf=grad), window=variants.window,
+                    document_ids=None if documents is None else tuple(moved(x, False) for x in documents),
+                    sinks=moved(variants.sinks, leaf=grad))
+
+
 def torch_error(q, k, v, out_ref, lse_ref, *, dtype: str, device: str, causal=False,
-                key_padding_mask=None, scale=None):
+                key_padding_mask=None, scale=None, variants: Variants = NO_VARIANTS):
     """PyTorch's own error against the reference when it computes in `dtype` on `device`.
 
     "PyTorch's implementation" is ``scaled_dot_product_attention`` with the backend PyTorch picks for
@@ -222,10 +286,19 @@ def torch_error(q, k, v, out_ref, lse_ref, *, dtype: str, device: str, causal=Fa
         return x.detach().to(device=device, dtype=getattr(torch, dtype))
 
     tq, tk, tv = as_torch(q), as_torch(k), as_torch(v)
+    if variants:  # variants SDPA lacks: the same variants in PyTorch ops, in `dtype`
+        rows_valid = np.isfinite(np.asarray(lse_ref)) & (np.asarray(variant_probabilities(
+            q, k, causal=causal, key_padding_mask=key_padding_mask, scale=scale, variants=variants)).sum(-1) > 0)
+        with torch.no_grad():
+            out, lse = torch_ops_attention(tq, tk, tv, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                           variants=_variants_as(variants, device, dtype))
+        if dtype in ("float16", "bfloat16"):
+            lse = lse.to(getattr(torch, dtype))
+        return (_max_abs_err(_to_numpy64(out), out_ref, rows_valid), _max_abs_err(_to_numpy64(lse), lse_ref))
     B, H, Lq, D = tq.shape
     tk, tv = repeat_kv_heads(tk, H), repeat_kv_heads(tv, H)  # GQA as SDPA's enable_gqa: a copy, exact
     Lk = tk.shape[2]
-    allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)
+    allowed = visible_keys(Lq, Lk, causal, key_padding_mask, B)
     rows_valid = np.broadcast_to(allowed.any(-1), (B, H, Lq))
     mask = torch.from_numpy(allowed).to(device)
     with torch.no_grad():
@@ -242,7 +315,7 @@ def torch_error(q, k, v, out_ref, lse_ref, *, dtype: str, device: str, causal=Fa
 
 def check(name: str, out, q, k, v, *, lse=None, causal=False, key_padding_mask=None,
           scale: float | None = None, ref=None, multiplier: float = 2.0, verbose: bool = True,
-          raise_on_failure: bool = True) -> CheckResult:
+          raise_on_failure: bool = True, **variants) -> CheckResult:
     """Compare `out` (and optionally `lse`) with the float64 reference; print one line; raise on failure.
 
     `ref` may hold a precomputed ``(out, lse)`` from :func:`reference` for these inputs.
@@ -251,8 +324,13 @@ def check(name: str, out, q, k, v, *, lse=None, causal=False, key_padding_mask=N
     Bad q, k, v or options raise the errors :func:`wb_kernels.attention` raises. An `out` or `lse` that is not
     a NumPy array or torch tensor of a dtype in ``wb_kernels.inputs.DTYPES`` raises a TypeError; one of the
     wrong shape fails the check (CheckFailed, whatever `raise_on_failure` says).
+
+    `variants` are :func:`wb_kernels.attention`'s (``softcap``, ``alibi_slopes``, ``bias``, ``window``,
+    ``document_ids``, ``sinks``): the reference computes them, and PyTorch's error is that of the same variants
+    written in PyTorch ops in the same precision (:func:`torch_ops_attention`), as SDPA lacks most of them.
     """
     inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    variants = canonical_variants(q, k, **variants)
     require_array("out", out, DTYPES)
     if lse is not None:
         require_array("lse", lse, DTYPES)
@@ -261,21 +339,22 @@ def check(name: str, out, q, k, v, *, lse=None, causal=False, key_padding_mask=N
         if given is not None and tuple(given.shape) != expected:
             raise CheckFailed(f"{name}: {what} shape {tuple(given.shape)} != reference shape {expected}")
     out_ref, lse_ref = ref if ref is not None else reference(
-        q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, **fields_of(variants))
     dtype = dtype_name(out)
     device = str(out.device) if hasattr(out, "device") and not isinstance(out, np.ndarray) else "cpu"
     pt_err, pt_lse_err = torch_error(q, k, v, out_ref, lse_ref, dtype=dtype, device=device,
-                                     causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+                                     causal=causal, key_padding_mask=key_padding_mask, scale=scale, variants=variants)
     err = _max_abs_err(_to_numpy64(out), out_ref)
     pt_err = max(pt_err, output_floor(q, k, v, out_ref, lse_ref, dtype=dtype, causal=causal,
-                                      key_padding_mask=key_padding_mask, scale=scale))
+                                      key_padding_mask=key_padding_mask, scale=scale, variants=variants))
     tol = multiplier * pt_err + storage_floor(out_ref, dtype)
     lse_err = lse_tol = None
     if lse is not None:
         lse_dtype = dtype_name(lse)
         lse_err = _max_abs_err(_to_numpy64(lse), lse_ref)
         pt_lse_err = max(pt_lse_err, dot_product_floor(q, k, dtype=dtype, causal=causal,
-                                                       key_padding_mask=key_padding_mask, scale=scale))
+                                                       key_padding_mask=key_padding_mask, scale=scale,
+                                                       variants=variants))
         lse_tol = multiplier * pt_lse_err + storage_floor(lse_ref, lse_dtype)
     result = CheckResult(name, err, tol, lse_err, lse_tol)
     if verbose:
@@ -290,8 +369,9 @@ class GradientCheckResult:
     """The errors of (dq, dk, dv) against the float64 reference's gradients, and their tolerances."""
 
     name: str
-    errors: tuple  # max |err| of dq, dk, dv
+    errors: tuple  # max |err| of dq, dk, dv (and the bias's, the sinks' gradients where a call has them)
     tols: tuple
+    names: tuple = ("dq", "dk", "dv")
 
     @property
     def passed(self) -> bool:
@@ -299,12 +379,12 @@ class GradientCheckResult:
 
     def line(self) -> str:
         parts = (f"{what} max |err| {err:.1e} {'≤' if err <= tol else '>'} tol {tol:.1e}"
-                 for what, err, tol in zip(("dq", "dk", "dv"), self.errors, self.tols))
+                 for what, err, tol in zip(self.names, self.errors, self.tols))
         return f"{self.name} gradients: {', '.join(parts)} {'✓' if self.passed else '✗'}"
 
 
 def torch_gradient_error(q, k, v, dout, refs, *, dtype: str, device: str, causal=False, key_padding_mask=None,
-                         scale=None) -> tuple:
+                         scale=None, variants: Variants = NO_VARIANTS) -> tuple:
     """PyTorch's own error in (dq, dk, dv) against `refs` (float64 NumPy) when autograd runs SDPA in `dtype` on
     `device`, with the masks as a boolean ``attn_mask`` and GQA as repeated K/V heads (their gradients summed back).
 
@@ -319,9 +399,17 @@ def torch_gradient_error(q, k, v, dout, refs, *, dtype: str, device: str, causal
         return x.to(device=device, dtype=getattr(torch, dtype)).requires_grad_(True)
 
     tq, tk, tv = leaf(q), leaf(k), leaf(v)
+    if variants:  # the same variants in PyTorch ops, in `dtype`: refs is reference_gradients' dict
+        moved = _variants_as(variants, device, dtype, grad=True)
+        leaves = [tq, tk, tv] + [getattr(moved, n) for n in ("bias", "sinks") if getattr(moved, n) is not None]
+        names = ["q", "k", "v"] + [n for n in ("bias", "sinks") if getattr(moved, n) is not None]
+        out, _ = torch_ops_attention(tq, tk, tv, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                     variants=moved)
+        grads = torch.autograd.grad(out, leaves, leaf(dout).detach())
+        return tuple(_max_abs_err(_to_numpy64(g), refs[n]) for g, n in zip(grads, names))
     B, H, Lq, D = tq.shape
     Lk = tk.shape[2]
-    allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)  # (B, 1, Lq, Lk)
+    allowed = visible_keys(Lq, Lk, causal, key_padding_mask, B)  # (B, 1, Lq, Lk)
     empty = ~allowed.any(-1)  # (B, 1, Lq): rows that see no key
     allowed = allowed | empty[..., None]
     tdout = leaf(dout).detach().masked_fill(torch.from_numpy(empty[..., None]).to(device), 0.0)
@@ -342,7 +430,8 @@ def gradient_floor(ref: np.ndarray, *, dtype: str, terms: int) -> float:
     return unit_roundoff * np.sqrt(terms) * float(finite.max()) if finite.size else 0.0
 
 
-def recomputation_floor(q, k, v, dout, *, dtype: str, causal=False, key_padding_mask=None, scale=None) -> tuple:
+def recomputation_floor(q, k, v, dout, *, dtype: str, causal=False, key_padding_mask=None, scale=None,
+                        variants: Variants = NO_VARIANTS) -> tuple:
     """What recomputing P from the LSE costs each gradient, to first order: the least PyTorch's gradient errors count
     as, ``(dq, dk, dv)`` floors (module docstring's argument, carried to the backward).
 
@@ -353,22 +442,27 @@ def recomputation_floor(q, k, v, dout, *, dtype: str, causal=False, key_padding_
     ``out`` is stored in the inputs' dtype first. Each gradient entry is a sum of such terms with random signs:
     ``dv_jd ~ sqrt(sum_i (dp_ij dout_id)^2)``, ``dq_id ~ |scale| sqrt(sum_j (dds_ij k_jd)^2)``, ``dk_jd`` alike over
     the queries of its head group, with ``dds_ij = dp_ij |dP_ij - D_i| + p_ij (err dP_ij + err D_i)``. Float64 NumPy
-    over the whole problem: for the sizes a check compares in full.
+    over the whole problem: for the sizes a check compares in full. With `variants`, P is the reference's with them,
+    and a fourth floor is returned: the largest ``dds_ij``, for the bias's gradient (dZ itself).
     """
     q, k, v, dout = (_to_numpy64(x) for x in (q, k, v, dout))
     q, k, v, dout = (np.where(np.isfinite(x), x, 0.0) for x in (q, k, v, dout))
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
     if min(Lq, Lk) == 0:
-        return 0.0, 0.0, 0.0
+        return (0.0,) * (4 if variants else 3)
+    p_variant = variant_probabilities(q, k, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                      variants=variants) if variants else None
     scale = D ** -0.5 if scale is None else float(scale)
     u32 = 2.0 ** -53 if dtype == "float64" else 2.0 ** -24  # the kernels' accumulators
     u_store = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -9}.get(dtype, 2.0 ** -12)
     kr, vr = repeat_kv_heads(k, H), repeat_kv_heads(v, H)
-    allowed = attention_mask(Lq, Lk, causal, key_padding_mask, batch=B)
+    allowed = visible_keys(Lq, Lk, causal, key_padding_mask, B)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        scores = np.where(allowed, scale * np.einsum("bhqd,bhkd->bhqk", q, kr), -np.inf)
-        p = safe_softmax(scores)
+        if p_variant is None:
+            p = safe_softmax(np.where(allowed, scale * np.einsum("bhqd,bhkd->bhqk", q, kr), -np.inf))
+        else:
+            p = np.nan_to_num(p_variant)
         out = np.einsum("bhqk,bhkd->bhqd", p, vr)
         eps = u32 * np.sqrt(D) * abs(scale) * np.sqrt(np.einsum("bhqd,bhkd->bhqk", q * q, kr * kr))
         dp_err = p * 2 * eps
@@ -381,13 +475,14 @@ def recomputation_floor(q, k, v, dout, *, dtype: str, causal=False, key_padding_
         dk = abs(scale) * np.sqrt(np.einsum("bhqk,bhqd->bhkd", dds ** 2, q ** 2).reshape(B, Hk, H // Hk, Lk, D)
                                   .sum(2))
         dv = np.sqrt(np.einsum("bhqk,bhqd->bhkd", dp_err ** 2, dout ** 2).reshape(B, Hk, H // Hk, Lk, D).sum(2))
-    return tuple(float(np.nanmax(f)) if f.size else 0.0 for f in (dq, dk, dv))
+    floors = (dq, dk, dv, dds) if variants else (dq, dk, dv)
+    return tuple(float(np.nanmax(f)) if f.size else 0.0 for f in floors)
 
 
 def check_gradients(stage_or_name, grads, q, k, v, dout, *, causal=False, key_padding_mask=None,
                     scale: float | None = None, ref=None, multiplier: float = 2.0, verbose: bool = True,
-                    raise_on_failure: bool = True) -> GradientCheckResult:
-    """Compare `grads` = (dq, dk, dv) with the float64 reference's (:func:`reference_backward`); print one line;
+                    raise_on_failure: bool = True, **variants) -> GradientCheckResult:
+    """Compare `grads` = (dq, dk, dv) with the float64 reference's (:func:`reference_gradients`); print one line;
     raise :class:`CheckFailed` when one is wrong by more than `multiplier` x PyTorch's error in the same precision
     plus the storage floor (module docstring).
 
@@ -395,34 +490,54 @@ def check_gradients(stage_or_name, grads, q, k, v, dout, *, causal=False, key_pa
     gradients. PyTorch's error is measured in each gradient's dtype, on its device (the CPU for NumPy arrays).
     Bad q, k, v or options raise the errors :func:`wb_kernels.attention` raises; a gradient that is not an array
     of a dtype the package knows raises a TypeError; one of the wrong shape fails the check (CheckFailed).
+
+    With `variants` (:func:`check`'s), `grads` is what ``wb.attention_backward`` returns for them,
+    ``(dq, dk, dv, dbias, dsinks)`` (None where the call has no bias or no sinks), and PyTorch's error is that of the
+    same variants in PyTorch ops under autograd (:func:`torch_ops_attention`).
     """
     name = stage_or_name if isinstance(stage_or_name, str) else getattr(stage_or_name, "name", None) or \
         getattr(stage_or_name, "stage", str(stage_or_name))
     inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    if not isinstance(grads, (tuple, list)) or len(grads) != 3:
-        raise TypeError(f"grads: expected (dq, dk, dv), got {type(grads).__name__}"
+    variants = canonical_variants(q, k, **variants)
+    expected = 5 if variants else 3
+    if not isinstance(grads, (tuple, list)) or len(grads) != expected:
+        wanted = "(dq, dk, dv, dbias, dsinks) for a call with variants" if variants else "(dq, dk, dv)"
+        raise TypeError(f"grads: expected {wanted}, got {type(grads).__name__}"
                         + (f" of length {len(grads)}" if isinstance(grads, (tuple, list)) else ""))
+    names, likes = ["q", "k", "v"], [q, k, v]
+    for n in ("bias", "sinks"):
+        if getattr(variants, n) is not None:
+            names.append(n)
+            likes.append(getattr(variants, n))
+    given_grads = list(grads[:3]) + [g for g, n in zip(grads[3:], ("bias", "sinks")) if n in names]
     require_array("dout", dout, DTYPES)
-    for what, given, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-        require_array(what, given, DTYPES)
+    for what, given, like in zip(names, given_grads, likes):
+        require_array(f"d{what}", given, DTYPES)
         if tuple(given.shape) != tuple(like.shape):
-            raise CheckFailed(f"{name}: {what} shape {tuple(given.shape)} != its input's shape {tuple(like.shape)}")
-    refs = ref if ref is not None else reference_backward(q, k, v, dout, causal=causal,
-                                                          key_padding_mask=key_padding_mask, scale=scale)
+            raise CheckFailed(f"{name}: d{what} shape {tuple(given.shape)} != its input's shape {tuple(like.shape)}")
+    if ref is not None and not isinstance(ref, dict):
+        ref = dict(zip(("q", "k", "v"), ref))
+    refs = ref if ref is not None else reference_gradients(q, k, v, dout, causal=causal,
+                                                           key_padding_mask=key_padding_mask, scale=scale,
+                                                           **fields_of(variants))
     dtype = dtype_name(grads[0])
     device = _floor_device(grads[0])
-    pt_errors = torch_gradient_error(q, k, v, dout, refs, dtype=dtype, device=device, causal=causal,
-                                     key_padding_mask=key_padding_mask, scale=scale)
-    # the longest sum a backward makes: over keys (dq), over the queries of a head group (dk, dv), over D
-    terms = max(inputs.Lk, inputs.Lq * inputs.H // inputs.Hk, inputs.D)
+    pt_errors = torch_gradient_error(q, k, v, dout, refs if variants else [refs[n] for n in names], dtype=dtype,
+                                     device=device, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                     variants=variants)
+    # the longest sum a backward makes: over keys (dq), over the queries of a head group (dk, dv), over D; the
+    # sinks' gradient sums over every row of a head
+    terms = max(inputs.Lk, inputs.Lq * inputs.H // inputs.Hk, inputs.D, inputs.B * inputs.Lq)
     recomputed = recomputation_floor(q, k, v, dout, dtype=dtype, causal=causal, key_padding_mask=key_padding_mask,
-                                     scale=scale)
+                                     scale=scale, variants=variants)
+    floors = list(recomputed[:3]) + [recomputed[3] if n == "bias" else 0.0 for n in names[3:]]
     errors, tols = [], []
-    for given, reference_grad, pt_err, floor in zip(grads, refs, pt_errors, recomputed):
+    for n, given, pt_err, floor in zip(names, given_grads, pt_errors, floors):
+        reference_grad = refs[n]
         pt_err = max(pt_err, floor, gradient_floor(reference_grad, dtype=dtype, terms=terms))
         errors.append(_max_abs_err(_to_numpy64(given), reference_grad))
         tols.append(multiplier * pt_err + storage_floor(reference_grad, dtype_name(given)))
-    result = GradientCheckResult(name, tuple(errors), tuple(tols))
+    result = GradientCheckResult(name, tuple(errors), tuple(tols), tuple(f"d{n}" for n in names))
     if verbose:
         print(result.line())
     if raise_on_failure and not result.passed:

@@ -25,7 +25,7 @@ import numpy as np
 from .arguments import CAUSAL_ALIGNMENTS, validate_inputs
 from .variants import NO_VARIANTS, Variants, canonical_variants
 
-__all__ = ["reference", "reference_backward", "reference_gradients", "visible_keys", "sum_kv_groups", "attention_mask", "causal_offset", "positive_scale",
+__all__ = ["reference", "reference_backward", "reference_gradients", "visible_keys", "variant_probabilities", "sum_kv_groups", "attention_mask", "causal_offset", "positive_scale",
            "repeat_kv_heads", "CAUSAL_ALIGNMENTS", "safe_softmax", "naive_softmax"]
 
 def as_numpy(x) -> np.ndarray:
@@ -182,6 +182,15 @@ def _forward64(q, k, v, *, causal, key_padding_mask, scale, variants: Variants):
         lse = finite_max + np.log(np.exp(logits - finite_max[..., None]).sum(axis=-1))
         out = np.einsum("bhqk,bhkd->bhqd", probs[..., :Lk], v)
     return dict(q=q, k=k, v=v, raw=raw, scale=scale, probs=probs, out=out, lse=lse, Lk=Lk)
+
+
+def variant_probabilities(q, k, *, causal=False, key_padding_mask=None, scale=None,
+                          variants: Variants = NO_VARIANTS) -> np.ndarray:
+    """P (B, H, Lq, Lk) of a call with canonical `variants`, in float64 (without the sinks' column): what the
+    checks' rounding floors weigh each score by (:mod:`wb_kernels.check`)."""
+    zeros = np.zeros(k.shape)
+    found = _forward64(q, k, zeros, causal=causal, key_padding_mask=key_padding_mask, scale=scale, variants=variants)
+    return found["probs"][..., :found["Lk"]]
 
 
 def reference(q, k, v, *, causal=False, key_padding_mask=None, scale: float | None = None, softcap=None,
