@@ -157,3 +157,73 @@ def test_bad_variants_get_errors_that_name_the_argument(kwargs, error, words):
     with pytest.raises(error, match=None) as raised:
         canonical_variants(q, k, **kwargs)
     assert words in str(raised.value), str(raised.value)
+
+
+# ------------------------------------------------------------------------------ through the front door
+
+import wb_kernels as wb  # noqa: E402
+
+
+def _front_door_problem():
+    q, k, v, rng = _problem(7, 7, seed=3)
+    variants = dict(softcap=2.0, bias=torch.tensor(rng.standard_normal((1, H, 7, 7)), requires_grad=True),
+                    sinks=torch.tensor(rng.standard_normal(H), requires_grad=True), window=(2, 0),
+                    alibi_slopes=torch.tensor(rng.uniform(0, 1, H)))
+    return q, k, v, variants
+
+
+def test_wb_attention_carries_the_variants_and_their_gradients_through_autograd():
+    q, k, v, variants = _front_door_problem()
+    out, lse = wb.attention(q, k, v, causal=True, return_lse=True, **variants)
+    ref_out, ref_lse = reference(q, k, v, causal=True, **variants)
+    np.testing.assert_array_equal(out.detach().numpy(), ref_out)
+    np.testing.assert_array_equal(lse.numpy(), ref_lse)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    expected = reference_gradients(q, k, v, dout, causal=True, **variants)
+    for name, leaf in (("q", q), ("k", k), ("v", v), ("bias", variants["bias"]), ("sinks", variants["sinks"])):
+        np.testing.assert_allclose(leaf.grad.numpy(), expected[name], atol=1e-13, err_msg=name)
+    by_hand = wb.attention_backward(q.detach(), k.detach(), v.detach(), dout, causal=True, **variants)
+    assert len(by_hand) == 5
+    np.testing.assert_allclose(by_hand[3].numpy(), expected["bias"], atol=1e-13)
+    np.testing.assert_allclose(by_hand[4].numpy(), expected["sinks"], atol=1e-13)
+
+
+def test_a_compiled_call_with_variants_matches_the_eager_one_with_gradients():
+    q, k, v, variants = _front_door_problem()
+    bias, sinks = variants["bias"], variants["sinks"]
+
+    def step(q, k, v, bias, sinks):
+        return wb.attention(q, k, v, causal=True, softcap=2.0, bias=bias, sinks=sinks, window=(2, 0))
+
+    eager = step(q, k, v, bias, sinks)
+    eager.sum().backward()
+    expected = [x.grad.clone() for x in (q, k, v, bias, sinks)]
+    for x in (q, k, v, bias, sinks):
+        x.grad = None
+    compiled = torch.compile(step, fullgraph=True)(q, k, v, bias, sinks)
+    compiled.sum().backward()
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for x, e in zip((q, k, v, bias, sinks), expected):
+        torch.testing.assert_close(x.grad, e, rtol=0, atol=0)
+
+
+def test_a_stage_without_a_variant_is_refused_naming_those_that_have_it():
+    q, k, v, _ = _problem(6, 6)
+    with pytest.raises(ValueError, match="stage 'flash' does not compute softcap, sinks; the stages that compute "
+                                         "softcap, sinks are reference"):
+        wb.attention(q.float(), k.float(), v.float(), stage="flash", softcap=1.0, sinks=torch.zeros(H))
+
+
+def test_check_fails_a_result_that_drops_a_variant():
+    q, k, v, variants = _front_door_problem()
+    variants = {n: (x.detach().float() if torch.is_tensor(x) else x) for n, x in variants.items()}
+    q, k, v = (x.detach().float() for x in (q, k, v))
+    good, lse = reference(q, k, v, causal=True, **variants)
+    wb.check("reference in float32", torch.from_numpy(good).float(), q, k, v, lse=torch.from_numpy(lse).float(),
+             causal=True, **variants)
+    for dropped in ("softcap", "bias", "sinks", "window", "alibi_slopes"):
+        wrong, _ = reference(q, k, v, causal=True, **{**variants, dropped: None})
+        result = wb.check(f"without {dropped}", torch.from_numpy(wrong).float(), q, k, v, causal=True,
+                          raise_on_failure=False, verbose=False, **variants)
+        assert not result.passed, dropped

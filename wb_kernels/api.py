@@ -28,7 +28,6 @@ from .arguments import (Inputs, canonical_causal, canonical_scale, kind_of, requ
 from .execution import attention_eager, decode_eager, propagate_non_finite, run_backward, run_forward
 from .stages import available_backwards, available_stages, get_backward, get_stage  # (the public names)
 from .validation import SIMULATOR_MAX_SECONDS, validate, validate_call
-from .variants import canonical_variants
 
 # the last five were public here before the front door was layered (they live in arguments, execution and validation)
 __all__ = ["attention", "attention_backward", "decode", "decode_problems", "validate", "available_stages",
@@ -192,9 +191,10 @@ def _through_op(torch, q, k, v, *, stage, causal, key_padding_mask, scale, retur
     if not isinstance(stage, str):
         validate_call(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     causal, scale = canonical_causal(causal), canonical_scale(scale)  # the schema's form: the canonical one
-    extra = ()
-    if variants:
-        extra = _ops.variant_args(canonical_variants(q, k, **variants))
+    # the variants as the schema's arguments, their numbers canonical; the op's fake and real implementations check
+    # the tensors (canonical_variants here would read the package's cache of tensor types, which a compiler's guards
+    # cannot hold)
+    extra = _ops.schema_variant_args(**variants) if variants else ()
     if wants_grad:
         _stages.get_backward(stage)  # (a dictionary's lookup: the registry was discovered with the operators)
     if not _operators_defined(torch):

@@ -32,7 +32,7 @@ from . import stages as _stages
 from .execution import attention_eager, decode_eager, run_backward, run_forward
 from .arguments import validate_inputs
 from .validation import AttentionCall, validate_decode_shapes
-from .variants import Variants, canonical_variants
+from .variants import canonical_softcap, canonical_variants, canonical_window
 
 __all__ = ["register", "registered", "EagerAttention", "MISSING", "DOUBLE_BACKWARD"]
 
@@ -54,11 +54,17 @@ VARIANT_SCHEMA = ("float? softcap=None, Tensor? alibi_slopes=None, Tensor? bias=
 VARIANT_ARGS = 8  # how many arguments VARIANT_SCHEMA adds
 
 
-def variant_args(variants: Variants) -> tuple:
-    """A call's canonical variants as the schema's arguments (VARIANT_SCHEMA's order)."""
-    window = variants.window or (None, None)
-    documents = variants.document_ids or (None, None)
-    return (variants.softcap, variants.alibi_slopes, variants.bias, *window, *documents, variants.sinks)
+def schema_variant_args(*, softcap=None, alibi_slopes=None, bias=None, window=None, document_ids=None, sinks=None):
+    """:func:`wb_kernels.attention`'s variant keywords as the schema's arguments, the numbers in canonical form and
+    the tensors as given (what a compiler traces: the operator's implementations check the tensors)."""
+    window = canonical_window(window) or (None, None)
+    if document_ids is None:
+        documents = (None, None)
+    elif isinstance(document_ids, (tuple, list)):
+        documents = tuple(document_ids)
+    else:
+        documents = (document_ids, document_ids)
+    return (canonical_softcap(softcap), alibi_slopes, bias, *window, *documents, sinks)
 
 
 def _variant_kwargs(*args):

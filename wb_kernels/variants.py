@@ -50,7 +50,8 @@ import numpy as np
 from .arguments import dtype_name, device_of, kind_of
 from .device import is_torch
 
-__all__ = ["Variants", "VARIANT_NAMES", "canonical_variants", "document_ids_from_cu_seqlens", "NO_VARIANTS"]
+__all__ = ["Variants", "VARIANT_NAMES", "canonical_variants", "canonical_window", "canonical_softcap",
+           "document_ids_from_cu_seqlens", "NO_VARIANTS"]
 
 VARIANT_NAMES = ("softcap", "alibi_slopes", "bias", "window", "document_ids", "sinks")
 # the variants whose values a gradient flows into (wb.attention returns their gradients through autograd)
@@ -97,7 +98,7 @@ def _same_kind_and_device(name: str, x, q) -> None:
         raise ValueError(f"{name}: is on {device_of(x)} but q, k, v are on {device_of(q)}; put it on their device")
 
 
-def _window(window) -> Optional[tuple]:
+def canonical_window(window) -> Optional[tuple]:
     if window is None:
         return None
     expected = ("an int w >= 0 (w keys on each side of the diagonal) or a pair (left, right) of ints >= 0 or None "
@@ -121,7 +122,7 @@ def _window(window) -> Optional[tuple]:
     return tuple(canonical)
 
 
-def _softcap(softcap) -> Optional[float]:
+def canonical_softcap(softcap) -> Optional[float]:
     if softcap is None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
@@ -193,7 +194,7 @@ def canonical_variants(q, k, *, softcap=None, alibi_slopes=None, bias=None, wind
         _same_kind_and_device("sinks", sinks, q)
         if tuple(sinks.shape) != (H,):
             raise ValueError(f"sinks: expected one logit per query head, shape (H,)=({H},), got {tuple(sinks.shape)}")
-    return Variants(softcap=_softcap(softcap), alibi_slopes=alibi_slopes, bias=bias, window=_window(window),
+    return Variants(softcap=canonical_softcap(softcap), alibi_slopes=alibi_slopes, bias=bias, window=canonical_window(window),
                     document_ids=_document_ids(document_ids, q, B, Lq, Lk), sinks=sinks)
 
 
