@@ -1,0 +1,497 @@
+"""The ``triton`` stage (wb_kernels/stages/triton; lesson 11_triton) against the float64 reference, on Triton's CPU
+interpreter at small sizes (blocks of 16, so that a few dozen positions make several blocks and ragged edges).
+
+Tolerances: float32 within about 1e-5 of the largest reference value (the kernels multiply in IEEE float32, no
+TF32); float16 and bfloat16 within twice the error of the same computation in PyTorch ops in that precision
+(:func:`torch_errors`: scores, variants, softmax and autograd in the dtype), plus the rounding of storing the
+reference in it. Each variant alone and in the combinations models use; its gradients (dq, dk, dv, dbias, dsinks);
+``score_mod`` / ``mask_mod`` against the named variant they rewrite; block skipping counted tile by tile.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: the decorators read it (no GPU needed)
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="the triton stage needs triton (pip install triton)")
+torch = pytest.importorskip("torch")
+tl = triton.language
+
+from wb_kernels.reference import reference, reference_gradients, repeat_kv_heads, visible_keys  # noqa: E402
+from wb_kernels.stages.triton import STAGE, launcher  # noqa: E402
+from wb_kernels.variants import canonical_variants, document_ids_from_cu_seqlens  # noqa: E402
+
+kernels = launcher.load_kernels()
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = dict(block_m=16, block_n=16)
+GRADIENT_NAMES = ("q", "k", "v", "bias", "sinks")
+
+
+# ---------------------------------------------------------------------------------------------- problems
+
+def make_problem(B=1, H=2, Lq=37, Lk=None, D=16, *, Hk=None, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    Lk = Lq if Lk is None else Lk
+    Hk = H if Hk is None else Hk
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    return draw(B, H, Lq, D), draw(B, Hk, Lk, D), draw(B, Hk, Lk, D), draw(B, H, Lq, D)
+
+
+def run_triton(q, k, v, dout, *, causal=None, key_padding_mask=None, scale=None, score_mod=None,
+               score_mod_derivative=None, mask_mod=None, block=BLOCK, **variants):
+    """Forward then backward of the triton stage: ``(out, lse, grads)``."""
+    canonical = canonical_variants(q, k, **variants)
+    options = dict(causal=causal, key_padding_mask=key_padding_mask, scale=scale, variants=canonical,
+                   score_mod=score_mod, mask_mod=mask_mod, **block)
+    out, lse = launcher.forward(q, k, v, **options)
+    grads = launcher.gradients(q, k, v, out, lse, dout, score_mod_derivative=score_mod_derivative, **options)
+    return out, lse, grads
+
+
+def run_reference(q, k, v, dout, *, causal=None, key_padding_mask=None, scale=None, **variants):
+    out, lse = reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, **variants)
+    grads = reference_gradients(q, k, v, dout, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                **variants)
+    return out, lse, grads
+
+
+def max_error(x, ref) -> float:
+    """max |x - ref| over the entries where the reference is finite (a row that sees no key: LSE -inf, both)."""
+    x = x.detach().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
+    finite = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(x), finite), "non-finite entries differ from the reference's"
+    return float(np.abs(x[finite] - ref[finite]).max(initial=0.0))
+
+
+def scale_of(ref) -> float:
+    finite = np.abs(ref[np.isfinite(ref)])
+    return float(finite.max(initial=0.0))
+
+
+def assert_float32_close(ours, refs, rel=1e-5):
+    """Every result within rel of its largest reference entry (plus a hair for results near 0)."""
+    out, lse, grads = ours
+    out_ref, lse_ref, grads_ref = refs
+    pairs = [("out", out, out_ref), ("lse", lse, lse_ref)]
+    pairs += [(name, grads[name], grads_ref[name]) for name in GRADIENT_NAMES if name in grads_ref]
+    assert set(grads) == set(grads_ref), f"gradients {sorted(grads)} vs the reference's {sorted(grads_ref)}"
+    for name, x, ref in pairs:
+        assert tuple(x.shape) == ref.shape, f"{name}: shape {tuple(x.shape)} vs {ref.shape}"
+        err, bound = max_error(x, ref), rel * max(scale_of(ref), 1e-2)
+        assert err <= bound, f"{name}: max |err| {err:.3g} > {bound:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------- PyTorch's own error
+
+def torch_attention(q, k, v, *, causal=None, key_padding_mask=None, scale=None, variants):
+    """The variants in PyTorch ops in q's dtype (scores, softcap, ALiBi, bias, masks, softmax with the sinks): what
+    PyTorch itself makes of the call in that precision. ``(out, lse)``; differentiable."""
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    kk, vv = repeat_kv_heads(k, H), repeat_kv_heads(v, H)
+    s = (q @ kk.transpose(-1, -2)) * (D ** -0.5 if scale is None else scale)
+    if variants.softcap is not None:
+        s = variants.softcap * torch.tanh(s / variants.softcap)
+    offset = Lk - Lq if causal == "bottom_right" else 0
+    distance = (torch.arange(Lk)[None] - torch.arange(Lq)[:, None] - offset).abs()
+    if variants.alibi_slopes is not None:
+        s = s - variants.alibi_slopes.to(s.dtype)[:, :, None, None] * distance.to(s.dtype)
+    if variants.bias is not None:
+        s = s + variants.bias
+    visible = torch.from_numpy(visible_keys(Lq, Lk, causal, key_padding_mask, B, variants))
+    s = s.masked_fill(~visible, float("-inf"))
+    if variants.sinks is not None:
+        s = torch.cat([s, variants.sinks[None, :, None, None].expand(B, H, Lq, 1)], -1)
+    lse = torch.logsumexp(s.float(), -1)
+    seen = visible.any(-1, keepdim=True) if variants.sinks is None else torch.ones_like(visible[..., :1])
+    p = torch.softmax(s.masked_fill(~seen, 0.0), -1).masked_fill(~seen, 0.0)[..., :Lk]
+    return p @ vv, lse
+
+
+def torch_errors(q, k, v, dout, refs, *, causal=None, key_padding_mask=None, **variants) -> dict:
+    """PyTorch's error in q's dtype against the reference, for out, lse and every gradient the call has."""
+    leaves = {name: x.detach().clone().requires_grad_(True) for name, x in (("q", q), ("k", k), ("v", v))}
+    for name in ("bias", "sinks"):
+        if variants.get(name) is not None:
+            variants[name] = leaves[name] = variants[name].detach().to(q.dtype).clone().requires_grad_(True)
+    canonical = canonical_variants(q, k, **variants)
+    out, lse = torch_attention(leaves["q"], leaves["k"], leaves["v"], causal=causal,
+                               key_padding_mask=key_padding_mask, variants=canonical)
+    out.backward(dout)
+    out_ref, lse_ref, grads_ref = refs
+    errors = {"out": max_error(out, out_ref), "lse": max_error(lse, lse_ref)}
+    for name, leaf in leaves.items():
+        errors[name] = max_error(leaf.grad, grads_ref[name])
+    return errors
+
+
+def storage_error(ref, dtype) -> float:
+    """What merely storing the reference in `dtype` costs (flash-attn's (ref + 0.3 - 0.3) - ref): the floor under a
+    bar that PyTorch, by luck, may have made tiny."""
+    finite = np.where(np.isfinite(ref), ref, 0.0)
+    return max_error(torch.from_numpy(finite).to(dtype), finite)
+
+
+def assert_within_pytorch(ours, refs, errors, dtype):
+    """Each result within twice PyTorch's error plus twice the storage floor (wb.check's rule)."""
+    out, lse, grads = ours
+    out_ref, lse_ref, grads_ref = refs
+    found = {"out": (out, out_ref), "lse": (lse, lse_ref)}
+    found.update({name: (grads[name], grads_ref[name]) for name in grads_ref})
+    for name, (x, ref) in found.items():
+        assert x.dtype == (torch.float32 if name == "lse" else dtype), f"{name}: dtype {x.dtype}"
+        err = max_error(x, ref)
+        bound = 2 * errors[name] + 2 * storage_error(ref, x.dtype)
+        assert err <= bound, f"{name}: max |err| {err:.3g} > 2 x PyTorch's {errors[name]:.3g} + storage floor"
+
+
+# ---------------------------------------------------------------------------------------------- plain attention
+
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("Lq,Lk", [(37, 37), (20, 37), (45, 21)])
+def test_plain_and_causal_float32(causal, Lq, Lk):
+    """Lengths that are not block multiples, Lq != Lk both ways (bottom_right with Lq > Lk: rows that see no key)."""
+    q, k, v, dout = make_problem(B=2, H=2, Lq=Lq, Lk=Lk, seed=Lq + Lk)
+    assert_float32_close(run_triton(q, k, v, dout, causal=causal), run_reference(q, k, v, dout, causal=causal))
+
+
+def test_gqa_key_padding_and_scale():
+    """Four query heads reading two key/value heads, D = 32, keys padded, a scale of its own."""
+    q, k, v, dout = make_problem(B=2, H=4, Hk=2, Lq=29, Lk=40, D=32, seed=3)
+    padding = torch.ones(2, 40, dtype=torch.bool)
+    padding[0, 25:] = False
+    padding[1, :7] = False
+    options = dict(causal="bottom_right", key_padding_mask=padding, scale=0.3)
+    assert_float32_close(run_triton(q, k, v, dout, **options), run_reference(q, k, v, dout, **options))
+
+
+def test_row_that_sees_no_key():
+    """A batch entry whose keys are all padded: output 0, LSE -inf, zero gradients; with sinks its LSE is the sink."""
+    q, k, v, dout = make_problem(B=2, H=2, Lq=20, Lk=24, seed=4)
+    padding = torch.ones(2, 24, dtype=torch.bool)
+    padding[1] = False
+    out, lse, grads = run_triton(q, k, v, dout, key_padding_mask=padding)
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
+    assert torch.all(grads["q"][1] == 0) and torch.all(grads["k"][1] == 0) and torch.all(grads["v"][1] == 0)
+    assert_float32_close((out, lse, grads), run_reference(q, k, v, dout, key_padding_mask=padding))
+    sinks = torch.tensor([0.5, -1.25])
+    ours = run_triton(q, k, v, dout, key_padding_mask=padding, sinks=sinks)
+    assert torch.all(ours[0][1] == 0)
+    assert torch.allclose(ours[1][1], sinks[:, None].expand(2, 20), rtol=0, atol=1e-6)
+    assert_float32_close(ours, run_reference(q, k, v, dout, key_padding_mask=padding, sinks=sinks))
+
+
+def test_float64_is_refused():
+    q, k, v, _ = make_problem(dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        launcher.forward(q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------- the variants
+
+def alibi_slopes(H):
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)])
+
+
+def variant_cases(B, H, Lq, Lk, generator):
+    """{name: (call options, variants)}: each variant alone, then the combinations models use."""
+    def draw(*shape, std=1.0):
+        return std * torch.randn(*shape, generator=generator)
+
+    ids = document_ids_from_cu_seqlens(torch.tensor([0, 9, 12, 30]), Lq)  # three documents, then padding (-1)
+    return {
+        "softcap": ({}, dict(softcap=2.0)),  # small, so that the cap bends the scores
+        "alibi (H,)": ({"causal": "top_left"}, dict(alibi_slopes=alibi_slopes(H))),
+        "alibi (B, H) bottom_right": ({"causal": "bottom_right"}, dict(alibi_slopes=draw(B, H).abs())),
+        "bias (1, H, Lq, Lk)": ({}, dict(bias=draw(1, H, Lq, Lk))),
+        "bias (B, 1, 1, Lk)": ({}, dict(bias=draw(B, 1, 1, Lk))),
+        "bias (B, H, Lq, Lk)": ({"causal": "top_left"}, dict(bias=draw(B, H, Lq, Lk))),
+        "bias (B, H, 1, Lk)": ({}, dict(bias=draw(B, H, 1, Lk))),
+        "window (5, 3)": ({}, dict(window=(5, 3))),  # without causal
+        "window (None, 2)": ({}, dict(window=(None, 2))),
+        "documents": ({}, dict(document_ids=(ids[None].expand(B, Lq), ids[None].expand(B, Lk)))),
+        "sinks": ({}, dict(sinks=draw(H))),
+        "gpt-oss: window + sinks": ({"causal": "top_left"}, dict(window=(6, 0), sinks=draw(H))),
+        "gemma 2: window + softcap": ({"causal": "top_left"}, dict(window=(7, 0), softcap=1.5)),
+        "documents + causal + bias": ({"causal": "top_left"},
+                                      dict(document_ids=(ids[None].expand(B, Lq), ids[None].expand(B, Lk)),
+                                           bias=draw(B, H, Lq, Lk))),
+        "everything": ({"causal": "bottom_right"},
+                       dict(softcap=3.0, alibi_slopes=alibi_slopes(H), bias=draw(1, 1, Lq, Lk), window=(9, 2),
+                            sinks=draw(H))),
+    }
+
+
+CASE_NAMES = list(variant_cases(2, 2, 30, 30, torch.Generator()))
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_variant_float32(case):
+    """Each variant and combination, GQA included, forward and every gradient (dbias, dsinks too)."""
+    q, k, v, dout = make_problem(B=2, H=4, Hk=2, Lq=30, Lk=30, seed=CASE_NAMES.index(case))
+    options, variants = variant_cases(2, 4, 30, 30, torch.Generator().manual_seed(7))[case]
+    ours = run_triton(q, k, v, dout, **options, **variants)
+    assert_float32_close(ours, run_reference(q, k, v, dout, **options, **variants))
+
+
+HALF_CASES = ["softcap", "alibi (H,)", "bias (B, 1, 1, Lk)", "gpt-oss: window + sinks", "gemma 2: window + softcap",
+              "documents + causal + bias"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("case", ["plain causal"] + HALF_CASES)
+def test_half_precision_within_twice_pytorch(dtype, case):
+    B, H, L = 2, 2, 40
+    q, k, v, dout = make_problem(B=B, H=H, Lq=L, dtype=dtype, seed=11)
+    generator = torch.Generator().manual_seed(5)
+    options, variants = ({"causal": "top_left"}, {}) if case == "plain causal" else \
+        variant_cases(B, H, L, L, generator)[case]
+    variants = {name: (x.to(dtype) if name in ("bias", "sinks") else x) for name, x in variants.items()}
+    refs = run_reference(q, k, v, dout, **options, **variants)
+    errors = torch_errors(q, k, v, dout, refs, **options, **dict(variants))
+    assert_within_pytorch(run_triton(q, k, v, dout, **options, **variants), refs, errors, dtype)
+
+
+def test_nan_in_bias_reaches_only_its_row():
+    """A NaN bias at a key a row sees makes that row NaN (as the reference); at a masked key it changes nothing."""
+    q, k, v, _ = make_problem(B=1, H=2, Lq=20, Lk=20, seed=9)
+    bias = torch.zeros(1, 2, 20, 20)
+    bias[0, 0, 5, 3] = float("nan")  # row 5 sees key 3 (causal)
+    bias[0, 1, 2, 10] = float("nan")  # row 2 does not see key 10
+    variants = canonical_variants(q, k, bias=bias)
+    out, lse = launcher.forward(q, k, v, causal="top_left", variants=variants, **BLOCK)
+    assert torch.isnan(out[0, 0, 5]).all() and torch.isnan(lse[0, 0, 5])
+    nan_rows = torch.isnan(out).any(-1)
+    assert int(nan_rows.sum()) == 1
+    out_ref, _ = reference(q, k, v, causal="top_left", bias=bias)
+    assert np.array_equal(np.isnan(out_ref).any(-1), nan_rows.numpy())
+
+
+# ---------------------------------------------------------------------------------------------- score_mod / mask_mod
+
+SOFTCAP = tl.constexpr(2.0)
+WINDOW = tl.constexpr(6)
+DOCUMENT = tl.constexpr(11)
+HEADS = tl.constexpr(2)
+
+
+@triton.jit
+def softcap_mod(score, b, h, q_idx, kv_idx):
+    return SOFTCAP * kernels.tanh(score / SOFTCAP)
+
+
+@triton.jit
+def softcap_derivative(score, b, h, q_idx, kv_idx):
+    capped = kernels.tanh(score / SOFTCAP)
+    return 1.0 - capped * capped
+
+
+@triton.jit
+def alibi_mod(score, b, h, q_idx, kv_idx):
+    slope = tl.exp2(-8.0 * (h + 1).to(tl.float32) / HEADS)
+    return score - slope * tl.abs(kv_idx - q_idx).to(tl.float32)
+
+
+@triton.jit
+def relative_bias_mod(score, b, h, q_idx, kv_idx):
+    return score + 0.05 * (h + 1).to(tl.float32) * (q_idx - kv_idx).to(tl.float32)
+
+
+@triton.jit
+def unit_derivative(score, b, h, q_idx, kv_idx):
+    return 1.0
+
+
+@triton.jit
+def causal_mask(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+@triton.jit
+def sliding_window_mask(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= WINDOW)
+
+
+@triton.jit
+def document_mask(b, h, q_idx, kv_idx):
+    return q_idx // DOCUMENT == kv_idx // DOCUMENT
+
+
+@triton.jit
+def causal_except_head_1(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | (h == 1)
+
+
+def relative_bias(H, L):
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    return torch.stack([0.05 * (h + 1) * (i - j) for h in range(H)])[None].float()
+
+
+MOD_CASES = {
+    # name: (score_mod, its derivative, mask_mod, the named call it equals)
+    "softcap": (softcap_mod, softcap_derivative, None, dict(softcap=2.0)),
+    "alibi": (alibi_mod, unit_derivative, None, dict(alibi_slopes=alibi_slopes(2))),
+    "bias": (relative_bias_mod, unit_derivative, None, dict(bias=relative_bias(2, 40))),
+    "causal": (None, None, causal_mask, dict(causal="top_left")),
+    "sliding window": (None, None, sliding_window_mask, dict(window=(6, 0), causal="top_left")),
+    "documents": (None, None, document_mask, dict(document_ids=torch.arange(40)[None].expand(2, 40) // 11)),
+    "softcap + sliding window": (softcap_mod, softcap_derivative, sliding_window_mask,
+                                 dict(softcap=2.0, window=(6, 0), causal="top_left")),
+}
+
+
+@pytest.mark.parametrize("case", list(MOD_CASES))
+def test_mods_equal_the_named_variants(case):
+    """A score_mod / mask_mod written to compute a named variant gives what the variant gives (and the reference),
+    gradients included. (Sinks have no mod: a sink is a column with no key, not a change of a score.)"""
+    score_mod, derivative, mask_mod, named = MOD_CASES[case]
+    q, k, v, dout = make_problem(B=2, H=2, Lq=40, seed=21)
+    causal = named.pop("causal", None)
+    by_variant = run_triton(q, k, v, dout, causal=causal, **named)
+    by_mods = run_triton(q, k, v, dout, score_mod=score_mod, score_mod_derivative=derivative, mask_mod=mask_mod)
+    refs = run_reference(q, k, v, dout, causal=causal, **named)
+    for name in ("out", "lse", "q", "k", "v"):
+        pick = {"out": 0, "lse": 1}.get(name)
+        x_variant = by_variant[pick] if pick is not None else by_variant[2][name]
+        x_mods = by_mods[pick] if pick is not None else by_mods[2][name]
+        ref = refs[pick] if pick is not None else refs[2][name]
+        bound = 2e-5 * max(scale_of(ref), 1e-2)
+        assert max_error(x_mods, ref) <= bound, f"{case}: mods' {name} off the reference"
+        assert max_error(x_mods, x_variant.double().numpy()) <= bound, f"{case}: mods' {name} vs the variant's"
+
+
+def test_score_mod_without_derivative_is_refused():
+    q, k, v, dout = make_problem()
+    out, lse = launcher.forward(q, k, v, score_mod=softcap_mod, **BLOCK)
+    with pytest.raises(ValueError, match="score_mod_derivative"):
+        launcher.gradients(q, k, v, out, lse, dout, score_mod=softcap_mod, **BLOCK)
+
+
+def test_mask_depending_on_the_head_and_a_mask_shared_by_batch():
+    """A block mask built for H heads and B = 1 serves both batch entries; head 1 sees everything, head 0 is causal."""
+    q, k, v, dout = make_problem(B=2, H=2, Lq=35, seed=2)
+    mask = launcher.block_mask(causal_except_head_1, 1, 2, 35, 35, 16, 16)
+    assert mask.tile_state[0, 1].eq(2).all() and mask.tile_state[0, 0].triu(1).eq(0).all()
+    out, lse = launcher.forward(q, k, v, block_mask=mask)
+    grads = launcher.gradients(q, k, v, out, lse, dout, block_mask=mask)
+    for head, causal in ((0, "top_left"), (1, None)):
+        part = [x[:, head:head + 1] for x in (q, k, v, dout)]
+        refs = run_reference(*part, causal=causal)
+        ours = (out[:, head:head + 1], lse[:, head:head + 1], {n: grads[n][:, head:head + 1] for n in "qkv"})
+        assert_float32_close(ours, refs)
+
+
+# ---------------------------------------------------------------------------------------------- block skipping
+
+def test_block_mask_tiles_and_lists():
+    """Tile states against the mask evaluated in NumPy, and the lists the kernels walk (visible blocks, ascending)."""
+    L, block = 50, 16
+    mask = launcher.block_mask(sliding_window_mask, 1, 1, L, L, block, block)
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    dense = (j <= i) & (i - j <= 6)
+    n = -(-L // block)
+    for m in range(n):
+        for b in range(n):
+            tile = dense[m * block:(m + 1) * block, b * block:(b + 1) * block]
+            expected = 0 if not tile.any() else 2 if tile.all() else 1
+            assert int(mask.tile_state[0, 0, m, b]) == expected, (m, b)
+        visible = [b for b in range(n) if dense[m * block:(m + 1) * block, b * block:(b + 1) * block].any()]
+        count = int(mask.kv_count[0, 0, m])
+        assert mask.kv_indices[0, 0, m, :count].tolist() == visible
+        assert count == len(visible)
+    for b in range(n):  # the transposed lists, for the dK/dV kernel
+        visible = [m for m in range(n) if dense[m * block:(m + 1) * block, b * block:(b + 1) * block].any()]
+        assert mask.q_indices[0, 0, b, :int(mask.q_count[0, 0, b])].tolist() == visible
+    assert "BlockMask" in repr(mask)
+
+
+@pytest.mark.parametrize("L", [64, 160])
+def test_sliding_window_visits_do_not_grow_with_length(L):
+    """A window of 6 keys with 16 x 16 blocks: at most 2 key blocks per query block at any length, through the
+    arithmetic range and through the block mask alike; causal alone visits the lower triangle of blocks."""
+    q, k, v, _ = make_problem(B=1, H=1, Lq=L, D=16, seed=L)
+    window = canonical_variants(q, k, window=(6, 0))
+    out, lse, visits = launcher.visited_key_blocks(q, k, v, causal="top_left", variants=window, **BLOCK)
+    assert int(visits.max()) == 2 and int(visits.sum()) == 2 * (L // 16) - 1
+    assert_float32_close((out, lse, {}), (*reference(q, k, v, causal="top_left", window=(6, 0)), {}))
+    out_mod, _, visits_mod = launcher.visited_key_blocks(q, k, v, mask_mod=sliding_window_mask, **BLOCK)
+    assert torch.equal(visits_mod, visits) and torch.allclose(out_mod, out, rtol=0, atol=1e-6)
+    if L == 64:
+        _, _, causal_visits = launcher.visited_key_blocks(q, k, v, causal="top_left", **BLOCK)
+        n = L // 16
+        assert causal_visits[0, 0].tolist() == list(range(1, n + 1))
+
+
+def test_documents_skip_blocks_of_other_documents():
+    """Sorted document ids: a query block visits only the key blocks its documents reach."""
+    L = 64
+    q, k, v, _ = make_problem(B=1, H=1, Lq=L, seed=8)
+    ids = document_ids_from_cu_seqlens(torch.tensor([0, 16, 32, 48, 64]), L)[None]
+    variants = canonical_variants(q, k, document_ids=ids)
+    _, _, visits = launcher.visited_key_blocks(q, k, v, variants=variants, **BLOCK)
+    assert visits[0, 0].tolist() == [1, 1, 1, 1]
+
+
+# ---------------------------------------------------------------------------------------------- the stage
+
+def test_stage_registration_and_numpy_inputs():
+    assert STAGE.name == "triton" and STAGE.order == 11 and STAGE.linear_memory and not STAGE.needs_gpu
+    assert set(STAGE.variants) == {"softcap", "alibi_slopes", "bias", "window", "document_ids", "sinks"}
+    assert STAGE.simulator_seconds(1, 2, 64, 64, 16) < 5 < STAGE.simulator_seconds(8, 16, 4096, 4096, 128)
+    q, k, v, dout = (x.numpy() for x in make_problem(B=1, H=2, Lq=33, seed=1))
+    out, lse = STAGE.forward(q, k, v, causal="top_left", key_padding_mask=None, scale=None)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    out_ref, _ = reference(q, k, v, causal="top_left")
+    assert np.abs(out - out_ref).max() < 1e-5
+    from wb_kernels.stages.triton import BACKWARDS
+
+    dq, dk, dv = BACKWARDS[0].gradients(q, k, v, out, lse, dout, causal="top_left", key_padding_mask=None, scale=None)
+    assert isinstance(dq, np.ndarray) and dq.shape == q.shape
+
+
+def test_package_import_leaves_triton_alone_and_errors_are_clear():
+    """In a fresh process: importing the rung imports no triton; without triton a launch says `pip install triton`;
+    triton imported for its compiler before the first launch on a CPU-only run is an error that says so."""
+    script = textwrap.dedent("""
+        import os, sys
+        os.environ.pop("TRITON_INTERPRET", None)
+        import wb_kernels.stages.triton as rung
+        from wb_kernels.stages.triton import launcher
+        assert "triton" not in sys.modules, "importing the rung imported triton"
+        import torch
+        q = torch.zeros(1, 1, 16, 16)
+        sys.modules["triton"] = None  # as if triton were not installed
+        try:
+            launcher.forward(q, q, q)
+        except ImportError as error:
+            assert "pip install triton" in str(error), error
+        else:
+            raise AssertionError("no ImportError without triton")
+        del sys.modules["triton"]
+        os.environ["TRITON_INTERPRET"] = "0"
+        import triton
+        try:
+            launcher.forward(q, q, q)
+        except RuntimeError as error:
+            assert "interpreter" in str(error) and "before anything imports triton" in str(error), error
+        else:
+            raise AssertionError("no error for triton imported in the other mode")
+        print("ok")
+    """)
+    environment = dict(os.environ, WB_BACKEND="simulator")
+    environment.pop("TRITON_INTERPRET", None)
+    found = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=environment, capture_output=True, text=True,
+                           timeout=120)
+    assert found.returncode == 0 and found.stdout.strip() == "ok", found.stderr[-3000:]
