@@ -444,6 +444,36 @@ def test_documents_skip_blocks_of_other_documents():
     assert visits[0, 0].tolist() == [1, 1, 1, 1]
 
 
+# ---------------------------------------------------------------------------------------------- interpreter helpers
+
+@triton.jit
+def _elementwise(X, Out, N: tl.constexpr, WHICH: tl.constexpr):
+    at = tl.arange(0, N)
+    x = tl.load(X + at)
+    if WHICH == "tanh":
+        tl.store(Out + at, kernels.tanh(x))
+    else:
+        tl.store(Out + at, kernels.cast(x, tl.bfloat16))
+
+
+def test_tanh_and_bfloat16_rounding_on_the_interpreter():
+    """The interpreter's tanh (no libdevice there) within a few float32 ulps from 1e-30 to 100, exact at 0, ±inf and
+    NaN; its float32 -> bfloat16 cast rounded to nearest even, as torch (and a GPU) round."""
+    magnitudes = torch.logspace(-30, 2, 1022)  # (2 x 1022 + 4: a power of two, as tl.arange wants)
+    x = torch.cat([magnitudes, -magnitudes, torch.tensor([0.0, float("inf"), -float("inf"), float("nan")])])
+    out = torch.empty_like(x)
+    _elementwise[(1,)](x, out, x.numel(), "tanh")
+    want = torch.tanh(x.double())
+    finite = torch.isfinite(want) & (want != 0)
+    ulps = ((out.double() - want).abs() / want.abs())[finite].max() / 2.0**-24
+    assert ulps <= 8, f"tanh off by {ulps:.1f} ulps"
+    assert out[-4:-1].tolist() == [0.0, 1.0, -1.0] and torch.isnan(out[-1])
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(0))
+    rounded = torch.empty(1024, dtype=torch.bfloat16)
+    _elementwise[(1,)](x, rounded, 1024, "cast")
+    assert torch.equal(rounded, x.to(torch.bfloat16))
+
+
 # ---------------------------------------------------------------------------------------------- the stage
 
 def test_stage_registration_and_numpy_inputs():

@@ -6,7 +6,8 @@
   a block mask from a ``mask_mod``;
 - ``launcher.py``: the host side: block sizes (:func:`launcher.launch_config`), the variants turned into kernel
   arguments, :func:`launcher.forward`, :func:`launcher.gradients`, :func:`launcher.block_mask` and the choice
-  between Triton's compiler and its CPU interpreter.
+  between Triton's compiler and its CPU interpreter;
+- ``NOTES.md``: status, decisions, the interpreter's workarounds and what is open.
 
 Importing this package does not import triton (every test imports every rung): the launcher imports it at the first
 launch, and a machine without triton is told to ``pip install triton`` then.

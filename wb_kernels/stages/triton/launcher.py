@@ -32,6 +32,11 @@ __all__ = ["forward", "gradients", "block_mask", "BlockMask", "visited_key_block
            "stage_gradients", "launch_config", "interpreting", "load_kernels", "simulator_seconds", "DTYPES"]
 
 DTYPES = ("float16", "bfloat16", "float32")
+# The backward recomputes P = exp2(score · log2 e - lse · log2 e) in float32: past |LSE| = 2^24 the rounding of the
+# LSE alone is about 1 in that exponent (scores of -1e31 make P 0 or inf), so such calls are refused, as the flash
+# backward refuses them, rather than answered wrong.
+LSE_LIMIT = 2.0**24
+INTERPRETER_BLOCK = 32  # rows and keys per block on the interpreter (numpy arrays: small, several per test problem)
 
 _KERNELS = None  # the kernels module, once imported
 _INTERPRETING: Optional[bool] = None  # the mode, decided at the first launch
@@ -95,7 +100,7 @@ def launch_config(D: int, dtype: str, *, backward: bool = False) -> dict:
     shared memory per element) and for the backward (five tiles live at once), 8 warps at D = 128.
     """
     if interpreting():
-        return dict(block_m=32, block_n=32, num_warps=1, num_stages=1)
+        return dict(block_m=INTERPRETER_BLOCK, block_n=INTERPRETER_BLOCK, num_warps=1, num_stages=1)
     wide = D > 64
     if backward:
         block = 32 if dtype == "float32" else 64
@@ -210,12 +215,14 @@ def triton_cdiv(a: int, b: int) -> int:
 # ---------------------------------------------------------------------------------------------- shared arguments
 
 def _as_torch(x, device=None):
+    """A torch tensor of `x` (a NumPy caller's array shared where torch can share it, copied where it is read-only)."""
     import torch
 
     if x is None or is_torch(x):
         return x
-    return torch.from_numpy(np.ascontiguousarray(x)).to(device) if device is not None else torch.from_numpy(
-        np.ascontiguousarray(x))
+    array = np.ascontiguousarray(x)
+    found = torch.from_numpy(array if array.flags.writeable else array.copy())
+    return found if device is None else found.to(device)
 
 
 def _dtype_name(t) -> str:
@@ -372,6 +379,20 @@ def visited_key_blocks(q, k, v, **options):
 
 # ---------------------------------------------------------------------------------------------- the backward
 
+def _check_lse_range(lse) -> None:
+    """Refuse an LSE whose finite part reaches :data:`LSE_LIMIT` in magnitude (one number read back: a host sync)."""
+    import torch
+
+    if not lse.numel():
+        return
+    largest = float(torch.where(torch.isfinite(lse), lse.abs(), torch.zeros_like(lse)).amax())
+    if largest >= LSE_LIMIT:
+        raise ValueError(f"the triton backward: a row's log-sum-exp is {largest:.3g} in magnitude (scores that large, "
+                         f"e.g. -1e31); its float32 kernels recompute P = exp(score - LSE), and past |LSE| = 2^24 "
+                         f"float32 rounding alone exceeds 1 in that exponent, so the gradients would be wrong. Scale "
+                         f"the scores down, or take these gradients with stage='reference' (float64)")
+
+
 def gradients(q, k, v, out, lse, dout, *, causal=None, key_padding_mask=None, scale=None,
               variants: Variants = NO_VARIANTS, score_mod=None, score_mod_derivative=None, mask_mod=None,
               block_mask=None, block_m=None, block_n=None, num_warps=None, num_stages=None) -> dict:
@@ -394,6 +415,7 @@ def gradients(q, k, v, out, lse, dout, *, causal=None, key_padding_mask=None, sc
     q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
     _check_inputs(q, k, v)
     lse = lse.to(torch.float32).contiguous()
+    _check_lse_range(lse)
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
     mask = _resolve_mask(mask_mod, block_mask, B, H, Lq, Lk, block_m, block_n, q.device)
@@ -488,10 +510,8 @@ def stage_gradients(q, k, v, out, lse, dout, *, causal=None, key_padding_mask=No
 
 
 def simulator_seconds(B, H, Lq, Lk, D) -> float:
-    """Rough seconds of a forward on Triton's interpreter (numpy), with its default 32 x 32 blocks: a launch costs
-    a few ms, each program about 1 ms, each (query block, key block) step a few ms more at larger D. Measured on
-    a 2-core machine; used to refuse sizes that would take minutes there."""
-    block = 32
-    programs = B * H * triton_cdiv(Lq, block)
-    steps = programs * triton_cdiv(Lk, block)
-    return 0.01 + programs * 1e-3 + steps * 2e-3 * max(1.0, D / 64)
+    """Rough seconds of a forward on Triton's interpreter (numpy) with its default 32 x 32 blocks: about 5 ms per
+    (query block, key block) step, hardly growing with D up to 128 (numpy's overhead per operation dominates), the
+    backward about 2.5 times that. Measured on a 2-core machine; used to refuse sizes that would take minutes."""
+    steps = B * H * triton_cdiv(Lq, INTERPRETER_BLOCK) * triton_cdiv(Lk, INTERPRETER_BLOCK)
+    return 0.02 + steps * 5e-3
