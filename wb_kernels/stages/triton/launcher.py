@@ -75,8 +75,9 @@ def load_kernels():
         from . import kernels
     except ImportError as error:
         if getattr(error, "name", None) == "triton" or "triton" not in sys.modules:
-            raise ImportError("the triton stage needs Triton, which is not installed: pip install triton "
-                              "(on a CPU-only machine its interpreter runs the kernels)") from error
+            raise ImportError("the triton stage needs Triton, which is not installed: pip install triton (or the "
+                              "project's lab extra, pip install -e '.[lab]'; Linux wheels only); on a CPU-only "
+                              "machine its interpreter runs the kernels") from error
         raise
     _INTERPRETING = kernels.INTERPRETING
     _KERNELS = kernels
