@@ -1,0 +1,1230 @@
+"""The variants benchmark (lesson 11_triton): the ``triton`` stage with the attention variants real models use, against
+FlexAttention given the same modifications, in a file of its own.
+
+    python -m wb_kernels.bench.variants --json results/triton/variants_h100.json --time-budget 480   # the bar
+    python -m wb_kernels.bench.variants --preset full --preset window-sweep --time-budget 480     # everything
+    python -m wb_kernels.bench.variants --preset smoke     # a CPU: Triton's interpreter, tiny sizes, no FlexAttention
+    python -m wb_kernels.bench.variants --table results/triton/variants_h100.json              # the README's tables
+
+What is measured (:data:`VARIANT_PRESETS`): fp16 and bf16, D 64 and 128, H 16, B * L = 16k tokens (B = 16k / L), each
+variant of :data:`VARIANTS` (:class:`VariantSpec`: plain, causal, ALiBi, a (1, H, L, L) bias, a sliding window of 1024
+keys causal and not, softcap 50, sinks, 4 packed documents per sequence, gpt-oss = window 128 + sinks, Gemma 2 = window
+4096 + softcap 50), in two modes: ``forward`` and ``fwd+bwd`` (the forward, then the gradients of q, k, v and of the
+bias and the sinks where the variant has them, for a random ``dout``). Presets: ``bar`` (the issue's problems: L 4096,
+D 128, fp16, every variant), ``full`` (L 1k-16k), ``window-sweep`` (forward time against the window at L = 16k, and
+against L at a window of 1024, beside causal: a sliding window's cost grows with the window, not with L), ``memory``
+(L = 16k: the peak memory of each contender) and ``smoke`` (B1 H2 L64 D16 on a CPU, for the tests).
+
+Contenders (:func:`variant_contenders`), each checked, then timed with the one method every preset uses
+(:data:`wb_kernels.timing.DEVICE_TIME`, recorded in the file):
+
+- ``triton``: ``wb.attention(q, k, v, stage="triton", causal=..., softcap=..., bias=..., ...)``, what users call
+  (validation, the registered op, autograd in ``fwd+bwd``);
+- ``triton-kernel``: the stage's registered forward and backward called directly
+  (``get_stage("triton").forward(..., variants=...)``, ``get_backward("triton").gradients``): no validation, no
+  autograd;
+- ``flex``: FlexAttention (``torch.nn.attention.flex_attention``) compiled once per workload, with the SAME
+  modifications: softcap, ALiBi and the bias as one ``score_mod`` (:func:`flex_modifications`), causal, window and
+  documents as one ``mask_mod`` given as a block mask from ``create_block_mask`` (built once per workload, outside the
+  timing). FlexAttention has no sink argument; a sink is exact math on its returned LSE (natural log, without the
+  sink): with a sink the row's normaliser is exp(lse) + exp(sink) instead of exp(lse), so each probability, and the
+  output, is scaled by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)::
+
+      out_with_sink = out * sigmoid(lse - sink),     lse_with_sink = logaddexp(lse, sink)
+
+  (:func:`with_sinks`; a row that sees no key has out = 0 and lse = -inf, so it stays 0 as the reference's). The
+  correction runs inside the compiled function (fused by Inductor), and autograd carries the gradients through it
+  into FlexAttention's LSE and into the sinks: exact, not an approximation;
+- for ``plain`` and ``causal`` only: SDPA forced to FLASH and to cuDNN, and the ``mma`` and ``hopper`` stages through
+  ``wb.attention``. Each of these rows on a machine that cannot run it (no GPU, no backward, another GPU) is a row
+  with status "skipped" and the reason.
+
+The check, before any timing: the forward's output rows of batch 0, head 0 go through :func:`wb_kernels.check.check`
+with the variants (the package's rule: twice PyTorch's own error with the same variants in PyTorch ops in the same
+precision, plus its floors), on a slice of :data:`CHECK_ROWS` query rows against every key: the last rows under a
+causal mask (``causal="bottom_right"`` on the slice puts them on the full problem's diagonal, which windows and ALiBi
+follow), the first rows otherwise. The gradients of head 0 of every batch entry (dq, dk, dv, and dbias and dsinks,
+which sum over the batch) against float64 autograd through the same formula on the device
+(:func:`wb_kernels.check.torch_ops_attention` in float64), within twice the same formula's error in the inputs'
+dtype plus the rounding of storing the reference in that dtype (the backward benchmark's rule). A stage that fails
+is not timed (``--time-failed-checks`` times it, flagged); a baseline that fails is timed and flagged.
+
+FLOPs count the visible (query, key) pairs only (:func:`visible_pairs`: causal about half, a window about L * w, the
+documents the sum of their squares' halves): forward ``4 B H pairs D``, ``fwd+bwd`` 3.5 times that (the backward's
+five products against the forward's two), the same number for every contender, so TFLOP/s ratios are time ratios.
+Memory: every row's peak bytes allocated during its checked call beyond what existed before
+(``torch.cuda.max_memory_allocated``); :func:`memory_table` shows them at L = 16k.
+
+Results go to their own file (``"kind": "variants"``, under ``results/triton/``), written after every measurement;
+the same command resumes a run cut short (``--time-budget``). :func:`variants_table` prints the README's table and
+the issue's bars (:data:`BARS`): plain forward at least 1.0x SDPA FLASH's speed, every variant at least 0.9x
+FlexAttention's forward and 0.8x its fwd+bwd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+import zlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..results_files import REPO_ROOT, load_results, recorded_arguments, round_significant
+from ..timing import free_device_memory
+from ..tuning import sdpa_call
+from .failures import SizeRefused, error_line, is_out_of_memory
+from .measure import (TimingPolicy, finish_results, flex_problem, open_results, stamp_timing, store_record,
+                      tensor_device, time_into)
+from .results import add_speedups, new_results, timing_method
+from .sweeps import TOKENS, Refused
+
+__all__ = ["VariantSpec", "VARIANTS", "VariantWorkload", "VariantPreset", "VARIANT_PRESETS", "PRESET_GROUPS", "MODES",
+           "BARS", "CHECK_ROWS", "VariantContender", "variant_contenders", "window_sides", "document_ids",
+           "document_lengths", "alibi_slopes", "visible_pairs", "pass_flops", "with_sinks", "lse_with_sinks",
+           "flex_modifications", "flex_block_mask", "flex_attention_with", "Problem", "make_problem", "plan_variants",
+           "variant_record_key", "skip_reason", "measure_one", "run_variants", "default_variants_output",
+           "variants_table", "bar_verdicts", "window_sweep_table", "memory_table", "update_variants_readme", "main",
+           "README_VARIANTS_START", "README_VARIANTS_END", "VARIANT_NOTES"]
+
+MODES = ("forward", "fwd+bwd")
+CHECK_ROWS = 256  # query rows of batch 0, head 0 that the forward's check compares (every key)
+README_VARIANTS_START = "<!-- perf-table-variants:start -->"
+README_VARIANTS_END = "<!-- perf-table-variants:end -->"
+# the issue's bars: (mode, contender compared with, least speed of `triton` relative to it)
+BARS = (("forward", "sdpa-flash", 1.0), ("forward", "flex", 0.9), ("fwd+bwd", "flex", 0.8))
+
+
+# ----------------------------------------------------------------------------------------------
+# What is measured: the variants, the workloads, the presets
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One variant as a model uses it. ``window`` is the number of keys a query sees (its own included): the last
+    ``window`` keys under a causal mask, ``window // 2`` before and the rest after it without one
+    (:func:`window_sides`). ``documents``: that many packed documents per sequence (:func:`document_ids`)."""
+
+    name: str
+    causal: bool
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    alibi: bool = False
+    bias: bool = False  # a (1, H, L, L) bias in the inputs' dtype, with its gradient in fwd+bwd
+    sinks: bool = False  # one float32 logit per head, with its gradient in fwd+bwd
+    documents: int = 0
+    model: str = ""
+
+    @property
+    def masked(self) -> bool:
+        """Whether the variant hides keys (what a block mask can skip)."""
+        return self.causal or self.window is not None or self.documents > 0
+
+    @property
+    def differentiable(self) -> tuple:
+        """The variant's inputs that get a gradient, in the order the gradients are returned."""
+        return tuple(name for name, used in (("bias", self.bias), ("sinks", self.sinks)) if used)
+
+
+VARIANTS = {v.name: v for v in (
+    VariantSpec("plain", False, model="an encoder"),
+    VariantSpec("causal", True, model="a decoder"),
+    VariantSpec("alibi", True, alibi=True, model="BLOOM, MPT"),
+    VariantSpec("bias", False, bias=True, model="T5's relative bias, learned biases"),
+    VariantSpec("window", True, window=1024, model="Mistral"),
+    VariantSpec("window-bidirectional", False, window=1024, model="Longformer's local attention"),
+    VariantSpec("softcap", True, softcap=50.0, model="Grok"),
+    VariantSpec("sinks", True, sinks=True, model="gpt-oss's sinks alone"),
+    VariantSpec("documents", True, documents=4, model="packed training sequences"),
+    VariantSpec("gpt-oss", True, window=128, sinks=True, model="gpt-oss: window 128 + sinks"),
+    VariantSpec("gemma2", True, window=4096, softcap=50.0, model="Gemma 2: window 4096 + softcap 50"),
+)}
+BASE_VARIANTS = ("plain", "causal")  # the variants SDPA and the CUDA C++ stages compute too
+
+
+@dataclass(frozen=True)
+class VariantWorkload:
+    """One problem: q, k, v (B, H, L, D), one variant; ``window`` replaces the variant's (the window sweep)."""
+
+    variant: str
+    B: int
+    H: int
+    L: int
+    D: int
+    dtype: str
+    window: Optional[int] = None
+
+    @property
+    def spec(self) -> VariantSpec:
+        spec = VARIANTS[self.variant]
+        return spec if self.window is None else replace(spec, window=self.window)
+
+    @property
+    def key(self) -> str:
+        window = "" if self.window is None else f"|w{self.window}"
+        return f"{self.variant}{window}|{self.dtype}|B{self.B}|H{self.H}|L{self.L}|D{self.D}"
+
+
+def window_sides(spec: VariantSpec) -> Optional[tuple]:
+    """The spec's window as ``wb.attention``'s ``(left, right)``, ``spec.window`` keys in all: (w - 1, 0) under a
+    causal mask, (w // 2, w - 1 - w // 2) without one."""
+    w = spec.window
+    if w is None:
+        return None
+    if w < 1:
+        raise ValueError(f"window: expected at least 1 key, got {w}")
+    return (w - 1, 0) if spec.causal else (w // 2, w - 1 - w // 2)
+
+
+def document_lengths(L: int, count: int) -> list:
+    """`count` documents of unequal lengths (in the ratio count : count-1 : ... : 1) filling L positions: their
+    boundaries fall at no particular block, as packed sequences' do."""
+    weights = list(range(count, 0, -1))
+    total = sum(weights)
+    cuts = [0] + [round(L * sum(weights[:n + 1]) / total) for n in range(count)]
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def document_ids(L: int, count: int):
+    """One sequence's document ids (L,), int64 NumPy: 0 for the first document's positions, 1 for the next, ..."""
+    import numpy as np
+
+    return np.repeat(np.arange(count), document_lengths(L, count))
+
+
+def alibi_slopes(H: int):
+    """ALiBi's slopes for H heads (Press et al.): 2^(-8 (h + 1) / H), float32 NumPy (H,)."""
+    import numpy as np
+
+    return np.exp2(-8.0 * np.arange(1, H + 1) / H).astype(np.float32)
+
+
+def visible_pairs(spec: VariantSpec, L: int) -> int:
+    """The (query, key) pairs of one sequence (Lq = Lk = L) that the variant's masks leave visible, counted row by
+    row: query i sees the keys from max(0, i - left, its document's start) to min(L - 1, i if causal, i + right, its
+    document's end). The documents are contiguous runs (:func:`document_ids`). O(L)."""
+    import numpy as np
+
+    i = np.arange(L)
+    low, high = np.zeros(L, dtype=np.int64), np.full(L, L - 1, dtype=np.int64)
+    if spec.causal:
+        high = np.minimum(high, i)
+    sides = window_sides(spec)
+    if sides is not None:
+        low, high = np.maximum(low, i - sides[0]), np.minimum(high, i + sides[1])
+    if spec.documents:
+        ends = np.cumsum(document_lengths(L, spec.documents))
+        starts = ends - document_lengths(L, spec.documents)
+        which = np.searchsorted(ends, i, side="right")
+        low, high = np.maximum(low, starts[which]), np.minimum(high, ends[which] - 1)
+    return int(np.maximum(high - low + 1, 0).sum())
+
+
+def pass_flops(workload: VariantWorkload, mode: str) -> float:
+    """FLOPs of one timed call over the visible pairs only: forward ``4 B H pairs D`` (QK^T and PV, a multiply-add
+    each), ``fwd+bwd`` 3.5 times that (the backward's five products)."""
+    w = workload
+    forward = 4.0 * w.B * w.H * visible_pairs(w.spec, w.L) * w.D
+    if mode == "forward":
+        return forward
+    if mode == "fwd+bwd":
+        return 3.5 * forward
+    raise ValueError(f"mode: one of {MODES}, got {mode!r}")
+
+
+def variant_record_key(contender: str, mode: str, workload: VariantWorkload) -> str:
+    # the contender first: add_speedups groups records by the rest of the key (mode and workload)
+    return f"{contender}|{mode}|{workload.key}"
+
+
+@dataclass(frozen=True)
+class VariantPreset:
+    """Contenders x workloads x modes; `policy` replaces the run's timing policy (the smoke preset's few repeats)."""
+
+    contenders: tuple
+    workloads: tuple
+    modes: tuple = MODES
+    policy: Optional[TimingPolicy] = None
+
+
+ALL_CONTENDERS = ("triton", "flex", "triton-kernel", "sdpa-flash", "sdpa-cudnn", "mma", "hopper")
+SMOKE_POLICY = TimingPolicy(seconds=0.001, min_repeats=1, max_repeats=1, warmup=0)
+
+
+def _workloads(lengths, head_dims, dtypes, variants=tuple(VARIANTS), *, H=16, tokens=TOKENS) -> tuple:
+    return tuple(VariantWorkload(name, max(1, tokens // L), H, L, D, dtype)
+                 for dtype in dtypes for D in head_dims for L in lengths for name in variants)
+
+
+def _variant_presets() -> dict:
+    bar = _workloads((4096,), (128,), ("float16",))
+    full = _workloads((1024, 2048, 4096, 8192, 16384), (64, 128), ("float16", "bfloat16"))
+    memory = _workloads((16384,), (128,), ("float16",))
+    # the window against L = 16k (128 .. 16k; 1024 is the L sweep's row), then L (1k .. 16k, B * L = 16k) at the
+    # window variant's 1024 keys beside causal
+    windows = tuple(VariantWorkload("window", 1, 16, 16384, 128, "float16", window=2 ** n)
+                    for n in range(7, 15) if n != 10)
+    lengths = _workloads((1024, 2048, 4096, 8192, 16384), (128,), ("float16",), ("window", "causal"))
+    return {
+        "bar": VariantPreset(ALL_CONTENDERS, bar),
+        "full": VariantPreset(ALL_CONTENDERS, full),
+        "memory": VariantPreset(ALL_CONTENDERS, memory),
+        "window-sweep": VariantPreset(("triton", "flex", "triton-kernel"), windows + lengths, modes=("forward",)),
+        # every contender planned, so that the rows a CPU cannot run say why; windows of 16 keys at L = 64
+        "smoke": VariantPreset(ALL_CONTENDERS, tuple(
+            VariantWorkload(name, 1, 2, 64, 16, "float16", window=16 if VARIANTS[name].window else None)
+            for name in VARIANTS), policy=SMOKE_POLICY),
+    }
+
+
+VARIANT_PRESETS = _variant_presets()
+PRESET_GROUPS = {"all": ("bar", "window-sweep", "memory", "full")}
+
+VARIANT_NOTES = {
+    "modes": "forward: out = f(q, k, v); fwd+bwd: the forward, then torch.autograd.grad of q, k, v (and the bias and "
+             "the sinks where the variant has them) for a random dout, timed together. triton-kernel: the stage's "
+             "registered forward and backward called directly",
+    "flops": "over the visible (query, key) pairs only: forward 4*B*H*pairs*D, fwd+bwd 3.5 x",
+    "flex": "FlexAttention compiled once per workload; softcap, ALiBi and bias as one score_mod, causal, window and "
+            "documents as a block mask from create_block_mask; sinks as out * sigmoid(lse - sink) on its LSE "
+            "(exact: the normaliser with a sink is exp(lse) + exp(sink))",
+    "check": f"forward: wb.check with the variants on {CHECK_ROWS} query rows of batch 0, head 0 against every key "
+             "(the last rows when causal); gradients: head 0 of every batch entry (dq, dk, dv, dbias, dsinks) "
+             "against float64 autograd on the device, within 2 x the same formula's error in the inputs' dtype + "
+             "the storage floor",
+    "memory": "peak_bytes (GPU only): allocated during the checked call beyond what existed before it (inputs, the "
+              "variants' tensors), outputs and gradients included",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# FlexAttention with the same modifications
+# ----------------------------------------------------------------------------------------------
+
+def with_sinks(out, lse, sinks):
+    """Attention with sinks from attention without them: ``out * sigmoid(lse - sink_h)``, in float32 (or wider),
+    returned in out's dtype. `out` (B, H, L, D) and `lse` (B, H, L) (natural log) of the same scores without the
+    sinks, `sinks` (H,). Exact: the sink adds exp(sink) to each row's normaliser exp(lse), so every probability, and
+    their weighted sum of the values, is multiplied by exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + exp(sink - lse))."""
+    import torch
+
+    wide = torch.promote_types(lse.dtype, torch.float32)  # float32 at least (float64 stays float64)
+    weight = torch.sigmoid(lse.to(wide) - sinks.to(wide)[None, :, None])
+    return (out.to(wide) * weight[..., None]).to(out.dtype)
+
+
+def lse_with_sinks(lse, sinks):
+    """The LSE with the sinks in it, as the package reports it: log(exp(lse) + exp(sink_h))."""
+    import torch
+
+    wide = torch.promote_types(lse.dtype, torch.float32)
+    return torch.logaddexp(lse.to(wide), sinks.to(wide)[None, :, None])
+
+
+def flex_modifications(spec: VariantSpec, *, slopes=None, bias=None, ids=None) -> tuple:
+    """``(score_mod, mask_mod)`` for FlexAttention computing `spec` (None where the variant needs none), in the
+    package's order: softcap on the scaled score, then ALiBi (``- slope_h |i - j|``) and the bias, then the masks
+    (causal, window, documents, all top-left as in the benchmark's calls). `slopes` (H,), `bias` (1, H, L, L) and
+    `ids` (B, L) are the tensors the mods read (captured: a bias that requires grad gets FlexAttention's gradient)."""
+    softcap = spec.softcap
+    scored = softcap is not None or slopes is not None or bias is not None
+    score_mod = None
+    if scored:
+        import torch
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            if softcap is not None:
+                score = softcap * torch.tanh(score / softcap)
+            if slopes is not None:
+                score = score - slopes[h] * (q_idx - kv_idx).abs()
+            if bias is not None:
+                score = score + bias[0, h, q_idx, kv_idx]
+            return score
+
+    masks = []
+    if spec.causal:
+        masks.append(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    sides = window_sides(spec)
+    if sides is not None:
+        left, right = sides
+        masks.append(lambda b, h, q_idx, kv_idx: (kv_idx - q_idx >= -left) & (kv_idx - q_idx <= right))
+    if ids is not None:
+        masks.append(lambda b, h, q_idx, kv_idx: ids[b, q_idx] == ids[b, kv_idx])
+    if not masks:
+        return score_mod, None
+    if len(masks) == 1:
+        return score_mod, masks[0]
+    from torch.nn.attention.flex_attention import and_masks
+
+    return score_mod, and_masks(*masks)
+
+
+def flex_block_mask(workload: VariantWorkload, ids=None, device="cpu"):
+    """FlexAttention's block mask of the workload's masks (``create_block_mask`` on :func:`flex_modifications`'
+    mask_mod; per batch entry with documents, else shared), or None for a variant that hides no key."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    w, spec = workload, workload.spec
+    _, mask_mod = flex_modifications(spec, ids=ids)
+    if mask_mod is None:
+        return None
+    return create_block_mask(mask_mod, w.B if spec.documents else None, None, w.L, w.L, device=device)
+
+
+def flex_attention_with(spec: VariantSpec, flex=None, *, block_mask=None, slopes=None, bias=None, ids=None,
+                        sinks=None) -> Callable:
+    """``attend(q, k, v) -> out``: FlexAttention (`flex`, default ``flex_attention`` itself: pass the compiled one)
+    with `spec`'s modifications (:func:`flex_modifications`), `block_mask` from their mask_mod, and the sinks applied
+    to its LSE (:func:`with_sinks`). Compile the returned function (not only `flex`) and the correction is fused."""
+    from torch.nn.attention import flex_attention as module
+
+    flex = flex or module.flex_attention
+    score_mod, _ = flex_modifications(spec, slopes=slopes, bias=bias, ids=ids)
+    if sinks is None:
+        return lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    request = getattr(module, "AuxRequest", None)
+
+    def attend(q, k, v):
+        if request is not None:
+            out, aux = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, return_aux=request(lse=True))
+            lse = aux.lse
+        else:  # torch before AuxRequest
+            out, lse = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
+        return with_sinks(out, lse, sinks)
+
+    return attend
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Problem:
+    """One workload's tensors on the device: q, k, v, dout (B, H, L, D), and the variant's: ``alibi_slopes`` (H,)
+    float32, ``bias`` (1, H, L, L) in the inputs' dtype, ``sinks`` (H,) float32, ``document_ids`` (B, L) int64."""
+
+    workload: VariantWorkload
+    q: object
+    k: object
+    v: object
+    dout: object
+    tensors: dict = field(default_factory=dict)
+
+    def variant_arguments(self, tensors: Optional[dict] = None) -> dict:
+        """``wb.attention``'s keyword arguments for the variant (`tensors` replaces the problem's, e.g. leaves)."""
+        spec = self.workload.spec
+        given = dict(self.tensors, **(tensors or {}))
+        found = {name: given[name] for name in ("alibi_slopes", "bias", "document_ids", "sinks") if name in given}
+        if spec.softcap is not None:
+            found["softcap"] = spec.softcap
+        if spec.window is not None:
+            found["window"] = window_sides(spec)
+        return found
+
+    def leaves(self) -> tuple:
+        """``(leaves, arguments)``: q, k, v and the differentiable variant tensors as new leaves that require grad
+        (sharing the problem's storage), in the gradients' order, and the variant arguments that use them."""
+        spec = self.workload.spec
+        leaves = [x.detach().requires_grad_(True) for x in (self.q, self.k, self.v)]
+        own = {name: self.tensors[name].detach().requires_grad_(True) for name in spec.differentiable}
+        return leaves + [own[name] for name in spec.differentiable], self.variant_arguments(own)
+
+
+def make_problem(workload: VariantWorkload, seed: int, device: str) -> Problem:
+    """Standard normal q, k, v, dout and the variant's tensors, drawn per workload (a resumed run sees the same)."""
+    import torch
+
+    w, spec = workload, workload.spec
+    generator = torch.Generator(device=device).manual_seed((zlib.crc32(w.key.encode()) + seed) % 2 ** 31)
+    dtype = getattr(torch, w.dtype)
+
+    def draw(*shape, kind=dtype):
+        return torch.randn(shape, generator=generator, device=device, dtype=kind)
+
+    q, k, v, dout = (draw(w.B, w.H, w.L, w.D) for _ in range(4))
+    tensors = {}
+    if spec.alibi:
+        tensors["alibi_slopes"] = torch.from_numpy(alibi_slopes(w.H)).to(device)
+    if spec.bias:
+        tensors["bias"] = draw(1, w.H, w.L, w.L)
+    if spec.sinks:
+        tensors["sinks"] = draw(w.H, kind=torch.float32)
+    if spec.documents:
+        ids = torch.from_numpy(document_ids(w.L, spec.documents)).to(device)
+        tensors["document_ids"] = ids[None].expand(w.B, w.L).contiguous()
+    return Problem(w, q, k, v, dout, tensors)
+
+
+def _named(grads, names) -> dict:
+    return dict(zip(names, grads))
+
+
+def _gradient_names(spec: VariantSpec) -> tuple:
+    return ("q", "k", "v") + spec.differentiable
+
+
+# ----------------------------------------------------------------------------------------------
+# Contenders
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class VariantContender:
+    """Something that computes attention with variants. ``prepare(problem, mode)`` does the untimed setup (and any
+    compilation) and returns the timed zero-argument call: it returns the output (forward) or the gradients as a dict
+    ``{"q", "k", "v", "bias"?, "sinks"?}`` (fwd+bwd). ``variants``: the variants it is planned for (None: all);
+    ``refusal(workload, mode, on_cuda)`` says why it cannot run a row here (recorded as skipped), or None."""
+
+    name: str
+    kind: str  # "stage" (through wb.attention), "kernel" (the registered forward and backward) or "baseline"
+    what: str
+    prepare: Callable
+    variants: Optional[tuple] = None
+    dtypes: Optional[tuple] = None
+    refusal: Callable = lambda workload, mode, on_cuda: None
+
+
+def _causal(spec: VariantSpec):
+    return "top_left" if spec.causal else None
+
+
+def _meta_inputs(workload: VariantWorkload):
+    """q, k, v of the workload's shape and dtype on the device, as strided views of one element (what validation
+    reads: shapes, dtypes, devices)."""
+    import torch
+
+    w = workload
+    device = "cuda" if tensor_device() == "cuda" else "cpu"
+    one = torch.zeros(1, dtype=getattr(torch, w.dtype), device=device)
+    return tuple(one.expand(w.B, w.H, w.L, w.D) for _ in range(3))
+
+
+def _stage_refusal(name: str) -> Callable:
+    def refusal(workload: VariantWorkload, mode: str, on_cuda: bool) -> Optional[str]:
+        from ..api import validate
+        from ..stages import available_stages, get_backward
+
+        stage = available_stages().get(name)
+        if stage is None:
+            return f"{name!r} is not a stage of this package"
+        if stage.needs_gpu and not on_cuda:
+            return "needs a CUDA GPU; this machine has none"
+        if mode == "fwd+bwd":
+            try:
+                get_backward(name)
+            except ValueError as error:
+                return str(error)
+        missing = [v for v in _used_variants(workload.spec) if v not in stage.variants]
+        if missing:
+            return f"stage {name!r} does not compute {', '.join(missing)}"
+        try:  # the sizes it refuses here (memory, the interpreter's time) are skipped, not crashed
+            validate(*_meta_inputs(workload), stage=name, causal=workload.spec.causal)
+        except (MemoryError, ValueError, TypeError) as error:
+            return error_line(error)
+        return None
+
+    return refusal
+
+
+def _used_variants(spec: VariantSpec) -> tuple:
+    used = {"softcap": spec.softcap is not None, "alibi_slopes": spec.alibi, "bias": spec.bias,
+            "window": spec.window is not None, "document_ids": spec.documents > 0, "sinks": spec.sinks}
+    return tuple(name for name, on in used.items() if on)
+
+
+def _attention_prepare(stage: str) -> Callable:
+    """wb.attention(stage=...) as users call it: with no grad in the forward, through autograd in fwd+bwd."""
+    def prepare(problem: Problem, mode: str) -> Callable:
+        import torch
+
+        from ..api import attention
+
+        causal = problem.workload.spec.causal
+        if mode == "forward":
+            arguments = problem.variant_arguments()
+            return lambda: attention(problem.q, problem.k, problem.v, stage=stage, causal=causal, **arguments)
+        leaves, arguments = problem.leaves()
+        names = _gradient_names(problem.workload.spec)
+
+        def call():
+            out = attention(*leaves[:3], stage=stage, causal=causal, **arguments)
+            return _named(torch.autograd.grad(out, leaves, problem.dout), names)
+
+        return call
+
+    return prepare
+
+
+def _kernel_prepare(stage_name: str) -> Callable:
+    """The stage's registered forward (and backward) with the canonical variants: no validation, no autograd."""
+    def prepare(problem: Problem, mode: str) -> Callable:
+        import torch
+
+        from ..stages import get_backward, get_stage
+        from ..variants import canonical_variants
+
+        q, k, v, dout = problem.q, problem.k, problem.v, problem.dout
+        options = dict(causal=_causal(problem.workload.spec), key_padding_mask=None, scale=None,
+                       variants=canonical_variants(q, k, **problem.variant_arguments()))
+        forward = get_stage(stage_name).forward
+        if mode == "forward":
+            return lambda: forward(q, k, v, **options)[0]
+        gradients = get_backward(stage_name).gradients
+
+        def call():
+            with torch.no_grad():
+                out, lse = forward(q, k, v, **options)
+                found = gradients(q, k, v, out, lse, dout, **options)
+            return found if isinstance(found, dict) else _named(found, ("q", "k", "v"))
+
+        return call
+
+    return prepare
+
+
+def _sdpa_prepare(backend: str) -> Callable:
+    def prepare(problem: Problem, mode: str) -> Callable:
+        import torch
+
+        causal = problem.workload.spec.causal
+        if mode == "forward":
+            return sdpa_call(problem.q, problem.k, problem.v, backend, is_causal=causal)
+        leaves, _ = problem.leaves()
+        forward = sdpa_call(*leaves, backend, is_causal=causal)
+        return lambda: _named(torch.autograd.grad(forward(), leaves, problem.dout), ("q", "k", "v"))
+
+    return prepare
+
+
+_FLEX = {}  # {"workload": the workload, "block_mask": its block mask}: built once per workload
+
+
+def _flex_prepare(problem: Problem, mode: str) -> Callable:
+    """FlexAttention compiled with the workload's modifications (:func:`flex_attention_with`): the block mask and
+    dynamo's reset once per workload, one compilation per mode (with and without grad), both before the check."""
+    import torch
+
+    w, spec = problem.workload, problem.workload.spec
+    if _FLEX.get("workload") != w:
+        _FLEX.clear()
+        torch._dynamo.reset()  # as measure's FlexAttention: past the recompile limit it would run unfused
+        _FLEX.update(workload=w, block_mask=flex_block_mask(w, problem.tensors.get("document_ids"), problem.q.device))
+    if mode == "forward":
+        tensors, leaves = problem.tensors, None
+    else:
+        leaves, _ = problem.leaves()
+        tensors = dict(problem.tensors, **dict(zip(spec.differentiable, leaves[3:])))
+    attend = torch.compile(flex_attention_with(spec, block_mask=_FLEX["block_mask"],
+                                               slopes=tensors.get("alibi_slopes"), bias=tensors.get("bias"),
+                                               sinks=tensors.get("sinks")), dynamic=False, fullgraph=True)
+    if mode == "forward":
+        call = lambda: attend(problem.q, problem.k, problem.v)  # noqa: E731
+    else:
+        names = _gradient_names(spec)
+
+        def call():
+            return _named(torch.autograd.grad(attend(*leaves[:3]), leaves, problem.dout), names)
+
+    call()  # the compilation (and, in fwd+bwd, the backward's) happens here
+    return call
+
+
+def variant_contenders() -> dict:
+    """{name: VariantContender}: the triton stage through wb.attention and bare, FlexAttention, and for plain and
+    causal SDPA's FLASH and cuDNN and the mma and hopper stages."""
+    sixteen = ("float16", "bfloat16")
+
+    def gpu_only(why_not_here: Callable) -> Callable:
+        def refusal(workload, mode, on_cuda):
+            return why_not_here() if on_cuda else "needs a CUDA GPU; this machine has none"
+        return refusal
+
+    found = {
+        "triton": VariantContender("triton", "stage", "wb.attention(stage='triton', <variants>) (+ autograd)",
+                                   _attention_prepare("triton"), refusal=_stage_refusal("triton")),
+        "triton-kernel": VariantContender("triton-kernel", "kernel",
+                                          "get_stage('triton').forward and get_backward('triton').gradients, bare",
+                                          _kernel_prepare("triton"), refusal=_stage_refusal("triton")),
+        # on a CPU FlexAttention would be Inductor's C++ kernel, not the GPU baseline the bars name
+        "flex": VariantContender("flex", "baseline", "FlexAttention compiled: score_mod + block mask (+ autograd); "
+                                 "sinks as out * sigmoid(lse - sink)", _flex_prepare, dtypes=sixteen,
+                                 refusal=gpu_only(flex_problem)),
+    }
+    for name, backend in (("sdpa-flash", "FLASH_ATTENTION"), ("sdpa-cudnn", "CUDNN_ATTENTION")):
+        found[name] = VariantContender(name, "baseline", f"SDPA forced to {backend} (+ autograd)",
+                                       _sdpa_prepare(backend), BASE_VARIANTS, sixteen,
+                                       gpu_only(lambda: None))
+    for name in ("mma", "hopper"):
+        found[name] = VariantContender(name, "stage", f"wb.attention(stage={name!r}) (+ autograd)",
+                                       _attention_prepare(name), BASE_VARIANTS, refusal=_stage_refusal(name))
+    return found
+
+
+def skip_reason(contender: VariantContender, workload: VariantWorkload, mode: str,
+                on_cuda: Optional[bool] = None) -> Optional[str]:
+    """Why `contender` cannot run this row on this machine (`on_cuda`: None = ask), or None."""
+    return contender.refusal(workload, mode, tensor_device() == "cuda" if on_cuda is None else on_cuda)
+
+
+def plan_variants(presets, table: dict) -> list:
+    """[(contender, workload, mode, [preset names])] of the presets, in run order (by workload, then mode, then the
+    preset's contender order); contenders not in `table`, variants and dtypes a contender is not planned for are left
+    out. A row that cannot run here is planned: the run records it as skipped, with the reason."""
+    jobs = {}
+    for preset in presets:
+        found = VARIANT_PRESETS[preset]
+        for workload in found.workloads:
+            for mode in found.modes:
+                for name in found.contenders:
+                    contender = table.get(name)
+                    if contender is None or (contender.variants is not None
+                                             and workload.variant not in contender.variants) \
+                            or (contender.dtypes is not None and workload.dtype not in contender.dtypes):
+                        continue
+                    key = variant_record_key(name, mode, workload)
+                    jobs.setdefault(key, (contender, workload, mode, []))[3].append(preset)
+    return list(jobs.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# The check
+# ----------------------------------------------------------------------------------------------
+
+def _device_storage_floor(ref, dtype) -> float:
+    """:func:`wb_kernels.check.storage_floor` on the device: 2x the rounding of storing `ref` in `dtype`."""
+    finite = ref.nan_to_num(0.0, 0.0, 0.0)
+    return 2.0 * float(((finite.to(dtype) + 0.3 - 0.3).double() - finite).abs().max()) if ref.numel() else 0.0
+
+
+def _number(x: float):
+    """`x` as a results file keeps it: rounded, or its name ("inf", "nan") where it is not finite (the file is JSON
+    without NaN or Infinity)."""
+    import math
+
+    return round_significant(x, 3) if math.isfinite(x) else str(x)
+
+
+class _Judge:
+    """The checks of one workload's rows, each reference built on first use (module docstring: the check)."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self._forward = None  # (slice arguments, reference (out, lse))
+        self._gradients = None  # ({name: float64 reference}, {name: tolerance})
+
+    # -------------------------------------------------------------------- forward
+    def _forward_slice(self) -> tuple:
+        """The rows the forward's check compares, as wb.check's arguments: the last CHECK_ROWS rows with
+        causal="bottom_right" when causal (on the full problem's diagonal), the first ones otherwise."""
+        p = self.problem
+        spec, L = p.workload.spec, p.workload.L
+        n = min(CHECK_ROWS, L)
+        rows = slice(L - n, L) if spec.causal else slice(0, n)
+        causal = ("bottom_right" if n < L else True) if spec.causal else False
+        tensors = {}
+        for name, x in p.tensors.items():
+            if name == "bias":
+                tensors[name] = x[:1, :1, rows]
+            elif name == "document_ids":
+                tensors[name] = (x[:1, rows], x[:1])
+            else:  # alibi_slopes, sinks (H,)
+                tensors[name] = x[:1]
+        arguments = dict(p.variant_arguments(tensors), causal=causal)
+        return rows, arguments, p.q[:1, :1, rows], p.k[:1, :1], p.v[:1, :1]
+
+    def forward(self, name: str, out) -> dict:
+        from ..check import check
+        from ..reference import reference
+
+        if self._forward is None:
+            rows, arguments, q, k, v = self._forward_slice()
+            self._forward = (rows, arguments, (q, k, v), reference(q, k, v, **arguments))
+        rows, arguments, (q, k, v), ref = self._forward
+        verdict = check(name, out[:1, :1, rows], q, k, v, ref=ref, verbose=False, raise_on_failure=False,
+                        **arguments)
+        return {"max_err": _number(verdict.max_err), "tol": _number(verdict.tol),
+                "passed": verdict.passed, "line": verdict.line()}
+
+    # -------------------------------------------------------------------- gradients
+    def _head_gradients(self, dtype) -> dict:
+        """Autograd's gradients of head 0 (every batch entry) through the same formula in PyTorch ops
+        (:func:`wb_kernels.check.torch_ops_attention`) computed in `dtype` (float64: the reference)."""
+        import torch
+
+        from ..check import torch_ops_attention
+        from ..variants import canonical_variants
+
+        p = self.problem
+        spec = p.workload.spec
+        leaves = [x[:, :1].detach().to(dtype).requires_grad_(True) for x in (p.q, p.k, p.v)]
+        own = {}
+        for name, x in p.tensors.items():
+            if name == "document_ids":
+                own[name] = x
+            elif name == "bias":
+                own[name] = x[:, :1].detach().to(dtype).requires_grad_(True)
+            else:  # alibi_slopes, sinks: PyTorch's error computes them in the inputs' dtype, as wb.check does
+                own[name] = x[:1].detach().to(dtype).requires_grad_(name == "sinks")
+        arguments = p.variant_arguments(own)
+        variants = canonical_variants(leaves[0], leaves[1], **arguments)
+        out, _ = torch_ops_attention(*leaves, causal=_causal(spec) or False, variants=variants)
+        wanted = leaves + [own[name] for name in spec.differentiable]
+        grads = torch.autograd.grad(out, wanted, p.dout[:, :1].to(dtype))
+        return {name: g.detach() for name, g in zip(_gradient_names(spec), grads)}
+
+    def gradients(self, name: str, grads: dict) -> dict:
+        import torch
+
+        p = self.problem
+        names = _gradient_names(p.workload.spec)
+        if self._gradients is None:
+            ref = self._head_gradients(torch.float64)
+            theirs = self._head_gradients(p.q.dtype)
+            given_dtypes = {"q": p.q.dtype, "k": p.k.dtype, "v": p.v.dtype, **{n: x.dtype for n, x in
+                                                                                 p.tensors.items()}}
+            tols = {n: 2.0 * float((theirs[n].double() - ref[n]).abs().max())
+                    + _device_storage_floor(ref[n], given_dtypes[n]) for n in names}
+            del theirs
+            free_device_memory()
+            self._gradients = (ref, tols)
+        ref, tols = self._gradients
+        errors = {}
+        for n in names:
+            mine = grads[n][:1] if n == "sinks" else grads[n][:, :1]
+            errors[n] = float((mine.double() - ref[n]).abs().max().nan_to_num(float("inf")))
+        passed = all(errors[n] <= tols[n] for n in names)
+        line = f"{name} gradients: " + ", ".join(
+            f"d{n} max |err| {errors[n]:.1e} {'≤' if errors[n] <= tols[n] else '>'} tol {tols[n]:.1e}"
+            for n in names) + (" ✓" if passed else " ✗")
+        return {"errors": [_number(errors[n]) for n in names], "tols": [_number(tols[n]) for n in names],
+                "names": [f"d{n}" for n in names],
+                "passed": passed, "line": line}
+
+
+# ----------------------------------------------------------------------------------------------
+# One measurement
+# ----------------------------------------------------------------------------------------------
+
+def _base_record(contender: VariantContender, workload: VariantWorkload, mode: str) -> dict:
+    w, spec = workload, workload.spec
+    pairs = visible_pairs(spec, w.L)
+    return {"key": variant_record_key(contender.name, mode, w), "contender": contender.name, "kind": contender.kind,
+            "mode": mode, "variant": w.variant, "dtype": w.dtype, "B": w.B, "H": w.H, "Lq": w.L, "Lk": w.L,
+            "D": w.D, "causal": spec.causal, "window": window_sides(spec), "softcap": spec.softcap,
+            "documents": spec.documents, "window_override": w.window, "visible_pairs": pairs,
+            "visible_fraction": round_significant(pairs / w.L ** 2, 4), "flops": pass_flops(w, mode)}
+
+
+def measure_one(contender: VariantContender, workload: VariantWorkload, mode: str, problem: Problem, judge: _Judge,
+                policy: TimingPolicy, on_cuda: bool) -> dict:
+    """Check, then time, one contender on one workload in one mode; never raises for the contender's own failures
+    (they become status "skipped": cannot run this here, or "failed")."""
+    from ..timing import peak_memory
+
+    record = _base_record(contender, workload, mode)
+    why = contender.refusal(workload, mode, on_cuda)
+    if why:
+        record.update(status="skipped", reason=why)
+        return record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SDPA warns about each kernel it rejects; FlexAttention about its API
+            call = contender.prepare(problem, mode)
+            # on a CPU tracemalloc would see none of torch's buffers and slow the interpreter's Python 3-4x
+            result, memory = peak_memory(call) if on_cuda else (call(), None)
+    except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
+        text = str(error).lower()
+        refused = isinstance(error, SizeRefused) or is_out_of_memory(error) or "no available kernel" in text \
+            or "no viable backend" in text
+        record.update(status="skipped" if refused else "failed", reason=error_line(error))
+        free_device_memory()
+        return record
+    if memory is not None:
+        record.update(peak_bytes=int(memory.peak_bytes), peak_device=memory.device)
+    try:
+        record["check"] = judge.forward(contender.name, result) if mode == "forward" else \
+            judge.gradients(contender.name, result)
+    except Exception as error:  # noqa: BLE001 - the reference could not be built (out of memory, most likely)
+        record.update(status="skipped", reason=f"could not check: {error_line(error)}")
+        free_device_memory()
+        return record
+    del result
+    if not record["check"]["passed"]:
+        if contender.kind != "baseline" and not policy.time_failed_checks:
+            record.update(status="failed", reason=f"check: {record['check']['line']}")
+            free_device_memory()
+            return record
+        record["check_failed"] = True
+    timing = time_into(record, call, policy)
+    if timing is not None:
+        seconds = timing.median_ms / 1e3
+        record.update(tflops=round_significant(record["flops"] / seconds / 1e12),
+                      tokens_per_s=round_significant(workload.B * workload.L / seconds))
+    free_device_memory()
+    return record
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+def default_variants_output(on_cuda: bool) -> Path:
+    """results/triton/variants_<gpu>.json (h100, h200, ...), or results/triton/variants_smoke.json."""
+    folder = REPO_ROOT / "results" / "triton"
+    if not on_cuda:
+        return folder / "variants_smoke.json"
+    from ..results_files import gpu_short_name
+
+    return folder / f"variants_{gpu_short_name()}.json"
+
+
+def _new_variants(presets, command) -> dict:
+    return {**new_results(presets, command), "kind": "variants", "notes": VARIANT_NOTES}
+
+
+def run_variants(presets, out_path, *, policy: Optional[TimingPolicy] = None, resume: bool = True,
+                 retry_failed: bool = False, seed: int = 0, progress: bool = True,
+                 time_budget: Optional[float] = None, table: Optional[dict] = None, command: Optional[str] = None,
+                 log=print) -> dict:
+    """Run the `presets` (names in :data:`VARIANT_PRESETS`) into `out_path`; return the results. The timing policy
+    is `policy`, else the first preset's own, else the default. `retry_failed`: drop the records a resumed file holds
+    as failed, so that they are measured again."""
+    from ..widgets import progress as show_progress
+
+    started = time.monotonic()
+    presets = list(presets)
+    policy = policy or next((VARIANT_PRESETS[p].policy for p in presets if VARIANT_PRESETS[p].policy), None) \
+        or TimingPolicy()
+    table = table if table is not None else variant_contenders()
+    on_cuda = tensor_device() == "cuda"
+    out_path = Path(out_path)
+    results = open_results(out_path, presets, resume=resume, command=command, kind="variants", fresh=_new_variants)
+    stamp_timing(results, policy, out_path)
+    results["contenders"] = {name: c.what for name, c in table.items()}
+    if retry_failed:
+        results["records"] = [r for r in results["records"] if r["status"] != "failed"]
+    done = {r["key"] for r in results["records"]}
+    jobs = plan_variants(presets, table)
+    todo = [job for job in jobs if variant_record_key(job[0].name, job[2], job[1]) not in done]
+    log(f"{len(jobs)} variant measurements planned, {len(jobs) - len(todo)} already in {out_path}, {len(todo)} to "
+        f"run on {results['environment']['device']}")
+    by_workload = {}
+    for contender, workload, mode, names in todo:
+        by_workload.setdefault(workload, []).append((contender, mode, names))
+    stopped = False
+    device = "cuda" if on_cuda else "cpu"
+    for workload, group in show_progress(list(by_workload.items()), description="variants", unit="workloads",
+                                         disable=not progress):
+        problem = judge = why = None
+        for contender, mode, names in group:
+            if time_budget is not None and time.monotonic() - started > time_budget:
+                stopped = True
+                break
+            if problem is None and why is None and contender.refusal(workload, mode, on_cuda) is None:
+                try:  # the inputs once per workload, shared by its rows
+                    problem = make_problem(workload, seed, device)
+                    judge = _Judge(problem)
+                except Exception as error:  # noqa: BLE001 - out of memory, most likely: recorded for each row
+                    why, problem = f"could not build the inputs: {error_line(error)}", None
+                    free_device_memory()
+            if why is not None:
+                record = dict(_base_record(contender, workload, mode), status="skipped", reason=why)
+            else:
+                record = measure_one(contender, workload, mode, problem, judge, policy, on_cuda)
+            store_record(results, dict(record, presets=names), out_path, log, add_speedups)
+        problem = judge = None
+        _FLEX.clear()
+        free_device_memory()
+        if stopped:
+            break
+    add_speedups(results)
+    return finish_results(results, out_path, stopped=stopped, time_budget=time_budget, log=log)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------
+
+def _usable(record: Optional[dict]) -> bool:
+    return record is not None and record.get("status") == "ok" and not record.get("check_failed")
+
+
+def _by_key(results: dict) -> dict:
+    return {r["key"]: r for r in results["records"]}
+
+
+def _choose_problem(results: dict, dtype: Optional[str], L: Optional[int], D: Optional[int]) -> tuple:
+    """(dtype, L, D) of the table: those given, the rest from the bar problem (float16, 4096, 128) when the file has
+    it, else from its first timed record."""
+    records = [r for r in results["records"] if r.get("status") == "ok"]
+    bar = ("float16", 4096, 128)
+    chosen = tuple(given or default for given, default in zip((dtype, L, D), bar))
+    if any((r["dtype"], r["Lq"], r["D"]) == chosen for r in records) or not records:
+        return chosen
+    first = records[0]
+    return dtype or first["dtype"], L or first["Lq"], D or first["D"]
+
+
+def _rows(results: dict, dtype: str, L: int, D: int) -> dict:
+    """{(variant, mode): {contender: record}} of one problem size: the variants' own workloads (no window override),
+    or a variant's only overridden one (the smoke preset's small windows); the window sweep's other rows are its own
+    table's."""
+    groups = {}
+    for r in results["records"]:
+        if (r["dtype"], r["Lq"], r["D"]) == (dtype, L, D):
+            groups.setdefault((r["variant"], r["mode"]), {}).setdefault(r.get("window_override"), {})[
+                r["contender"]] = r
+    found = {}
+    for key, by_override in groups.items():
+        if None in by_override:
+            found[key] = by_override[None]
+        elif len(by_override) == 1:
+            found[key] = next(iter(by_override.values()))
+    return found
+
+
+def _ratio(mine: Optional[dict], theirs: Optional[dict]) -> Optional[float]:
+    """Their time over mine (> 1: mine is faster), or None when either is not a usable timing."""
+    if not (_usable(mine) and _usable(theirs)):
+        return None
+    return theirs["median_ms"] / mine["median_ms"]
+
+
+def bar_verdicts(results: dict, *, ours: str = "triton", dtype: Optional[str] = None, L: Optional[int] = None,
+                 D: Optional[int] = None) -> list:
+    """The issue's bars (:data:`BARS`) on one problem size (:func:`variants_table`'s): one dict per (bar, variant)
+    with ``ratio`` (the other's time over ours, None when either row is missing or failed) and ``met``."""
+    dtype, L, D = _choose_problem(results, dtype, L, D)
+    rows = _rows(results, dtype, L, D)
+    verdicts = []
+    for mode, other, least in BARS:
+        for variant in VARIANTS:
+            if other == "sdpa-flash" and variant != "plain":
+                continue
+            found = rows.get((variant, mode))
+            if found is None:
+                continue
+            ratio = _ratio(found.get(ours), found.get(other))
+            verdicts.append({"mode": mode, "against": other, "least": least, "variant": variant,
+                             "ratio": None if ratio is None else round_significant(ratio, 3),
+                             "met": ratio is not None and ratio >= least})
+    return verdicts
+
+
+def _cell(record: Optional[dict]) -> str:
+    return f"{record['tflops']:.3g}" if _usable(record) else "-"
+
+
+def _measured_on(results: dict, source: Optional[str]) -> str:
+    env = results.get("environment", {})
+    method = timing_method(results)
+    return (f"Measured on {env.get('gpu') or env.get('device')} (CUDA {env.get('cuda')}, torch {env.get('torch')}) "
+            f"on {str(env.get('date', ''))[:10]}" + (f", from `{source}`" if source else "") + ". Timed as: the "
+            "median of " + (method.words() if method else "host-clock timings (no GPU: not a speed)") + ".")
+
+
+def variants_table(results: dict, source: Optional[str] = None, *, dtype: Optional[str] = None,
+                   L: Optional[int] = None, D: Optional[int] = None) -> str:
+    """The README's table (Markdown): one row per variant and mode of one problem size (default: the bar's, L 4096
+    D 128 fp16), TFLOP/s of triton (wb.attention), triton-kernel and FlexAttention, triton's speed relative to
+    FlexAttention's and whether it meets its bar; then the bars in one line each (:func:`bar_verdicts`)."""
+    if results.get("kind") != "variants":
+        raise Refused("not a variants results file (its 'kind' is not 'variants')")
+    dtype, L, D = _choose_problem(results, dtype, L, D)
+    rows = _rows(results, dtype, L, D)
+    least = {mode: value for mode, other, value in BARS if other == "flex"}
+    first = next((r for found in rows.values() for r in found.values()), {})
+    lines = [_measured_on(results, source) + f" {dtype}, B{first.get('B')} H{first.get('H')} L{L} D{D}; TFLOP/s over "
+             "the visible (query, key) pairs only (fwd+bwd: 3.5x the forward's FLOPs). triton: wb.attention (what "
+             "users call), triton-kernel: the stage's forward and backward called directly, flex: FlexAttention "
+             "compiled with the same score_mod and block mask (sinks: out * sigmoid(lse - sink)). ×flex: flex's time "
+             "over triton's (>1: triton is faster); bar: ×flex ≥ "
+             + " / ".join(f"{least[m]:g} ({m})" for m in MODES if m in least) + ". A dash: not run, skipped or "
+             "failed its check.", "",
+             "| variant | mode | visible | triton | triton-kernel | flex | ×flex | bar |",
+             "|:---|:---|---:|---:|---:|---:|---:|:---:|"]
+    for variant in VARIANTS:
+        for mode in MODES:
+            found = rows.get((variant, mode))
+            if not found:
+                continue
+            any_record = next(iter(found.values()))
+            ratio = _ratio(found.get("triton"), found.get("flex"))
+            verdict = "-" if ratio is None else ("✓" if ratio >= least[mode] else "✗")
+            lines.append(f"| {variant} | {mode} | {any_record['visible_fraction']:.0%} | {_cell(found.get('triton'))} "
+                         f"| {_cell(found.get('triton-kernel'))} | {_cell(found.get('flex'))} | "
+                         + ("-" if ratio is None else f"{ratio:.2f}") + f" | {verdict} |")
+    lines += ["", "The bars:"]
+    verdicts = bar_verdicts(results, dtype=dtype, L=L, D=D)
+    for mode, other, value in BARS:
+        mine = [v for v in verdicts if v["mode"] == mode and v["against"] == other]
+        measured = [v for v in mine if v["ratio"] is not None]
+        if not measured:
+            lines.append(f"- {mode} ≥ {value:g}x {other}: not measured")
+            continue
+        low = min(measured, key=lambda v: v["ratio"])
+        ok = all(v["met"] for v in mine)
+        lines.append(f"- {mode} ≥ {value:g}x {other}: {sum(v['met'] for v in mine)}/{len(mine)} "
+                     f"{'✓' if ok else '✗'} (lowest: {low['variant']} {low['ratio']:.2f}"
+                     + (f"; not measured: {', '.join(v['variant'] for v in mine if v['ratio'] is None)}"
+                        if len(measured) < len(mine) else "") + ")")
+    return "\n".join(lines)
+
+
+def _keys_seen(record: dict) -> Optional[int]:
+    sides = record.get("window")
+    return None if not sides else sides[0] + sides[1] + 1
+
+
+def window_sweep_table(results: dict) -> str:
+    """The window sweep (Markdown), forward: triton's and flex's median ms (TFLOP/s) against the window at the
+    longest L, then against L at a window of 1024 keys beside causal (B * L fixed: a window's time stays flat, causal's
+    grows with L); empty when the file has no sweep rows."""
+    sweep = [r for r in results["records"] if "window-sweep" in r.get("presets", ()) and r["mode"] == "forward"]
+    if not sweep:
+        return ""
+
+    def cell(record):
+        return f"{record['median_ms']:.3g} ({record['tflops']:.0f})" if _usable(record) else "-"
+
+    longest = max(r["Lq"] for r in sweep)
+    by_window = {}
+    for r in sweep:
+        if r["variant"] == "window" and r["Lq"] == longest:
+            by_window.setdefault(_keys_seen(r), {})[r["contender"]] = r
+    lines = [f"Window sweep, forward, median ms (TFLOP/s over the visible pairs). Against the window, L = {longest}:",
+             "", "| window | visible | triton | flex | triton-kernel |", "|---:|---:|---:|---:|---:|"]
+    for window in sorted(by_window):
+        row = by_window[window]
+        fraction = next(iter(row.values()))["visible_fraction"]
+        lines.append(f"| {window} | {fraction:.1%} | {cell(row.get('triton'))} | {cell(row.get('flex'))} | "
+                     f"{cell(row.get('triton-kernel'))} |")
+    by_length = {}
+    for r in sweep:
+        if r.get("window_override") is None and r["variant"] in ("window", "causal"):
+            by_length.setdefault(r["Lq"], {})[(r["variant"], r["contender"])] = r
+    windows = sorted({_keys_seen(r) for r in sweep if r["variant"] == "window" and r.get("window_override") is None})
+    size = f"{windows[0]} keys" if len(windows) == 1 else "its window"
+    lines += ["", f"Against L (B * L = {TOKENS} tokens), window of {size} beside causal:", "",
+              "| L | window: triton | window: flex | causal: triton | causal: flex |", "|---:|---:|---:|---:|---:|"]
+    for L in sorted(by_length):
+        row = by_length[L]
+        lines.append(f"| {L} | " + " | ".join(cell(row.get((variant, name))) for variant in ("window", "causal")
+                                               for name in ("triton", "flex")) + " |")
+    return "\n".join(lines)
+
+
+def memory_table(results: dict, L: int = 16384) -> str:
+    """Peak memory (GiB allocated during the checked call) per variant, mode and contender at length `L`; empty when
+    the file has no row of that length."""
+    found = {}
+    contenders = []
+    for r in results["records"]:
+        if r["Lq"] == L and r.get("peak_bytes") is not None and r.get("window_override") is None:
+            found.setdefault((r["variant"], r["mode"], r["dtype"], r["D"]), {})[r["contender"]] = r
+            if r["contender"] not in contenders:
+                contenders.append(r["contender"])
+    if not found:
+        return ""
+    lines = [f"Peak memory at L = {L} (GiB allocated during the checked call, beyond the inputs):", "",
+             "| variant | mode | dtype | D | " + " | ".join(contenders) + " |",
+             "|:---|:---|:---|---:|" + "---:|" * len(contenders)]
+    for (variant, mode, dtype, D), row in found.items():
+        cells = [f"{row[c]['peak_bytes'] / 2 ** 30:.2f}" if c in row else "-" for c in contenders]
+        lines.append(f"| {variant} | {mode} | {dtype} | {D} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def update_variants_readme(results_path, readme=REPO_ROOT / "README.md") -> Path:
+    """Rewrite the README's variants block (between :data:`README_VARIANTS_START` and ``_END``) from a results file."""
+    readme = Path(readme)
+    text = readme.read_text() if readme.exists() else ""
+    if README_VARIANTS_START not in text or README_VARIANTS_END not in text:
+        raise Refused(f"{readme} has no {README_VARIANTS_START} ... {README_VARIANTS_END} block to fill; add the two "
+                      "markers where the table belongs")
+    path = Path(results_path).resolve()
+    try:
+        source = str(path.relative_to(REPO_ROOT))
+    except ValueError:
+        source = Path(results_path).name
+    results = load_results(results_path)
+    table = "\n\n".join(part for part in (variants_table(results, source), window_sweep_table(results),
+                                          memory_table(results)) if part)
+    head, rest = text.split(README_VARIANTS_START, 1)
+    tail = rest.split(README_VARIANTS_END, 1)[1]
+    readme.write_text(f"{head}{README_VARIANTS_START}\n{table}\n{README_VARIANTS_END}{tail}")
+    return readme
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line
+# ----------------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m wb_kernels.bench.variants",
+                                     description="The triton stage's variants against FlexAttention (lesson 11).")
+    parser.add_argument("--preset", action="append", choices=sorted(VARIANT_PRESETS) + sorted(PRESET_GROUPS),
+                        help="what to run (repeatable; default: bar on a GPU, smoke on a CPU)")
+    parser.add_argument("--json", type=Path, help="the results file (default: results/triton/variants_<gpu>.json)")
+    parser.add_argument("--time-budget", type=float, help="stop starting rows after this many seconds; the same "
+                                                          "command resumes")
+    parser.add_argument("--seconds", type=float, help="about this many seconds of samples per row (default 1)")
+    parser.add_argument("--fresh", action="store_true", help="start a new file instead of resuming")
+    parser.add_argument("--retry-failed", action="store_true", help="measure a resumed file's failed rows again")
+    parser.add_argument("--time-failed-checks", action="store_true", help="time a triton row that fails its check")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--plan", action="store_true", help="list the rows (and why any is skipped here); run nothing")
+    parser.add_argument("--table", type=Path, help="print the tables of this results file; run nothing")
+    return parser
+
+
+def main(argv=None) -> int:
+    import os
+
+    from ..timing import on_gpu
+
+    args = _parser().parse_args(argv)
+    if args.table is not None:
+        results = load_results(args.table)
+        print("\n\n".join(part for part in (variants_table(results, args.table.name), window_sweep_table(results),
+                                            memory_table(results)) if part))
+        return 0
+    gpu = on_gpu()
+    if not gpu:
+        # the triton stage runs on Triton's interpreter here: it must be chosen before anything imports triton
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    presets = []
+    for name in args.preset or (["bar"] if gpu else ["smoke"]):
+        presets += [p for p in PRESET_GROUPS.get(name, (name,)) if p not in presets]
+    if not gpu and not args.plan and presets != ["smoke"]:
+        print("error: the variants benchmark times FlexAttention and the triton stage on a CUDA GPU; this machine has "
+              "none. --preset smoke runs the triton stage on Triton's interpreter instead.", file=sys.stderr)
+        return 2
+    table = variant_contenders()
+    if args.plan:
+        for contender, workload, mode, names in plan_variants(presets, table):
+            why = skip_reason(contender, workload, mode, gpu)
+            print(f"{variant_record_key(contender.name, mode, workload)}" + (f"  [skipped: {why}]" if why else ""))
+        return 0
+    policy = None
+    if args.seconds is not None or args.time_failed_checks:
+        base = VARIANT_PRESETS[presets[0]].policy or TimingPolicy()
+        policy = replace(base, seconds=args.seconds if args.seconds is not None else base.seconds,
+                         time_failed_checks=args.time_failed_checks)
+    out = args.json if args.json is not None else default_variants_output(gpu)
+    given = list(argv if argv is not None else sys.argv[1:])
+    command = "python -m wb_kernels.bench.variants " + recorded_arguments(given, REPO_ROOT)
+    results = run_variants(presets, out, policy=policy, resume=not args.fresh, retry_failed=args.retry_failed,
+                           progress=not args.no_progress, time_budget=args.time_budget, table=table,
+                           command=command.strip())
+    print(variants_table(results, out.name))
+    sweep = window_sweep_table(results)
+    if sweep:
+        print("\n" + sweep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
