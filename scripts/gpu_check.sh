@@ -20,6 +20,14 @@
 #                                        per-call cost (BACKWARD_PRESET=backward for all of it, 12-20 min) into
 #                                        results/backward/bench_<gpu>.json, then the character-level transformer
 #                                        trained with the mma stage and with SDPA into results/train/ (a few minutes)
+#   scripts/gpu_check.sh build variants the triton stage's variants against FlexAttention (lesson 11): the bar
+#                                        preset (L 4096 D128 fp16, every variant, forward and fwd+bwd, beside SDPA
+#                                        FLASH/cuDNN, mma and hopper for plain and causal) into
+#                                        results/triton/variants_<gpu>.json, its table and the issue's bars in
+#                                        logs/variants.log. At most VARIANTS_LIMIT (540) s; rows stop starting 60 s
+#                                        before it and the same command resumes the file (FlexAttention's compilations
+#                                        may need a second run). VARIANTS_PRESET=full, window-sweep, memory or all: the
+#                                        other presets, into the same file
 #   scripts/gpu_check.sh build tokens   the decoder's tokens/s with SDPA and wb.decode (lesson 07), into
 #                                        results/decode/decoder_<gpu>.json (about 1 min on an H100 after build)
 #   scripts/gpu_check.sh distributed    exact attention across GPUs (issue #32; needs 2 or more GPUs of one host):
@@ -216,6 +224,12 @@ if has backward; then
   mkdir -p results/train
   run_step train "${TRAIN_LIMIT:-240}" python3 -m "$TRAIN_MODULE" --stage mma --steps "${TRAIN_STEPS:-300}" \
     --no-progress --json "results/train/char_transformer_$gpu.json" --figure
+fi
+if has variants; then
+  # the triton stage's variants against FlexAttention given the same modifications (wb_kernels/bench/variants.py)
+  gpu=$(gpu_name)
+  run_step variants "${VARIANTS_LIMIT:-540}" python3 -m wb_kernels.bench.variants --preset "${VARIANTS_PRESET:-bar}" \
+    --no-progress --json "results/triton/variants_$gpu.json" --time-budget $(( ${VARIANTS_LIMIT:-540} - 60 ))
 fi
 if has tokens; then
   # the LLaMA-shaped decoder's tokens per second (lesson 07): eager with SDPA, wb.decode and FlashInfer on contiguous
