@@ -18,6 +18,10 @@ def test_no_gpu_selects_simulator_and_sets_variable(monkeypatch):
     backend = select_backend(env, gpu_count=lambda: 0)
     assert backend.is_simulator and backend.reason == "no CUDA GPU found"
     assert env["NUMBA_ENABLE_CUDASIM"] == "1"
+    assert env["TRITON_INTERPRET"] == "1"  # the triton rung runs on Triton's interpreter (set before triton loads)
+    env = {"TRITON_INTERPRET": "0"}
+    select_backend(env, gpu_count=lambda: 0)
+    assert env["TRITON_INTERPRET"] == "0"  # a caller's own choice stays (the triton stage then says what is wrong)
 
 
 def test_gpu_present_selects_gpu(monkeypatch):
@@ -27,6 +31,7 @@ def test_gpu_present_selects_gpu(monkeypatch):
     backend = select_backend(env, gpu_count=lambda: 2)
     assert backend.is_gpu and "2 CUDA device" in backend.reason
     assert env["NUMBA_ENABLE_CUDASIM"] == "0"
+    assert "TRITON_INTERPRET" not in env  # Triton compiles for the GPU
 
 
 def test_explicit_requests(monkeypatch):

@@ -40,7 +40,7 @@ def test_stage_is_registered_after_the_mma_rung():
     assert stage.dtypes == ("float16", "bfloat16") and stage.head_dims == (64, 128)
     assert stage.forward is launcher.forward and not stage.non_finite_in_kernel  # wb.attention's NaN/Inf pass runs
     names = list(wb.available_stages())
-    assert names.index("mma") < names.index("hopper") and names[-1] == "hopper"
+    assert names.index("mma") < names.index("hopper")
     assert stage.workspace_bytes(2, 3, 100, 7, 128) == 2 * 3 * 100 * 128 * 2 + 2 * 3 * 100 * 4  # out + LSE
 
 

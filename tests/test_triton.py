@@ -493,7 +493,8 @@ def test_stage_registration_and_numpy_inputs():
 
 def test_package_import_leaves_triton_alone_and_errors_are_clear():
     """In a fresh process: importing the rung imports no triton; without triton a launch says `pip install triton`;
-    triton imported for its compiler before the first launch on a CPU-only run is an error that says so."""
+    TRITON_INTERPRET=0 on a CPU-only run is an error that says so, and so is triton imported for its compiler before
+    wb_kernels could ask for the interpreter (wb_kernels sets it on import: tests/test_backend.py)."""
     script = textwrap.dedent("""
         import os, sys
         os.environ.pop("TRITON_INTERPRET", None)
@@ -511,13 +512,20 @@ def test_package_import_leaves_triton_alone_and_errors_are_clear():
             raise AssertionError("no ImportError without triton")
         del sys.modules["triton"]
         os.environ["TRITON_INTERPRET"] = "0"
-        import triton
         try:
             launcher.forward(q, q, q)
         except RuntimeError as error:
-            assert "interpreter" in str(error) and "before anything imports triton" in str(error), error
+            assert "interpreter" in str(error) and "TRITON_INTERPRET=0" in str(error), error
         else:
-            raise AssertionError("no error for triton imported in the other mode")
+            raise AssertionError("no error for TRITON_INTERPRET=0 without a GPU")
+        del os.environ["TRITON_INTERPRET"]
+        import triton  # for the compiler, before wb_kernels could set the interpreter: an error that says what to do
+        try:
+            launcher.forward(q, q, q)
+        except RuntimeError as error:
+            assert "import wb_kernels before anything imports triton" in str(error), error
+        else:
+            raise AssertionError("no error for triton imported for its compiler without a GPU")
         print("ok")
     """)
     environment = dict(os.environ, WB_BACKEND="simulator")

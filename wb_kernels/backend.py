@@ -7,7 +7,8 @@ Why the import order matters: numba reads ``NUMBA_ENABLE_CUDASIM`` once, when nu
 first imported. So the choice is made here, by asking the CUDA driver directly through ctypes
 (no numba, no torch), and the variable is set before the package imports numba anywhere.
 
-Override with ``WB_BACKEND=gpu`` or ``WB_BACKEND=simulator`` (set before ``import wb_kernels``).
+Override with ``WB_BACKEND=gpu`` or ``WB_BACKEND=simulator`` (set before ``import wb_kernels``). On the simulator
+``TRITON_INTERPRET=1`` is set too (unless set already), for the same reason: Triton reads it when it is imported.
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ def select_backend(environ=os.environ, gpu_count=cuda_gpu_count) -> Backend:
             "Restart the kernel and run `import wb_kernels` before importing numba."
         )
     environ["NUMBA_ENABLE_CUDASIM"] = "1" if backend.is_simulator else "0"
+    if backend.is_simulator:
+        # The triton rung (lesson 11) runs on Triton's interpreter without a GPU. Triton decorates its own library
+        # functions (tl.max, tl.cdiv, ...) when it is first imported, in the mode TRITON_INTERPRET names then, as
+        # numba reads its variable: so it is set here, before anything imports triton (torch.compile does).
+        environ.setdefault("TRITON_INTERPRET", "1")
     # The lessons launch deliberately small grids to check kernels; numba would warn about low occupancy
     # on every such launch (on a GPU only), and that stderr would differ from the simulator's output.
     environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")

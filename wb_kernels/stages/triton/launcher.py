@@ -54,21 +54,32 @@ def _interpret_flag(value: Optional[str]) -> bool:
     return (value or "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _imported_for_the_compiler() -> bool:
+    """Whether triton is imported with its library decorated for the compiler (not for the interpreter)."""
+    standard = sys.modules.get("triton.language.standard")
+    return standard is not None and type(standard.cdiv).__name__ != "InterpretedFunction"
+
+
 def load_kernels():
     """The kernels module (:mod:`.kernels`), imported the first time it is asked for, in the mode this process runs
     Triton in: what a ``score_mod`` that calls the kernels' helpers (their ``tanh``) imports it through."""
     global _KERNELS, _INTERPRETING
     if _KERNELS is not None:
         return _KERNELS
-    want = _wants_interpreter() or _interpret_flag(os.environ.get("TRITON_INTERPRET"))
-    if sys.modules.get("triton") is not None and _interpret_flag(os.environ.get("TRITON_INTERPRET")) != want:
-        wanted, other = ("interpreter", "compiler") if want else ("compiler", "interpreter")
-        why = "no CUDA GPU, or WB_BACKEND=simulator" if want else "a CUDA GPU"
+    setting = os.environ.get("TRITON_INTERPRET")
+    want = _wants_interpreter() or _interpret_flag(setting)
+    if want and setting is not None and not _interpret_flag(setting):
         raise RuntimeError(
-            f"the triton stage needs Triton's {wanted} here ({why}), "
-            f"but triton was already imported for its {other} (TRITON_INTERPRET="
-            f"{os.environ.get('TRITON_INTERPRET', 'unset')}). Restart Python and use the triton stage (or set "
-            f"TRITON_INTERPRET={'1' if want else '0'}) before anything imports triton.")
+            f"the triton stage needs Triton's interpreter here (no CUDA GPU, or WB_BACKEND=simulator), but "
+            f"TRITON_INTERPRET={setting} asks for its compiler; unset it (or set TRITON_INTERPRET=1)")
+    if want and _imported_for_the_compiler():
+        # Triton decorated its own library (tl.max, tl.cdiv, ...) for the compiler when it was imported; the
+        # interpreter cannot call those (wb_kernels sets TRITON_INTERPRET=1 on import, before anything imports
+        # triton, as for numba: here something imported triton first)
+        raise RuntimeError(
+            "the triton stage needs Triton's interpreter here (no CUDA GPU, or WB_BACKEND=simulator), but triton was "
+            "imported for its compiler before wb_kernels (torch.compile imports it). Restart Python and import "
+            "wb_kernels before anything imports triton (or set TRITON_INTERPRET=1 first)")
     if want:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
