@@ -241,12 +241,14 @@ def variant_record_key(contender: str, mode: str, workload: VariantWorkload) -> 
 
 @dataclass(frozen=True)
 class VariantPreset:
-    """Contenders x workloads x modes; `policy` replaces the run's timing policy (the smoke preset's few repeats)."""
+    """Contenders x workloads x modes; `policy` replaces the run's timing policy (the smoke preset's few repeats);
+    `cpu`: the preset runs on the CPU whatever the machine has (the smoke preset's sizes are the interpreter's)."""
 
     contenders: tuple
     workloads: tuple
     modes: tuple = MODES
     policy: Optional[TimingPolicy] = None
+    cpu: bool = False
 
 
 ALL_CONTENDERS = ("triton", "flex", "triton-kernel", "sdpa-flash", "sdpa-cudnn", "mma", "hopper")
@@ -275,7 +277,7 @@ def _variant_presets() -> dict:
         # every contender planned, so that the rows a CPU cannot run say why; windows of 16 keys at L = 64
         "smoke": VariantPreset(ALL_CONTENDERS, tuple(
             VariantWorkload(name, 1, 2, 64, 16, "float16", window=16 if VARIANTS[name].window else None)
-            for name in VARIANTS), policy=SMOKE_POLICY),
+            for name in VARIANTS), policy=SMOKE_POLICY, cpu=True),
     }
 
 
@@ -490,13 +492,13 @@ def _causal(spec: VariantSpec):
     return "top_left" if spec.causal else None
 
 
-def _meta_inputs(workload: VariantWorkload):
-    """q, k, v of the workload's shape and dtype on the device, as strided views of one element (what validation
-    reads: shapes, dtypes, devices)."""
+def _meta_inputs(workload: VariantWorkload, on_cuda: bool):
+    """q, k, v of the workload's shape and dtype on the run's device, as strided views of one element (what
+    validation reads: shapes, dtypes, devices)."""
     import torch
 
     w = workload
-    device = "cuda" if tensor_device() == "cuda" else "cpu"
+    device = "cuda" if on_cuda else "cpu"
     one = torch.zeros(1, dtype=getattr(torch, w.dtype), device=device)
     return tuple(one.expand(w.B, w.H, w.L, w.D) for _ in range(3))
 
@@ -510,7 +512,7 @@ def _stage_refusal(name: str) -> Callable:
         if stage is None:
             return f"{name!r} is not a stage of this package"
         if stage.needs_gpu and not on_cuda:
-            return "needs a CUDA GPU; this machine has none"
+            return "needs a CUDA GPU; this run is on the CPU"
         if mode == "fwd+bwd":
             try:
                 get_backward(name)
@@ -520,7 +522,7 @@ def _stage_refusal(name: str) -> Callable:
         if missing:
             return f"stage {name!r} does not compute {', '.join(missing)}"
         try:  # the sizes it refuses here (memory, the interpreter's time) are skipped, not crashed
-            validate(*_meta_inputs(workload), stage=name, causal=workload.spec.causal)
+            validate(*_meta_inputs(workload, on_cuda), stage=name, causal=workload.spec.causal)
         except (MemoryError, ValueError, TypeError) as error:
             return error_line(error)
         return None
@@ -638,7 +640,7 @@ def variant_contenders() -> dict:
 
     def gpu_only(why_not_here: Callable) -> Callable:
         def refusal(workload, mode, on_cuda):
-            return why_not_here() if on_cuda else "needs a CUDA GPU; this machine has none"
+            return why_not_here() if on_cuda else "needs a CUDA GPU; this run is on the CPU"
         return refusal
 
     found = {
@@ -895,10 +897,13 @@ def run_variants(presets, out_path, *, policy: Optional[TimingPolicy] = None, re
 
     started = time.monotonic()
     presets = list(presets)
+    cpu = [p for p in presets if VARIANT_PRESETS[p].cpu]
+    if cpu and len(presets) > 1:
+        raise Refused(f"the {', '.join(cpu)} preset runs on the CPU: run it alone, not with {', '.join(presets)}")
     policy = policy or next((VARIANT_PRESETS[p].policy for p in presets if VARIANT_PRESETS[p].policy), None) \
         or TimingPolicy()
     table = table if table is not None else variant_contenders()
-    on_cuda = tensor_device() == "cuda"
+    on_cuda = tensor_device() == "cuda" and not cpu
     out_path = Path(out_path)
     results = open_results(out_path, presets, resume=resume, command=command, kind="variants", fresh=_new_variants)
     stamp_timing(results, policy, out_path)
@@ -1192,13 +1197,18 @@ def main(argv=None) -> int:
                                             memory_table(results)) if part))
         return 0
     gpu = on_gpu()
-    if not gpu:
-        # the triton stage runs on Triton's interpreter here: it must be chosen before anything imports triton
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     presets = []
     for name in args.preset or (["bar"] if gpu else ["smoke"]):
         presets += [p for p in PRESET_GROUPS.get(name, (name,)) if p not in presets]
-    if not gpu and not args.plan and presets != ["smoke"]:
+    on_cpu = [p for p in presets if VARIANT_PRESETS[p].cpu]
+    if on_cpu and len(presets) > 1:
+        print(f"error: the {', '.join(on_cpu)} preset runs on the CPU: run it alone", file=sys.stderr)
+        return 2
+    if on_cpu or not gpu:
+        # the triton stage runs on Triton's interpreter: chosen before anything imports triton
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        gpu = False
+    if not gpu and not args.plan and not on_cpu:
         print("error: the variants benchmark times FlexAttention and the triton stage on a CUDA GPU; this machine has "
               "none. --preset smoke runs the triton stage on Triton's interpreter instead.", file=sys.stderr)
         return 2
