@@ -1,5 +1,6 @@
 """The ``triton`` stage (wb_kernels/stages/triton; lesson 11_triton) against the float64 reference, on Triton's CPU
-interpreter at small sizes (blocks of 16, so that a few dozen positions make several blocks and ragged edges).
+interpreter without a GPU (compiled on a GPU) at small sizes (blocks of 16, so that a few dozen positions make
+several blocks and ragged edges).
 
 Tolerances: float32 within about 1e-5 of the largest reference value (the kernels multiply in IEEE float32, no
 TF32); float16 and bfloat16 within twice the error of the same computation in PyTorch ops in that precision
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: the decorators read it (no GPU needed)
+import wb_kernels  # noqa: F401  (first: without a GPU it asks for Triton's interpreter before triton loads)
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -31,6 +32,13 @@ from wb_kernels.stages.triton import STAGE, launcher  # noqa: E402
 from wb_kernels.variants import canonical_variants, document_ids_from_cu_seqlens  # noqa: E402
 
 kernels = launcher.load_kernels()
+DEVICE = "cpu" if launcher.interpreting() else "cuda"  # the interpreter takes CPU tensors, the compiler CUDA ones
+
+
+@pytest.fixture(autouse=True)
+def _tensors_on_the_stages_device():
+    with torch.device(DEVICE):  # (random draws come from a CPU generator, then move: the same numbers everywhere)
+        yield
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = dict(block_m=16, block_n=16)
 GRADIENT_NAMES = ("q", "k", "v", "bias", "sinks")
@@ -44,7 +52,7 @@ def make_problem(B=1, H=2, Lq=37, Lk=None, D=16, *, Hk=None, dtype=torch.float32
     Hk = H if Hk is None else Hk
 
     def draw(*shape):
-        return torch.randn(*shape, generator=generator).to(dtype)
+        return torch.randn(*shape, generator=generator, device="cpu").to(dtype).to(DEVICE)
 
     return draw(B, H, Lq, D), draw(B, Hk, Lk, D), draw(B, Hk, Lk, D), draw(B, H, Lq, D)
 
@@ -69,7 +77,7 @@ def run_reference(q, k, v, dout, *, causal=None, key_padding_mask=None, scale=No
 
 def max_error(x, ref) -> float:
     """max |x - ref| over the entries where the reference is finite (a row that sees no key: LSE -inf, both)."""
-    x = x.detach().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
+    x = x.detach().cpu().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
     finite = np.isfinite(ref)
     assert np.array_equal(np.isfinite(x), finite), "non-finite entries differ from the reference's"
     return float(np.abs(x[finite] - ref[finite]).max(initial=0.0))
@@ -110,7 +118,7 @@ def torch_attention(q, k, v, *, causal=None, key_padding_mask=None, scale=None, 
         s = s - variants.alibi_slopes.to(s.dtype)[:, :, None, None] * distance.to(s.dtype)
     if variants.bias is not None:
         s = s + variants.bias
-    visible = torch.from_numpy(visible_keys(Lq, Lk, causal, key_padding_mask, B, variants))
+    visible = torch.from_numpy(visible_keys(Lq, Lk, causal, key_padding_mask, B, variants)).to(q.device)
     s = s.masked_fill(~visible, float("-inf"))
     if variants.sinks is not None:
         s = torch.cat([s, variants.sinks[None, :, None, None].expand(B, H, Lq, 1)], -1)
@@ -208,7 +216,7 @@ def alibi_slopes(H):
 def variant_cases(B, H, Lq, Lk, generator):
     """{name: (call options, variants)}: each variant alone, then the combinations models use."""
     def draw(*shape, std=1.0):
-        return std * torch.randn(*shape, generator=generator)
+        return std * torch.randn(*shape, generator=generator, device="cpu").to(DEVICE)
 
     ids = document_ids_from_cu_seqlens(torch.tensor([0, 9, 12, 30]), Lq)  # three documents, then padding (-1)
     return {
@@ -276,7 +284,7 @@ def test_nan_in_bias_reaches_only_its_row():
     nan_rows = torch.isnan(out).any(-1)
     assert int(nan_rows.sum()) == 1
     out_ref, _ = reference(q, k, v, causal="top_left", bias=bias)
-    assert np.array_equal(np.isnan(out_ref).any(-1), nan_rows.numpy())
+    assert np.array_equal(np.isnan(out_ref).any(-1), nan_rows.cpu().numpy())
 
 
 # ---------------------------------------------------------------------------------------------- score_mod / mask_mod
@@ -369,7 +377,7 @@ def test_mods_equal_the_named_variants(case):
         ref = refs[pick] if pick is not None else refs[2][name]
         bound = 2e-5 * max(scale_of(ref), 1e-2)
         assert max_error(x_mods, ref) <= bound, f"{case}: mods' {name} off the reference"
-        assert max_error(x_mods, x_variant.double().numpy()) <= bound, f"{case}: mods' {name} vs the variant's"
+        assert max_error(x_mods, x_variant.double().cpu().numpy()) <= bound, f"{case}: mods' {name} vs the variant's"
 
 
 def test_score_mod_without_derivative_is_refused():
@@ -456,6 +464,7 @@ def _elementwise(X, Out, N: tl.constexpr, WHICH: tl.constexpr):
         tl.store(Out + at, kernels.cast(x, tl.bfloat16))
 
 
+@pytest.mark.skipif(not launcher.interpreting(), reason="the interpreter's own tanh and cast (a GPU uses libdevice)")
 def test_tanh_and_bfloat16_rounding_on_the_interpreter():
     """The interpreter's tanh (no libdevice there) within a few float32 ulps from 1e-30 to 100, exact at 0, ±inf and
     NaN; its float32 -> bfloat16 cast rounded to nearest even, as torch (and a GPU) round."""
@@ -480,7 +489,7 @@ def test_stage_registration_and_numpy_inputs():
     assert STAGE.name == "triton" and STAGE.order == 11 and STAGE.linear_memory and not STAGE.needs_gpu
     assert set(STAGE.variants) == {"softcap", "alibi_slopes", "bias", "window", "document_ids", "sinks"}
     assert STAGE.simulator_seconds(1, 2, 64, 64, 16) < 5 < STAGE.simulator_seconds(8, 16, 4096, 4096, 128)
-    q, k, v, dout = (x.numpy() for x in make_problem(B=1, H=2, Lq=33, seed=1))
+    q, k, v, dout = (x.cpu().numpy() for x in make_problem(B=1, H=2, Lq=33, seed=1))
     out, lse = STAGE.forward(q, k, v, causal="top_left", key_padding_mask=None, scale=None)
     assert isinstance(out, np.ndarray) and out.dtype == np.float32
     out_ref, _ = reference(q, k, v, causal="top_left")

@@ -501,7 +501,8 @@ def _torch_variants(variants: Variants, device) -> Variants:
 def stage_forward(q, k, v, *, causal=None, key_padding_mask=None, scale=None, variants: Variants = NO_VARIANTS):
     """The registry's forward: NumPy arrays or torch tensors in, ``(out, lse)`` of the same kind out."""
     template = q
-    q, k, v = (_as_torch(x) for x in (q, k, v))
+    device = None if interpreting() or is_torch(q) else "cuda"  # NumPy on a GPU: there and back
+    q, k, v = (_as_torch(x, device) for x in (q, k, v))
     out, lse = forward(q, k, v, causal=causal, key_padding_mask=_as_torch(key_padding_mask, q.device), scale=scale,
                        variants=_torch_variants(variants, q.device))
     return _kind_back(out, template), _kind_back(lse, template)
@@ -512,7 +513,8 @@ def stage_gradients(q, k, v, out, lse, dout, *, causal=None, key_padding_mask=No
     """The registry's backward: ``(dq, dk, dv)`` without variants; with them :func:`gradients`' dict (bias and
     sinks gradients included), as :mod:`wb_kernels.execution` reads it. NumPy or torch in, the same kind out."""
     template = q
-    q, k, v, out, lse, dout = (_as_torch(x) for x in (q, k, v, out, lse, dout))
+    device = None if interpreting() or is_torch(q) else "cuda"  # NumPy on a GPU: there and back
+    q, k, v, out, lse, dout = (_as_torch(x, device) for x in (q, k, v, out, lse, dout))
     found = gradients(q, k, v, out, lse, dout, causal=causal, key_padding_mask=_as_torch(key_padding_mask, q.device),
                       scale=scale, variants=_torch_variants(variants, q.device))
     found = {name: _kind_back(g, template) for name, g in found.items()}
