@@ -236,3 +236,100 @@ def test_gpu_plan_covers_every_head_dim_and_dtype():
         assert set(p["dtypes"]) == set(stage.dtypes)
         assert stage.head_dims is None or set(p["head_dims"]) == set(stage.head_dims)
         assert p["max_len"] > 256 and p["examples"] == 100  # past the tile sizes of every GPU kernel
+
+
+# ------------------------------------------------------------------------------------------------ the variants
+
+VARIANT_STAGES = [name for name, stage in STAGES.items() if stage.variants and name != "reference"]
+
+
+@st.composite
+def variant_choices(draw, H: int, Lq: int, Lk: int):
+    """A random set of the variants (wb_kernels.variants) for a problem's shape, as wb.attention's keywords, each
+    value a plain number or a NumPy array (the test puts them in the inputs' kind and place)."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    chosen = {}
+    if draw(st.booleans()):
+        chosen["softcap"] = draw(st.sampled_from([0.5, 2.0, 30.0]))
+    if draw(st.booleans()):
+        chosen["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+    if draw(st.booleans()):
+        shape = draw(st.sampled_from([(1, H, Lq, Lk), (1, 1, 1, Lk), (1, H, 1, Lk)]))
+        chosen["bias"] = rng.standard_normal(shape)
+    if draw(st.booleans()):
+        left = draw(st.one_of(st.none(), st.integers(0, max(Lk, 1))))
+        right = draw(st.one_of(st.none(), st.integers(0, max(Lk, 1))))
+        if left is not None or right is not None:
+            chosen["window"] = (left, right)
+    if draw(st.booleans()) and Lq == Lk:
+        cuts = sorted(set(draw(st.lists(st.integers(1, max(Lq - 1, 1)), max_size=3))))
+        chosen["document_ids"] = np.searchsorted(np.array(cuts), np.arange(Lq), side="right")[None]
+    if draw(st.booleans()):
+        chosen["sinks"] = rng.standard_normal(H)
+    return chosen
+
+
+def _variants_like(chosen: dict, q, B: int, requires_grad: bool):
+    """The drawn variants in q's kind, dtype (ids: int64) and place; bias and sinks leaves that require grad."""
+    import torch
+
+    found = {}
+    for name, value in chosen.items():
+        if not isinstance(value, np.ndarray):
+            found[name] = value
+            continue
+        if name == "document_ids":
+            value = np.repeat(value, B, axis=0)
+        if hasattr(q, "detach"):
+            x = torch.from_numpy(np.ascontiguousarray(value)).to(q.device)
+            x = x if name == "document_ids" else x.to(q.dtype)
+            found[name] = x.requires_grad_(True) if requires_grad and name in ("bias", "sinks") else x
+        else:
+            found[name] = value if name == "document_ids" else value.astype(q.dtype)
+    return found
+
+
+@pytest.mark.parametrize("name", VARIANT_STAGES)
+def test_variants_match_reference_on_random_problems(name):
+    """Random sets of variants (softcap, ALiBi, a broadcast bias, windows, packed documents, sinks) on random
+    problems: the forward by wb.check's rule with the variants, and, through autograd, every gradient (the bias's and
+    the sinks' included) by wb.check_gradients'."""
+    stage = STAGES[name]
+    p = gradient_plan(stage)
+
+    checked = []
+
+    @settings(parent=settings.get_profile(PROFILE), max_examples=p["examples"])
+    @given(data=st.data())
+    def one_problem(data):
+        problem = data.draw(problems(stage, p))
+        problem["framework"] = "torch"
+        chosen = data.draw(variant_choices(problem["H"], problem["Lq"], problem["Lk"]))
+        note(f"{name} variants {sorted(chosen)}: {problem}")
+        q, k, v, keep, mask = build(problem)
+        q, k, v = (x.detach().contiguous().requires_grad_(True) for x in (q, k, v))
+        variants = _variants_like(chosen, q, problem["B"], requires_grad=True)
+        out, lse = wb.attention(q, k, v, stage=name, causal=problem["causal"], key_padding_mask=mask,
+                                scale=problem["scale"], return_lse=True, **variants)
+        plain = {n: (x.detach() if hasattr(x, "detach") else x) for n, x in variants.items()}
+        wb.check(name, out.detach(), q.detach(), k.detach(), v.detach(), lse=lse, causal=problem["causal"],
+                 key_padding_mask=keep, scale=problem["scale"], verbose=False, **plain)
+        dout = torch_randn_like(out, problem["seed"] + 1)
+        learnable = [n for n in ("bias", "sinks") if n in variants]
+        found = dict(zip(["q", "k", "v"] + learnable, __import__("torch").autograd.grad(
+            out, [q, k, v] + [variants[n] for n in learnable], dout)))
+        # (what wb.attention_backward returns: (dq, dk, dv), and with variants dbias and dsinks, None where absent)
+        grads = tuple(found.get(n) for n in ("q", "k", "v", "bias", "sinks")[:5 if plain else 3])
+        wb.check_gradients(name, grads, q.detach(), k.detach(), v.detach(), dout, causal=problem["causal"],
+                           key_padding_mask=keep, scale=problem["scale"], verbose=False, **plain)
+        checked.append(problem)
+
+    one_problem()
+    print(f"{name}: {len(checked)} random problems with variants matched the reference ({PROFILE} profile)")
+
+
+def torch_randn_like(x, seed: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(x.shape, generator=generator).to(device=x.device, dtype=x.dtype)
