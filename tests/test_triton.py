@@ -27,6 +27,7 @@ triton = pytest.importorskip("triton", reason="the triton stage needs triton (pi
 torch = pytest.importorskip("torch")
 tl = triton.language
 
+from wb_kernels.check import torch_ops_attention as torch_attention  # noqa: E402  (PyTorch's own error)
 from wb_kernels.reference import reference, reference_gradients, repeat_kv_heads, visible_keys  # noqa: E402
 from wb_kernels.stages.triton import STAGE, launcher  # noqa: E402
 from wb_kernels.variants import canonical_variants, document_ids_from_cu_seqlens  # noqa: E402
@@ -102,31 +103,6 @@ def assert_float32_close(ours, refs, rel=1e-5):
 
 
 # ---------------------------------------------------------------------------------------------- PyTorch's own error
-
-def torch_attention(q, k, v, *, causal=None, key_padding_mask=None, scale=None, variants):
-    """The variants in PyTorch ops in q's dtype (scores, softcap, ALiBi, bias, masks, softmax with the sinks): what
-    PyTorch itself makes of the call in that precision. ``(out, lse)``; differentiable."""
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    kk, vv = repeat_kv_heads(k, H), repeat_kv_heads(v, H)
-    s = (q @ kk.transpose(-1, -2)) * (D ** -0.5 if scale is None else scale)
-    if variants.softcap is not None:
-        s = variants.softcap * torch.tanh(s / variants.softcap)
-    offset = Lk - Lq if causal == "bottom_right" else 0
-    distance = (torch.arange(Lk)[None] - torch.arange(Lq)[:, None] - offset).abs()
-    if variants.alibi_slopes is not None:
-        s = s - variants.alibi_slopes.to(s.dtype)[:, :, None, None] * distance.to(s.dtype)
-    if variants.bias is not None:
-        s = s + variants.bias
-    visible = torch.from_numpy(visible_keys(Lq, Lk, causal, key_padding_mask, B, variants)).to(q.device)
-    s = s.masked_fill(~visible, float("-inf"))
-    if variants.sinks is not None:
-        s = torch.cat([s, variants.sinks[None, :, None, None].expand(B, H, Lq, 1)], -1)
-    lse = torch.logsumexp(s.float(), -1)
-    seen = visible.any(-1, keepdim=True) if variants.sinks is None else torch.ones_like(visible[..., :1])
-    p = torch.softmax(s.masked_fill(~seen, 0.0), -1).masked_fill(~seen, 0.0)[..., :Lk]
-    return p @ vv, lse
-
 
 def torch_errors(q, k, v, dout, refs, *, causal=None, key_padding_mask=None, **variants) -> dict:
     """PyTorch's error in q's dtype against the reference, for out, lse and every gradient the call has."""
