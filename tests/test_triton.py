@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 tl = triton.language
 
 from wb_kernels.check import torch_ops_attention as torch_attention  # noqa: E402  (PyTorch's own error)
-from wb_kernels.reference import reference, reference_gradients, repeat_kv_heads, visible_keys  # noqa: E402
+from wb_kernels.reference import reference, reference_gradients  # noqa: E402
 from wb_kernels.stages.triton import STAGE, launcher  # noqa: E402
 from wb_kernels.variants import canonical_variants, document_ids_from_cu_seqlens  # noqa: E402
 
