@@ -518,3 +518,20 @@ def test_package_import_leaves_triton_alone_and_errors_are_clear():
     found = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=environment, capture_output=True, text=True,
                            timeout=120)
     assert found.returncode == 0 and found.stdout.strip() == "ok", found.stderr[-3000:]
+
+
+def test_the_compiled_code_summary_counts_instruction_families():
+    from wb_kernels.stages.triton.compiled import summarize_ptx
+
+    ptx = "\n".join(["\twgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%f1}, %rd1, %rd2;",
+                     "\twgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%f2}, %rd3, %rd4;",
+                     "\tcp.async.cg.shared.global [%r1], [%rd5], 16;", "\tex2.approx.f32 %f3, %f4;",
+                     "\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f5}, {%r2}, {%r3}, {%f6};",
+                     "\tbar.sync 0;", "\tld.global.b32 %r4, [%rd6];"])
+    found = summarize_ptx(ptx)
+    counts = found["instructions"]
+    assert counts["wgmma (Hopper warpgroup tensor-core MMA, lesson 09)"] == 2
+    assert counts["mma.sync (warp tensor-core MMA, lesson 06)"] == 1
+    assert counts["cp.async (global -> shared without registers, pipelined)"] == 1
+    assert counts["cp.async.bulk (TMA, lesson 09)"] == 0 and counts["bar.sync (block barriers)"] == 1
+    assert found["mma_shapes"] == {"m64n64k16": 2, "m16n8k16": 1} and found["ptx_lines"] == 7

@@ -39,6 +39,9 @@ LSE_LIMIT = 2.0**24
 INTERPRETER_BLOCK = 32  # rows and keys per block on the interpreter (numpy arrays: small, several per test problem)
 
 _KERNELS = None  # the kernels module, once imported
+# the compiled forward of the last launch (Triton's CompiledKernel on a GPU: its PTX, registers, shared memory; None
+# on the interpreter), what the lesson's generated-code summary reads (compiled.py)
+LAST_COMPILED: dict = {}
 _INTERPRETING: Optional[bool] = None  # the mode, decided at the first launch
 
 
@@ -354,7 +357,7 @@ def _forward(q, k, v, *, causal, key_padding_mask, scale, variants, score_mod, m
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     visits = torch.zeros((B * H, args["num_q_blocks"]), dtype=torch.int32, device=q.device) if count_visits else None
     grid = (args["num_q_blocks"], B * H)
-    kernels.attention_forward[grid](
+    LAST_COMPILED["forward"] = kernels.attention_forward[grid](
         q, k, v, out, lse, Sinks=sinks, HAS_SINKS=sinks is not None,
         KvCount=None if mask is None else mask.kv_count, KvIndices=None if mask is None else mask.kv_indices,
         KvFull=None if mask is None else mask.kv_full, Visits=visits, COUNT_VISITS=count_visits,
