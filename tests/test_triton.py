@@ -341,6 +341,7 @@ def test_mods_equal_the_named_variants(case):
     """A score_mod / mask_mod written to compute a named variant gives what the variant gives (and the reference),
     gradients included. (Sinks have no mod: a sink is a column with no key, not a change of a score.)"""
     score_mod, derivative, mask_mod, named = MOD_CASES[case]
+    named = {name: x.to(DEVICE) if torch.is_tensor(x) else x for name, x in named.items()}  # (made at import)
     q, k, v, dout = make_problem(B=2, H=2, Lq=40, seed=21)
     causal = named.pop("causal", None)
     by_variant = run_triton(q, k, v, dout, causal=causal, **named)

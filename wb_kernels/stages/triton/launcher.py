@@ -202,15 +202,17 @@ def _lists(state):
 
 
 def block_mask(mask_mod, B: int, H: int, Lq: int, Lk: int, block_m: Optional[int] = None,
-               block_n: Optional[int] = None, device="cpu") -> BlockMask:
+               block_n: Optional[int] = None, device=None) -> BlockMask:
     """Evaluate `mask_mod` on every (query block, key block) tile once (the ``block_mask_tiles`` kernel) and build
     the per-block lists of tiles to visit. Pass B = 1 or H = 1 for a mask that does not depend on b or h: it then
     serves every batch entry or head. Building the lists is O(tiles) work in torch, like FlexAttention's; the
     O(Lq · Lk) part, the mask itself, runs in the kernel. Default blocks: those of :func:`launch_config` (its
-    float16 forward's), which both passes then use."""
+    float16 forward's), which both passes then use. `device`: where the calls it serves run (default: the CPU on the
+    interpreter, the GPU otherwise)."""
     import torch
 
     kernels = load_kernels()
+    device = device if device is not None else ("cpu" if interpreting() else "cuda")
     defaults = launch_config(64, "float16")
     block_m = int(block_m or defaults["block_m"])
     block_n = int(block_n or defaults["block_n"])
