@@ -33,6 +33,7 @@ STAGE = Stage(
     simulator_seconds=simulator_seconds,
     order=11,
     linear_memory=True,
+    non_finite_in_kernel=True,
     variants=("softcap", "alibi_slopes", "bias", "window", "document_ids", "sinks"),
 )
 
