@@ -18,10 +18,9 @@ import itertools
 import json
 from pathlib import Path
 
-import wb_kernels  # noqa: F401  (first: chooses the backend)
-from wb_kernels.attention_costs import attention_flops
-from wb_kernels.timing import DEVICE_TIME, time_call
-from wb_kernels.tuning import sdpa_call
+from ...attention_costs import attention_flops
+from ...timing import DEVICE_TIME, time_call
+from ...tuning import sdpa_call
 
 from . import launcher
 
@@ -91,7 +90,7 @@ def tune(D: int, causal: bool, L: int = 4096, quick: bool = False) -> list:
 
 
 def main(argv=None) -> int:
-    from wb_kernels.results_files import environment
+    from ...results_files import environment
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
