@@ -34,6 +34,7 @@ LESSONS = [
     ("08_backward", "wb_kernels.stages.backward"),
     ("09_hopper", "wb_kernels.stages.hopper"),
     ("10_distributed", "wb_kernels.stages.distributed"),  # not a stage: the code around the other stages
+    ("11_triton", "wb_kernels.stages.triton"),
     ("99_bench", "wb_kernels.bench"),  # the dashboard lesson: not a rung, its exercises live with the benchmark
 ]
 
@@ -47,6 +48,12 @@ def _needs_nvcc(package):
     if package.endswith(".wmma"):
         for find in (cuda_build.find_nvcc, cuda_build.find_cuobjdump):
             tool_or_skip(find, "grade lesson 05's exercises")
+
+
+def _needs_triton(package):
+    """Lesson 11's puzzle runs Triton kernels (its interpreter without a GPU): triton is needed (Linux wheels)."""
+    if package.endswith(".triton"):
+        pytest.importorskip("triton", reason="lesson 11's puzzle runs Triton kernels: pip install triton")
 
 
 def test_every_lesson_has_exercises():
@@ -174,6 +181,7 @@ def test_each_puzzle_solves_with_its_solution_and_rejects_every_listed_wrong_ans
     from wb_kernels.exercises import puzzle_verdict
 
     _needs_nvcc(package)
+    _needs_triton(package)
     puzzle, solution = _puzzle(package)
     assert len(puzzle.wrong) >= 2, "list the plausible wrong answers the grader must reject"
     assert "solved ✓" in puzzle_verdict(puzzle, solution)
@@ -230,6 +238,7 @@ def test_a_right_answer_that_overwrites_its_inputs_afterwards_still_solves_the_p
 
     from wb_kernels.exercises import puzzle_verdict
 
+    _needs_triton(package)
     puzzle, solution = _puzzle(package)
     if not inspect.isfunction(solution) or inspect.isgeneratorfunction(solution):
         pytest.skip("the answer is a kernel, a kernel factory, a source string or a generator: it is given no arrays")
