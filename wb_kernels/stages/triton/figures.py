@@ -315,7 +315,7 @@ def compile_forward_here(problems: list) -> list:
         raise RuntimeError("compile_forward_here needs TRITON_INTERPRET=0 before triton is imported (compile_report "
                            "starts such a process)")
     # the launcher would choose the interpreter on a machine without a GPU: it is told that the kernels compile
-    launcher._KERNELS, launcher._INTERPRETING = kernels, False
+    launcher.use_compiled_kernels(kernels)
     found = []
     for problem in problems:
         B, H, L, D = (problem[name] for name in ("B", "H", "L", "D"))
@@ -323,7 +323,7 @@ def compile_forward_here(problems: list) -> list:
         cfg = launcher.launch_config(D, problem["dtype"])
         if problem.get("num_stages"):
             cfg["num_stages"] = problem["num_stages"]
-        args, _ = launcher._problem(q, q, q, problem["causal"], None, None, NO_VARIANTS, None, None, None, cfg)
+        args, _ = launcher.kernel_arguments(q, q, q, problem["causal"], None, None, NO_VARIANTS, None, None, None, cfg)
         values = dict(Q=q, K=q, V=q, Out=q, Lse=torch.empty(B, H, L, device="meta"), Sinks=None, HAS_SINKS=False,
                       KvCount=None, KvIndices=None, KvFull=None, Visits=None, COUNT_VISITS=False, **args)
         signature, constexprs, attrs = _signature(kernels.attention_forward, values)

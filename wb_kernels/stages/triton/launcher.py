@@ -29,7 +29,8 @@ from ...reference import causal_offset
 from ...variants import NO_VARIANTS, Variants
 
 __all__ = ["forward", "gradients", "block_mask", "BlockMask", "visited_key_blocks", "stage_forward",
-           "stage_gradients", "launch_config", "interpreting", "load_kernels", "simulator_seconds", "DTYPES"]
+           "stage_gradients", "launch_config", "interpreting", "use_compiled_kernels", "kernel_arguments",
+           "load_kernels", "simulator_seconds", "DTYPES"]
 
 DTYPES = ("float16", "bfloat16", "float32")
 # The backward recomputes P = exp2(score · log2 e - lse · log2 e) in float32: past |LSE| = 2^24 the rounding of the
@@ -96,6 +97,14 @@ def load_kernels():
     _INTERPRETING = kernels.INTERPRETING
     _KERNELS = kernels
     return kernels
+
+
+def use_compiled_kernels(kernels) -> None:
+    """Use `kernels`, a :mod:`.kernels` module imported with ``TRITON_INTERPRET=0``, as the compiled ones, whatever
+    this machine has: for compiling without a GPU (lesson 11's generated-code cells, :mod:`.figures`), where nothing
+    is launched and :func:`kernel_arguments` must give what a GPU's launch would get."""
+    global _KERNELS, _INTERPRETING
+    _KERNELS, _INTERPRETING = kernels, False
 
 
 def interpreting() -> bool:
@@ -258,7 +267,7 @@ def _block_id_ranges(ids, block: int):
     return low.contiguous(), high.contiguous()
 
 
-def _problem(q, k, v, causal, key_padding_mask, scale, variants: Variants, score_mod, mask_mod, mask, cfg):
+def kernel_arguments(q, k, v, causal, key_padding_mask, scale, variants: Variants, score_mod, mask_mod, mask, cfg):
     """The arguments every kernel takes, by name, from one call's inputs and variants."""
     import torch
 
@@ -353,7 +362,7 @@ def _forward(q, k, v, *, causal, key_padding_mask, scale, variants, score_mod, m
     B, H, Lq, D = q.shape
     mask = _resolve_mask(mask_mod, block_mask_, B, H, q.shape[2], k.shape[2], block_m, block_n, q.device)
     cfg = _settings(D, _dtype_name(q), False, block_m, block_n, num_warps, num_stages, mask)
-    args, sinks = _problem(q, k, v, causal, key_padding_mask, scale, variants, score_mod,
+    args, sinks = kernel_arguments(q, k, v, causal, key_padding_mask, scale, variants, score_mod,
                            None if mask is None else mask.mask_mod, mask, cfg)
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
@@ -437,7 +446,7 @@ def gradients(q, k, v, out, lse, dout, *, causal=None, key_padding_mask=None, sc
     Hk, Lk = k.shape[1], k.shape[2]
     mask = _resolve_mask(mask_mod, block_mask, B, H, Lq, Lk, block_m, block_n, q.device)
     cfg = _settings(D, _dtype_name(q), True, block_m, block_n, num_warps, num_stages, mask)
-    args, sinks = _problem(q, k, v, causal, key_padding_mask, scale, variants, score_mod,
+    args, sinks = kernel_arguments(q, k, v, causal, key_padding_mask, scale, variants, score_mod,
                            None if mask is None else mask.mask_mod, mask, cfg)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     nq, nk = args["num_q_blocks"], args["num_k_blocks"]
