@@ -160,8 +160,10 @@ def _variant_scores(raw, causal, variants: Variants):
     return scores
 
 
-def _forward64(q, k, v, *, causal, key_padding_mask, scale, variants: Variants):
-    """Everything the forward and backward references share, in float64: raw scores, masked scores, P, out, LSE."""
+def _forward64(q, k, v, *, causal, key_padding_mask, scale, variants: Variants, keep_raw: bool = False):
+    """Everything the forward and backward references share, in float64: masked scores, P, out, LSE, and the raw
+    scaled scores where `keep_raw` (the softcap's gradient needs them; otherwise freed at once: lesson 01 measures
+    the reference's peak memory in L x L arrays)."""
     q, k, v = as_float64(q), as_float64(k), as_float64(v)
     B, H, Lq, D = q.shape
     k, v = repeat_kv_heads(k, H), repeat_kv_heads(v, H)  # GQA: each group of query heads reads one K/V head
@@ -172,6 +174,8 @@ def _forward64(q, k, v, *, causal, key_padding_mask, scale, variants: Variants):
         scores = _variant_scores(raw, causal, variants) if variants else raw
     allowed = visible_keys(Lq, Lk, causal, key_padding_mask, B, variants)
     scores = np.where(allowed, scores, -np.inf)
+    if not keep_raw:
+        raw = None
     sinks = None if variants.sinks is None else np.broadcast_to(as_float64(variants.sinks)[None, :, None, None],
                                                                (B, H, Lq, 1))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -246,7 +250,8 @@ def reference_gradients(q, k, v, dout, *, causal=False, key_padding_mask=None, s
     variants = canonical_variants(q, k, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, window=window,
                                   document_ids=document_ids, sinks=sinks)
     Hk = k.shape[1]
-    f = _forward64(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, variants=variants)
+    f = _forward64(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, variants=variants,
+                   keep_raw=variants.softcap is not None)
     dout = as_float64(dout)
     Lk = f["Lk"]
     probs = f["probs"][..., :Lk]
