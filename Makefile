@@ -37,8 +37,12 @@ lab: $(VENV)/.lab
 
 # Unit tests, then every notebook under strict nbval (outputs compared cell by cell). Figures the
 # lessons draw during the tests go to test-artifacts/, so testing leaves the committed ones alone.
+# TEST_WORKERS pytest processes (pytest-xdist); --dist loadscope keeps each test module, and each notebook's cells in
+# order, in one process. 2 = CI's cores (on a 2-core machine like CI's: 18 min, against 33 in one process); 0 = one.
+TEST_WORKERS ?= 2
 test: $(VENV)/.test
-	WB_FIGURES_DIR=$(CURDIR)/test-artifacts/figures $(BIN)/python -m pytest -q tests notebooks $(NBVAL_FLAGS)
+	WB_FIGURES_DIR=$(CURDIR)/test-artifacts/figures $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope \
+		tests notebooks $(NBVAL_FLAGS)
 
 unit: $(VENV)/.test
 	WB_FIGURES_DIR=$(CURDIR)/test-artifacts/figures $(BIN)/python -m pytest -q tests
