@@ -392,6 +392,26 @@ def timed(call, policy: TimingPolicy, attempts: Optional[list] = None):
     return kept
 
 
+def time_checked(record: dict, contender, call, policy: TimingPolicy, tokens: int) -> dict:
+    """The end of a checked measurement (the backward and variants presets): a contender whose check failed is a
+    "failed" record, untimed (a baseline, or ``policy.time_failed_checks``, is timed and marked ``check_failed``);
+    else ``call()`` is timed into `record` (:func:`time_into`) with its TFLOP/s (from ``record["flops"]``) and
+    tokens per second (`tokens` per call). The device's memory is freed either way; returns `record`."""
+    if not record["check"]["passed"]:
+        if contender.kind != "baseline" and not policy.time_failed_checks:
+            record.update(status="failed", reason=f"check: {record['check']['line']}")
+            free_device_memory()
+            return record
+        record["check_failed"] = True
+    timing = time_into(record, call, policy)
+    if timing is not None:
+        seconds = timing.median_ms / 1e3
+        record.update(tflops=round_significant(record["flops"] / seconds / 1e12),
+                      tokens_per_s=round_significant(tokens / seconds))
+    free_device_memory()
+    return record
+
+
 def time_into(record: dict, call, policy: TimingPolicy):
     """Time ``call()`` (:func:`timed`) into `record`: status "ok", median and spread (ms), every sample, where it ran;
     returns the Timing. If timing fails, the record says why (status "skipped" when out of memory, else "failed")

@@ -77,7 +77,7 @@ from ..timing import free_device_memory
 from ..tuning import sdpa_call
 from .failures import SizeRefused, error_line, is_out_of_memory
 from .measure import (TimingPolicy, finish_results, flex_problem, open_results, stamp_timing, store_record,
-                      tensor_device, time_into)
+                      tensor_device, time_checked, time_into)
 from .results import add_speedups, new_results, timing_method
 from .sweeps import TOKENS, Refused
 
@@ -853,19 +853,7 @@ def measure_one(contender: VariantContender, workload: VariantWorkload, mode: st
         free_device_memory()
         return record
     del result
-    if not record["check"]["passed"]:
-        if contender.kind != "baseline" and not policy.time_failed_checks:
-            record.update(status="failed", reason=f"check: {record['check']['line']}")
-            free_device_memory()
-            return record
-        record["check_failed"] = True
-    timing = time_into(record, call, policy)
-    if timing is not None:
-        seconds = timing.median_ms / 1e3
-        record.update(tflops=round_significant(record["flops"] / seconds / 1e12),
-                      tokens_per_s=round_significant(workload.B * workload.L / seconds))
-    free_device_memory()
-    return record
+    return time_checked(record, contender, call, policy, workload.B * workload.L)
 
 
 # ----------------------------------------------------------------------------------------------
