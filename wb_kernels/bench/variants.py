@@ -77,7 +77,7 @@ from ..timing import free_device_memory
 from ..tuning import sdpa_call
 from .failures import SizeRefused, error_line, is_out_of_memory
 from .measure import (TimingPolicy, finish_results, flex_problem, open_results, stamp_timing, store_record,
-                      tensor_device, time_checked, time_into)
+                      tensor_device, time_checked)
 from .results import add_speedups, new_results, timing_method
 from .sweeps import TOKENS, Refused
 
