@@ -33,7 +33,10 @@ STAGE = Stage(
     simulator_seconds=simulator_seconds,
     order=11,
     linear_memory=True,
-    non_finite_in_kernel=True,
+    # not yet: the kernels keep NaN/Inf as SDPA does on the interpreter (tests/test_edge_cases.py passes with this
+    # True there), but a GPU's tl.max may drop a NaN where NumPy's keeps it; until that runs on a GPU, wb.attention's
+    # host-side pass stays (it costs the H100 about 0.3 ms at B4 H16 L4096 D128: results/triton/variants_h100.json)
+    non_finite_in_kernel=False,
     variants=("softcap", "alibi_slopes", "bias", "window", "document_ids", "sinks"),
 )
 
