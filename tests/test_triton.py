@@ -429,6 +429,45 @@ def test_documents_skip_blocks_of_other_documents():
     assert visits[0, 0].tolist() == [1, 1, 1, 1]
 
 
+
+def test_document_block_ranges_are_the_span_of_blocks_that_meet():
+    """The launcher's per-block spans against a brute force over every pair of positions: sorted ids (exact spans),
+    unsorted ids (the first to the last block that shares an id), different ids for q and k, a block that meets
+    none (an empty span), and padding of a partial last block."""
+    generator = torch.Generator().manual_seed(4)
+    q_ids = torch.stack([torch.arange(37) // 9, torch.randint(0, 4, (37,), generator=generator)])
+    k_ids = torch.stack([torch.arange(29) // 7 + 1, torch.randint(0, 4, (29,), generator=generator)])
+    k_ids[1, :16] = 9  # no query has id 9: the first two key blocks of batch entry 1 meet no query block
+    key_blocks, query_blocks = launcher.document_block_ranges(q_ids, k_ids, 16, 8)
+    for b in range(2):
+        meets = [[bool(np.isin(q_ids[b, m * 16:(m + 1) * 16], k_ids[b, n * 8:(n + 1) * 8]).any()) for n in range(4)]
+                 for m in range(3)]
+        for m in range(3):
+            found = [n for n in range(4) if meets[m][n]]
+            assert key_blocks[b, m].tolist() == ([found[0], found[-1] + 1] if found else [0, 0])
+        for n in range(4):
+            found = [m for m in range(3) if meets[m][n]]
+            span = query_blocks[b, n].tolist()
+            if not found:
+                assert span[0] == span[1]
+            else:  # the id ranges may overlap without a shared id: a superset, never a block missed
+                assert span[0] <= found[0] and span[1] >= found[-1] + 1
+    assert key_blocks[0].tolist() == [[0, 1], [0, 3], [1, 4]]  # sorted ids: exact, from the ranges alone
+    assert query_blocks[1, 0].tolist() == [0, 0] and query_blocks[1, 1].tolist() == [0, 0]
+
+
+def test_unsorted_document_ids_forward_and_gradients():
+    """Ids that repeat out of order (a mask, not packing): the spans cover every block that shares an id, so the
+    answer is the reference's, gradients included."""
+    q, k, v, dout = make_problem(B=2, H=2, Lq=45, Lk=38, seed=12)
+    generator = torch.Generator().manual_seed(3)
+    ids = (torch.randint(0, 3, (2, 45), generator=generator), torch.randint(0, 3, (2, 38), generator=generator))
+    ids = tuple(x.to(DEVICE) for x in ids)
+    for causal in (None, "bottom_right"):
+        ours = run_triton(q, k, v, dout, causal=causal, document_ids=ids)
+        assert_float32_close(ours, run_reference(q, k, v, dout, causal=causal, document_ids=ids))
+
+
 # ---------------------------------------------------------------------------------------------- interpreter helpers
 
 @triton.jit

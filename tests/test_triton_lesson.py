@@ -176,13 +176,13 @@ def test_signature_specializes_as_a_launch_does():
     torch = pytest.importorskip("torch")
     fn = SimpleNamespace(__name__="f", params=[SimpleNamespace(name=n, is_constexpr=c) for n, c in (
         ("X", False), ("n", False), ("m", False), ("scale", False), ("FLAG", False), ("Unused", False),
-        ("BLOCK", True))])
+        ("stride", False), ("BLOCK", True))])
     x = torch.empty(4, dtype=torch.float16, device="meta")
     signature, constexprs, attrs = figures._signature(fn, dict(X=x, n=64, m=7, scale=0.5, FLAG=True, Unused=None,
-                                                               BLOCK=32))
+                                                               stride=1, BLOCK=32))
     assert signature == {"X": "*fp16", "n": "i32", "m": "i32", "scale": "fp32", "FLAG": "constexpr",
-                         "Unused": "constexpr", "BLOCK": "constexpr"}
-    assert constexprs == {"FLAG": True, "Unused": None, "BLOCK": 32}
+                         "Unused": "constexpr", "stride": "constexpr", "BLOCK": "constexpr"}
+    assert constexprs == {"FLAG": True, "Unused": None, "stride": 1, "BLOCK": 32}  # a launch specializes 1 too
     assert set(attrs) == {(0,), (1,)}  # the pointer and the int divisible by 16
 
 
@@ -201,6 +201,58 @@ def test_compile_report_without_a_gpu():
     with pytest.raises(KeyError):
         figures.instruction_count(rows[0], "no such family")
 
+
+
+def test_every_variant_compiles_for_the_h100_pipelined_without_spills():
+    """What a GPU launch of each named variant would compile (the launcher's own arguments, on meta tensors), for
+    sm_90a at D = 128 in float16: every kernel uses wgmma; the forward and dQ kernels pipeline their loads (cp.async)
+    and spill nothing. The interpreter cannot show a kernel that does not compile (a jit function returning None
+    does not), nor one that loses its pipelining (a branch around a tile's loads did, for document ids). The
+    dK/dV kernel holds five tiles and sits at the 255-register limit: with most variants it spills a few dozen
+    bytes, which the H100 run is to weigh (NOTES.md)."""
+    _needs_triton()
+    from wb_kernels.variants import VARIANT_NAMES
+
+    base = dict(B=1, H=2, L=256, D=128, dtype="float16", causal="top_left", targets=["sm_90a"])
+    names = ("plain", *VARIANT_NAMES)
+    rows = figures.compile_report([dict(base, variants=name, **{"pass": p}) for name in names
+                                   for p in ("forward", "backward")], timeout=900)
+    found = {(r["kernel"], r["variants"]): r for r in rows}
+    kernels = ("attention_forward", "backward_preprocess", "backward_dk_dv", "backward_dq")
+    assert set(found) == {(kernel, name) for kernel in kernels for name in names}
+    for (kernel, name), row in found.items():
+        if kernel == "backward_preprocess":
+            assert row["spill_bytes"] == 0
+            continue
+        assert figures.instruction_count(row, "wgmma") > 0, (kernel, name)
+        if kernel == "backward_dk_dv":
+            assert row["spill_bytes"] < 128, (kernel, name, row["spill_bytes"])
+        else:
+            assert figures.instruction_count(row, "cp.async") > 0, (kernel, name)
+            assert row["spill_bytes"] == 0, (kernel, name, row["spill_bytes"])
+
+
+
+def test_a_new_length_compiles_no_new_kernel():
+    """What Triton keys a compiled kernel on, for the launches a GPU call would make: a new sequence length reuses
+    the kernels of any other length in its class, forward and backward, plain and with every named variant; the
+    classes differ only in divisibility marks (kernels.LENGTH_ARGUMENTS). The class: whether Lk is a multiple of 16
+    and, with a dense bias, whether its strides (Lq·Lk, Lk) are."""
+    _needs_triton()
+    base = dict(B=2, H=4, D=128, dtype="float16", causal="bottom_right")
+    classes = {"plain": ((1000, 1001, 4097), (2048, 4096, 4112)),  # Lk ragged; Lk a multiple of 16
+               "every named variant": ((1001, 1003, 4097), (2048, 4096, 4112))}  # (Lq·Lk odd in the first)
+    problems = [dict(base, L=L, variants=variants, **{"pass": p}) for variants, lengths in classes.items()
+                for p in ("forward", "backward") for group in lengths for L in group]
+    keys = figures.compile_report(problems, keys_only=True)
+    for first in range(0, len(problems), 6):
+        ragged, aligned = keys[first:first + 3], keys[first + 3:first + 6]
+        assert ragged[0] == ragged[1] == ragged[2], problems[first]
+        assert aligned[0] == aligned[1] == aligned[2], problems[first + 3]
+        for ragged_launch, aligned_launch in zip(ragged[0], aligned[0]):
+            assert ragged_launch[:3] == aligned_launch[:3]  # the same kernels, argument types and constants
+            if "'Lk'" in ragged_launch[1]:  # a kernel that takes Lk: the aligned class marks it, the other does not
+                assert ragged_launch[3] != aligned_launch[3]
 
 # ---------------------------------------------------------------------------------------------- the exercises
 

@@ -2,7 +2,7 @@
 ``tests/test_triton_lesson.py`` calls without a browser or a GPU.
 
 - which key blocks the forward visits: :func:`key_block_range` and :func:`visited_key_blocks`, NumPy copies of the
-  kernel's arithmetic (``key_block_range`` and ``documents_may_meet`` in ``kernels.py``), which the tests hold to the
+  kernel's arithmetic (``key_block_range`` and ``document_block_range`` in ``kernels.py``), which the tests hold to the
   counts the kernel itself reports (:func:`launcher.visited_key_blocks`); :func:`visit_scaling` against the window
   and against L;
 - a block mask's tiles: :func:`dense_mask` (the reference's mask for a call's causal flag, window and documents) and
@@ -25,7 +25,7 @@ from ...variants import Variants, canonical_window
 
 __all__ = ["key_block_range", "visited_key_blocks", "visit_scaling", "dense_mask", "tile_states", "tile_counts",
            "draw_tile_states", "draw_visit_scaling", "draw_window_tiles", "KERNEL_FILE", "KERNEL_PARTS",
-           "COMPILE_TARGETS", "instruction_count", "compile_forward_here", "compile_report",
+           "COMPILE_TARGETS", "instruction_count", "compile_here", "launch_keys_here", "compile_report",
            "kernel_parts", "kernel_part", "TILE_NAMES"]
 
 KERNEL_FILE = "wb_kernels/stages/triton/kernels.py"
@@ -59,9 +59,9 @@ def key_block_range(start_m: int, Lq: int, Lk: int, block_m: int, block_n: int, 
 
 def visited_key_blocks(Lq: int, Lk: int, block_m: int, block_n: int, *, causal=None, window=None,
                        document_ids=None) -> np.ndarray:
-    """Key blocks the forward visits per query block (a plain call's loop: the range of :func:`key_block_range`, and
-    for documents only the key blocks whose ids can meet the query block's). ``document_ids``: one (L,) array of
-    sorted or unsorted ids for q and k (Lq = Lk)."""
+    """Key blocks the forward visits per query block (a plain call's loop: the range of :func:`key_block_range`,
+    narrowed for documents to the span of key blocks whose ids can meet the query block's, as the kernel's
+    ``document_block_range``). ``document_ids``: one (L,) array of sorted or unsorted ids for q and k (Lq = Lk)."""
     num_q_blocks, num_k_blocks = _cdiv(Lq, block_m), _cdiv(Lk, block_n)
     if document_ids is not None:
         ids = np.asarray(document_ids, dtype=np.int64)
@@ -72,9 +72,11 @@ def visited_key_blocks(Lq: int, Lk: int, block_m: int, block_n: int, *, causal=N
     visits = np.zeros(num_q_blocks, dtype=np.int64)
     for m in range(num_q_blocks):
         lo, hi = key_block_range(m * block_m, Lq, Lk, block_m, block_n, causal=causal, window=window)
-        for n in range(lo, hi):
-            if document_ids is None or (q_range[m][0] <= k_range[n][1] and k_range[n][0] <= q_range[m][1]):
-                visits[m] += 1
+        if document_ids is not None:
+            meeting = [n for n in range(num_k_blocks)
+                       if q_range[m][0] <= k_range[n][1] and k_range[n][0] <= q_range[m][1]]
+            lo, hi = (max(lo, meeting[0]), min(hi, meeting[-1] + 1)) if meeting else (0, 0)
+        visits[m] = max(0, hi - lo)
     return visits
 
 
@@ -211,7 +213,7 @@ KERNEL_PARTS = {
     "backward_dq": (
         ("arguments", None),
         ("one program's query block", "pid_m = tl.program_id(0)"),
-        ("the loop over key blocks", "for t in range(0, count):"),
+        ("the loop over key blocks", "lo, hi = key_block_range("),
     ),
 }
 
@@ -266,8 +268,9 @@ def instruction_count(row: dict, family: str) -> int:
 
 def _signature(fn, values: dict) -> tuple:
     """(signature, constexprs, attrs) of a Triton ``ASTSource`` for a call of `fn` with `values` {argument: value},
-    specialized as a launch specializes it: None, bools and constexpr arguments become constants, tensors pointers
-    aligned to 16 bytes (torch's allocations are), ints divisible by 16 say so."""
+    specialized as a launch specializes it: None, bools, ints equal to 1 (a unit stride, one head) and constexpr
+    arguments become constants, tensors pointers aligned to 16 bytes (torch's allocations are), ints divisible by
+    16 say so; an int the kernel names in ``do_not_specialize`` stays a plain int."""
     import torch
 
     pointer_types = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
@@ -277,91 +280,204 @@ def _signature(fn, values: dict) -> tuple:
         if param.name not in values:
             raise KeyError(f"{fn.__name__}: no value for its argument {param.name!r}")
         value = values[param.name]
-        if param.is_constexpr or value is None or isinstance(value, bool):
+        free = getattr(param, "do_not_specialize", False)  # (the kernel's do_not_specialize: a plain int, always)
+        if param.is_constexpr or value is None or isinstance(value, bool) or (
+                type(value) is int and value == 1 and not free):
             signature[param.name], constexprs[param.name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[param.name] = pointer_types[value.dtype]
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif isinstance(value, int):
             signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            if value % 16 == 0:
+            if value % 16 == 0 and not free:
                 attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[param.name] = "fp32"
     return signature, constexprs, attrs
 
 
-def compile_forward_here(problems: list) -> list:
-    """Compile the forward of a plain call for each problem (a dict: B, H, L, D, dtype, causal, and num_stages to
-    override the launcher's) and each of :data:`COMPILE_TARGETS`, and read what came out: the PTX's instructions by
-    family (``compiled.summarize_ptx``, which summarizes a GPU run's kernel the same way), shared memory, and
-    ptxas's registers and spills, one dict per (problem, target). Needs a process whose
+class _LaunchRecorder:
+    """Stands in for the kernels module while the launcher prepares a call: each ``kernel[grid](...)`` is recorded
+    as (name, kernel, positional arguments, keyword arguments) and nothing runs. The launcher then builds exactly the
+    arguments a GPU launch gets, for any variants, on meta tensors (shapes and dtypes, no data)."""
+
+    INTERPRETING = False
+
+    def __init__(self, kernels):
+        self._kernels = kernels
+        self.launches = []
+
+    def __getattr__(self, name):
+        found = getattr(self._kernels, name)
+        if not hasattr(found, "params"):  # not a @triton.jit kernel: a helper or a constant
+            return found
+        recorder = self
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    recorder.launches.append((name, found, args, kwargs))
+                return launch
+        return _Grid()
+
+
+def _meta_block_mask(mask_mod, B, H, Lq, Lk, block_m, block_n):
+    """A block mask with the shapes and dtypes :func:`launcher.block_mask` builds, on meta tensors (building a real
+    one runs a kernel): enough for the launcher to pass its lists to the kernels being compiled."""
+    import torch
+
+    from .launcher import BlockMask
+
+    nq, nk = -(-Lq // block_m), -(-Lk // block_n)
+    lists = lambda rows, length: (torch.empty((B, H, rows), dtype=torch.int32, device="meta"),  # noqa: E731
+                                  torch.empty((B, H, rows, length), dtype=torch.int32, device="meta"),
+                                  torch.empty((B, H, rows, length), dtype=torch.int8, device="meta"))
+    state = torch.empty((B, H, nq, nk), dtype=torch.int8, device="meta")
+    return BlockMask(mask_mod, (B, H, Lq, Lk), block_m, block_n, state, *lists(nq, nk), *lists(nk, nq))
+
+
+def _compiled_variants(name: str, B: int, H: int, L: int, dtype):
+    """The variants of a compile problem, on meta tensors: "plain", one of ``VARIANT_NAMES`` alone, or "every
+    named variant" (softcap, ALiBi, a (1, H, L, L) bias, a two-sided window, document ids and sinks at once)."""
+    import torch
+
+    from ...variants import NO_VARIANTS, VARIANT_NAMES
+
+    meta = lambda *shape, dtype=dtype: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    each = dict(softcap=30.0, alibi_slopes=meta(B, H, dtype=torch.float32), bias=meta(1, H, L, L), window=(64, 16),
+                document_ids=(meta(B, L, dtype=torch.int64),) * 2, sinks=meta(H, dtype=torch.float32))
+    assert set(each) == set(VARIANT_NAMES), "a variant without a compile example"
+    if name == "plain":
+        return NO_VARIANTS
+    if name == "every named variant":
+        return Variants(**each)
+    if name in each:
+        return Variants(**{name: each[name]})
+    raise ValueError(f"variants: 'plain', 'every named variant' or one of {list(each)}, not {name!r}")
+
+
+def _recorded_launches(problem: dict, kernels) -> list:
+    """The launches (name, kernel, args, kwargs) of one problem: a dict with B, H, L, D, dtype, causal; optional
+    block_m, block_n, num_warps, num_stages (override the launcher's), pass ("forward", the default, or "backward": the backward's kernels)
+    and variants (:func:`_compiled_variants`)."""
+    import torch
+
+    from . import launcher
+
+    B, H, L, D = (problem[name] for name in ("B", "H", "L", "D"))
+    dtype = getattr(torch, problem["dtype"])
+    meta = lambda *shape, dtype=dtype: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    q = meta(B, H, L, D)
+    variants = _compiled_variants(problem.get("variants", "plain"), B, H, L, dtype)
+    options = dict(causal=problem["causal"], variants=variants,
+                   **{name: problem.get(name) for name in ("block_m", "block_n", "num_warps", "num_stages")})
+    recorder = _LaunchRecorder(kernels)
+    launcher.use_compiled_kernels(recorder)
+    try:
+        if problem.get("pass", "forward") == "forward":
+            launcher.forward(q, q, q, **options)
+        else:
+            lse = meta(B, H, L, dtype=torch.float32)
+            launcher.gradients(q, q, q, q, lse, q, **options)
+    finally:
+        launcher.use_compiled_kernels(kernels)
+    return recorder.launches
+
+
+def _specialized_launches(problem: dict, kernels) -> list:
+    """[(name, kernel, signature, constexprs, attrs, launch options)] of one problem's recorded launches, specialized
+    as Triton specializes a launch (:func:`_signature`)."""
+    found = []
+    for name, fn, args, kwargs in _recorded_launches(problem, kernels):
+        values = dict(zip((param.name for param in fn.params), args))
+        values.update(kwargs)
+        launch = dict(num_warps=values.pop("num_warps", 4), num_stages=values.pop("num_stages", 3))
+        found.append((name, fn, *_signature(fn, values), launch, values))
+    return found
+
+
+def _compiler_kernels():
+    from . import kernels, launcher
+
+    if kernels.INTERPRETING:
+        raise RuntimeError("compiling needs TRITON_INTERPRET=0 before triton is imported (compile_report starts such "
+                           "a process)")
+    # the launcher would choose the interpreter on a machine without a GPU: it is told that the kernels compile
+    launcher.use_compiled_kernels(kernels)
+    return kernels
+
+
+def launch_keys_here(problems: list) -> list:
+    """For each problem, what Triton keys each launch's compiled kernel on: the kernel's name, the argument types and
+    divisibility marks, the constants and the launch options (as text). Two problems with equal keys share compiled
+    kernels; :func:`compile_report` with ``keys_only`` runs it in a compiling process."""
+    kernels = _compiler_kernels()
+    return [[[name, repr(sorted(signature.items())), repr(sorted((k, repr(v)) for k, v in constexprs.items())),
+              repr(sorted(attrs.items())), repr(sorted(launch.items()))]
+             for name, _, signature, constexprs, attrs, launch, _ in _specialized_launches(problem, kernels)]
+            for problem in problems]
+
+
+def compile_here(problems: list) -> list:
+    """Compile what each problem launches (see :func:`_recorded_launches`: the forward of a plain call by default)
+    for each of :data:`COMPILE_TARGETS` (or the problem's "targets", arch names), and read what came out: the
+    PTX's instructions by family (``compiled.summarize_ptx``, which summarizes a GPU run's kernel the same way),
+    shared memory, and ptxas's registers and spills, one dict per (problem, kernel, target). Needs a process whose
     Triton compiles (``TRITON_INTERPRET=0``): :func:`compile_report` runs it in one. Nothing is launched, so no GPU
     is needed: Triton compiles for a target it is given, down to the binary (its wheel brings ptxas)."""
     import re
     import subprocess
     import tempfile
 
-    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
 
-    from ...variants import NO_VARIANTS
-    from . import kernels, launcher
     from .compiled import summarize_ptx
 
-    if kernels.INTERPRETING:
-        raise RuntimeError("compile_forward_here needs TRITON_INTERPRET=0 before triton is imported (compile_report "
-                           "starts such a process)")
-    # the launcher would choose the interpreter on a machine without a GPU: it is told that the kernels compile
-    launcher.use_compiled_kernels(kernels)
+    kernels = _compiler_kernels()
     found = []
     for problem in problems:
-        B, H, L, D = (problem[name] for name in ("B", "H", "L", "D"))
-        q = torch.empty(B, H, L, D, dtype=getattr(torch, problem["dtype"]), device="meta")
-        cfg = launcher.launch_config(D, problem["dtype"])
-        if problem.get("num_stages"):
-            cfg["num_stages"] = problem["num_stages"]
-        args, _ = launcher.kernel_arguments(q, q, q, problem["causal"], None, None, NO_VARIANTS, None, None, None, cfg)
-        values = dict(Q=q, K=q, V=q, Out=q, Lse=torch.empty(B, H, L, device="meta"), Sinks=None, HAS_SINKS=False,
-                      KvCount=None, KvIndices=None, KvFull=None, Visits=None, COUNT_VISITS=False, **args)
-        signature, constexprs, attrs = _signature(kernels.attention_forward, values)
-        for arch, capability, gpu in COMPILE_TARGETS:
-            source = triton.compiler.ASTSource(fn=kernels.attention_forward, signature=signature,
-                                               constexprs=constexprs, attrs=attrs)
-            compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                                      options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-            ptx = compiled.asm["ptx"]
-            ptxas = get_ptxas(capability)
-            with tempfile.TemporaryDirectory() as folder:
-                with open(f"{folder}/forward.ptx", "w") as handle:
-                    handle.write(ptx)
-                report = subprocess.run([ptxas.path, "-v", f"--gpu-name={arch}", f"{folder}/forward.ptx", "-o",
-                                         f"{folder}/forward.cubin"], capture_output=True, text=True, check=True).stderr
-            found.append(dict(
-                arch=arch, gpu=gpu, D=D, dtype=problem["dtype"], block_m=cfg["block_m"], block_n=cfg["block_n"],
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], shared_bytes=int(compiled.metadata.shared),
-                registers=int(re.search(r"Used (\d+) registers", report).group(1)),
-                spill_bytes=sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)),
-                triton=triton.__version__, ptxas=str(ptxas.version), **summarize_ptx(ptx)))
+        targets = [t for t in COMPILE_TARGETS if t[0] in problem.get("targets", [t[0] for t in COMPILE_TARGETS])]
+        for name, fn, signature, constexprs, attrs, launch, values in _specialized_launches(problem, kernels):
+            for arch, capability, gpu in targets:
+                source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+                compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=launch)
+                ptx = compiled.asm["ptx"]
+                ptxas = get_ptxas(capability)
+                with tempfile.TemporaryDirectory() as folder:
+                    with open(f"{folder}/kernel.ptx", "w") as handle:
+                        handle.write(ptx)
+                    report = subprocess.run([ptxas.path, "-v", f"--gpu-name={arch}", f"{folder}/kernel.ptx", "-o",
+                                             f"{folder}/kernel.cubin"], capture_output=True, text=True,
+                                            check=True).stderr
+                found.append(dict(
+                    kernel=name, variants=problem.get("variants", "plain"), arch=arch, gpu=gpu, D=values.get("D"),
+                    dtype=problem["dtype"], block_m=values.get("BLOCK_M"), block_n=values.get("BLOCK_N"),
+                    num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+                    shared_bytes=int(compiled.metadata.shared),
+                    registers=int(re.search(r"Used (\d+) registers", report).group(1)),
+                    spill_bytes=sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)),
+                    triton=triton.__version__, ptxas=str(ptxas.version), **summarize_ptx(ptx)))
     return found
 
 
-def compile_report(problems: list, timeout: float = 300.0) -> list:
-    """:func:`compile_forward_here` in a fresh Python process with ``TRITON_INTERPRET=0``: Triton decides between its
-    interpreter and its compiler once per process, when it is imported, and a lesson's process without a GPU runs
-    the interpreter. Raises RuntimeError with the child's last lines when it fails (no triton, no CUDA backend)."""
+def compile_report(problems: list, timeout: float = 300.0, *, keys_only: bool = False) -> list:
+    """:func:`compile_here` (or, with ``keys_only``, :func:`launch_keys_here`) in a fresh Python process with
+    ``TRITON_INTERPRET=0``: Triton decides between its interpreter and its compiler once per process, when it is
+    imported, and a lesson's process without a GPU runs the interpreter. Raises RuntimeError with the child's last
+    lines when it fails (no triton, no CUDA backend)."""
     import json
     import os
     import subprocess
     import sys
 
+    function = "launch_keys_here" if keys_only else "compile_here"
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")  # (1: the default, stated: no warning)
-    code = ("import json, sys; from wb_kernels.stages.triton.figures import compile_forward_here; "
-            "print(json.dumps(compile_forward_here(json.loads(sys.argv[1]))))")
+    code = (f"import json, sys; from wb_kernels.stages.triton.figures import {function}; "
+            f"print(json.dumps({function}(json.loads(sys.argv[1]))))")
     run = subprocess.run([sys.executable, "-c", code, json.dumps(list(problems))], capture_output=True, text=True,
                          env=env, timeout=timeout)
     if run.returncode != 0:
-        raise RuntimeError("compiling the forward failed:\n" + "\n".join(run.stderr.strip().splitlines()[-8:]))
+        raise RuntimeError(f"{function} failed:\n" + "\n".join(run.stderr.strip().splitlines()[-8:]))
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -41,6 +41,14 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", 
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
 LN2 = tl.constexpr(0.6931471805599453)  # log(x) = log2(x) * ln(2)
+# Arguments that change with the sequence length and that the kernels gain nothing from knowing more of: left
+# unspecialized, so a new length does not compile a new kernel (Triton otherwise compiles one per class of each int
+# argument: equal to 1, divisible by 16, other). Lk and the bias's strides stay specialized: with Lk divisible by 16
+# a bias tile's rows start aligned and its mask is constant over 16 keys, so its loads are 16-byte copies; without,
+# they are scalar loads (NOTES.md). The compile key is therefore the head dim, the dtype, the flags, the launch
+# settings and whether Lk is a multiple of 16 (with a dense bias, whether its strides Lq·Lk and Lk are), never L
+# itself (tests/test_triton_lesson.py checks it on the launches a GPU call makes).
+LENGTH_ARGUMENTS = ["Lq", "offset", "num_q_blocks", "num_k_blocks"]
 
 
 # ------------------------------------------------------------------------------------------- elementwise helpers
@@ -144,17 +152,39 @@ def query_block_range(start_n, Lq, Lk, offset, window_left, window_right,
     return lo_block, hi_block
 
 
+# region: document_block_range
 @triton.jit
-def documents_may_meet(QBlockMin, QBlockMax, KBlockMin, KBlockMax, b, m_block, n_block, num_q_blocks, num_k_blocks):
-    """Whether query block m_block and key block n_block can hold one document id in common. Each block's smallest
-    and largest id (from the launcher, O(L) to find) tell it for any ids: disjoint ranges share no id. For packed
-    sequences, whose ids are sorted, this is exactly "the two blocks overlap a document", so the loop visits about
-    (document length / BLOCK_N + 1) key blocks per query block; unsorted ids lose the skipping, never correctness."""
-    q_lo = tl.load(QBlockMin + b * num_q_blocks + m_block)
-    q_hi = tl.load(QBlockMax + b * num_q_blocks + m_block)
-    k_lo = tl.load(KBlockMin + b * num_k_blocks + n_block)
-    k_hi = tl.load(KBlockMax + b * num_k_blocks + n_block)
-    return (q_lo <= k_hi) & (k_lo <= q_hi)
+def document_block_range(lo, hi, DocBlocks, b, block, num_blocks, HAS_DOCS: tl.constexpr):
+    """[lo, hi) narrowed to the blocks on the other side that can share a document with this program's block:
+    DocBlocks (B, blocks, 2) int32, from the launcher (O(blocks²) host work on the blocks' smallest and largest id).
+    For packed sequences, whose ids are sorted, the blocks that meet a document are contiguous, so the loop visits
+    about (document length / BLOCK_N + 1) key blocks per query block; unsorted ids get the span from the first
+    such block to the last (fewer skipped, never a wrong answer: the elementwise mask still applies). A range, not
+    a test inside the loop: a branch around a tile's loads keeps Triton from pipelining them (no cp.async)."""
+    if HAS_DOCS:
+        at = (b.to(tl.int64) * num_blocks + block) * 2
+        lo = tl.maximum(lo, tl.load(DocBlocks + at))
+        hi = tl.minimum(hi, tl.load(DocBlocks + at + 1))
+    return lo, hi
+# endregion
+
+
+# region: block_to_visit
+@triton.jit
+def block_to_visit(t, lo, hi, list_row, Indices, Full, list_length, MASK_MOD: tl.constexpr):
+    """The t-th block of a program's loop: (block, whether to evaluate mask_mod elementwise, whether to visit it).
+    Without a block mask the loop is [lo, hi) itself; with one, the t-th entry of this program's list (ascending
+    blocks with a visible element, each marked full or not), skipped outside [lo, hi)."""
+    if MASK_MOD is not None:
+        block = tl.load(Indices + list_row.to(tl.int64) * list_length + t)
+        check_mask_mod = tl.load(Full + list_row.to(tl.int64) * list_length + t) == 0
+        wanted = (block >= lo) & (block < hi)
+    else:
+        block = lo + t
+        check_mask_mod = False
+        wanted = True
+    return block, check_mask_mod, wanted
+# endregion
 
 
 # ------------------------------------------------------------------------------------------- one tile's scores
@@ -163,7 +193,7 @@ def documents_may_meet(QBlockMin, QBlockMax, KBlockMin, KBlockMax, b, m_block, n
 @triton.jit
 def tile_scores(qk, b, h, offs_m, offs_n, Lq, Lk, offset, scale, softcap, slope,
                 bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                key_keep_base, q_ids_base, k_ids_base, check_mask_mod,
+                KeyKeep, QIds, KIds, check_mask_mod,
                 IS_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_DOCS: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_MOD_DERIVATIVE: tl.constexpr,
@@ -198,15 +228,15 @@ def tile_scores(qk, b, h, offs_m, offs_n, Lq, Lk, offset, scale, softcap, slope,
     if IS_CAUSAL:
         visible = visible & (kv_idx <= q_idx + offset)
     if HAS_KEY_PADDING:
-        keep = tl.load(key_keep_base + offs_n, mask=offs_n < Lk, other=0)
+        keep = tl.load(KeyKeep + b.to(tl.int64) * Lk + offs_n, mask=offs_n < Lk, other=0)
         visible = visible & (keep[None, :] != 0)
     if HAS_LEFT:
         visible = visible & (kv_idx - (q_idx + offset) >= -window_left)
     if HAS_RIGHT:
         visible = visible & (kv_idx - (q_idx + offset) <= window_right)
     if HAS_DOCS:
-        q_ids = tl.load(q_ids_base + offs_m, mask=offs_m < Lq, other=-1)
-        k_ids = tl.load(k_ids_base + offs_n, mask=offs_n < Lk, other=-2)
+        q_ids = tl.load(QIds + b.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=-1)
+        k_ids = tl.load(KIds + b.to(tl.int64) * Lk + offs_n, mask=offs_n < Lk, other=-2)
         visible = visible & (q_ids[:, None] == k_ids[None, :])
     if MASK_MOD is not None:
         if check_mask_mod:  # a tile the block mask found full skips the elementwise mask
@@ -222,7 +252,7 @@ def tile_scores(qk, b, h, offs_m, offs_n, Lq, Lk, offset, scale, softcap, slope,
 @triton.jit
 def forward_tile(acc, m_i, l_i, q, K_head, V_head, start_n, offs_m, offs_d, b, h, Lq, Lk, D, offset, scale,
                  softcap, slope, bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                 key_keep_base, q_ids_base, k_ids_base, check_mask_mod,
+                 KeyKeep, QIds, KIds, check_mask_mod,
                  IS_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  HAS_DOCS: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
@@ -235,7 +265,7 @@ def forward_tile(acc, m_i, l_i, q, K_head, V_head, start_n, offs_m, offs_d, b, h
     qk = dot(q, tl.trans(k), FLOAT32_DOT)  # (BLOCK_M, BLOCK_N), float32
     scores, _ = tile_scores(qk, b, h, offs_m, offs_n, Lq, Lk, offset, scale, softcap, slope,
                             bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                            key_keep_base, q_ids_base, k_ids_base, check_mask_mod,
+                            KeyKeep, QIds, KIds, check_mask_mod,
                             IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT,
                             HAS_DOCS, SCORE_MOD, None, MASK_MOD, False)
     m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -251,7 +281,7 @@ def forward_tile(acc, m_i, l_i, q, K_head, V_head, start_n, offs_m, offs_d, b, h
 
 
 # region: attention_forward
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGUMENTS)
 def attention_forward(
     Q, K, V, Out, Lse,  # (B, H, Lq, D), (B, Hk, Lk, D) twice, (B, H, Lq, D), (B, H, Lq) float32; contiguous
     H, Hk, Lq, Lk, D,  # sizes
@@ -260,7 +290,7 @@ def attention_forward(
     softcap, Slopes,  # the softcap; ALiBi slopes (B, H) float32
     Bias, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,  # bias; stride 0 on a broadcast dimension
     window_left, window_right,  # sliding window, each side used only with its HAS_ flag
-    QIds, KIds, QBlockMin, QBlockMax, KBlockMin, KBlockMax,  # document ids (B, Lq), (B, Lk), per block min / max
+    QIds, KIds, DocKeyBlocks, DocQueryBlocks,  # document ids (B, Lq), (B, Lk); block ranges (document_block_range)
     Sinks,  # (H,) float32: a logit per head in every row's denominator
     KvCount, KvIndices, KvFull, mask_stride_b, mask_stride_h,  # block mask: per query block, the key blocks to visit
     Visits,  # (B * H, number of query blocks) int32: key blocks visited, when COUNT_VISITS
@@ -299,53 +329,27 @@ def attention_forward(
     bias_base = Bias
     if HAS_BIAS:
         bias_base = Bias + b.to(tl.int64) * stride_bias_b + h.to(tl.int64) * stride_bias_h
-    key_keep_base = KeyKeep
-    if HAS_KEY_PADDING:
-        key_keep_base = KeyKeep + b.to(tl.int64) * Lk
-    q_ids_base = QIds
-    k_ids_base = KIds
-    if HAS_DOCS:
-        q_ids_base = QIds + b.to(tl.int64) * Lq
-        k_ids_base = KIds + b.to(tl.int64) * Lk
 
     lo, hi = key_block_range(start_m, Lq, Lk, offset, window_left, window_right, IS_CAUSAL, HAS_LEFT, HAS_RIGHT,
                              BLOCK_M, BLOCK_N)
-    visits = pid_m * 0  # (a runtime int: a loop may add to it)
+    lo, hi = document_block_range(lo, hi, DocKeyBlocks, b, pid_m, num_q_blocks, HAS_DOCS)
+    list_row = (b * mask_stride_b + h * mask_stride_h) * num_q_blocks + pid_m  # its block mask list, if any
+    count = hi - lo
     if MASK_MOD is not None:
-        # the block mask's list for this query block: key blocks with a visible element, each marked full or not
-        list_row = (b * mask_stride_b + h * mask_stride_h) * num_q_blocks + pid_m
         count = tl.load(KvCount + list_row)
-        for t in range(0, count):
-            n_block = tl.load(KvIndices + list_row.to(tl.int64) * num_k_blocks + t)
-            full = tl.load(KvFull + list_row.to(tl.int64) * num_k_blocks + t)
-            wanted = (n_block >= lo) & (n_block < hi)
-            if HAS_DOCS:
-                wanted = wanted & documents_may_meet(QBlockMin, QBlockMax, KBlockMin, KBlockMax, b, pid_m, n_block,
-                                                     num_q_blocks, num_k_blocks)
-            if wanted:
-                acc, m_i, l_i = forward_tile(
-                    acc, m_i, l_i, q, K_head, V_head, n_block * BLOCK_N, offs_m, offs_d, b, h, Lq, Lk, D, offset,
-                    scale, softcap, slope, bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                    key_keep_base, q_ids_base, k_ids_base, full == 0,
-                    IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT, HAS_DOCS,
-                    SCORE_MOD, MASK_MOD, BLOCK_N, FLOAT32_DOT)
-                if COUNT_VISITS:
-                    visits += 1
-    else:
-        for n_block in range(lo, hi):
-            wanted = True
-            if HAS_DOCS:
-                wanted = documents_may_meet(QBlockMin, QBlockMax, KBlockMin, KBlockMax, b, pid_m, n_block,
-                                            num_q_blocks, num_k_blocks)
-            if wanted:
-                acc, m_i, l_i = forward_tile(
-                    acc, m_i, l_i, q, K_head, V_head, n_block * BLOCK_N, offs_m, offs_d, b, h, Lq, Lk, D, offset,
-                    scale, softcap, slope, bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                    key_keep_base, q_ids_base, k_ids_base, False,
-                    IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT, HAS_DOCS,
-                    SCORE_MOD, MASK_MOD, BLOCK_N, FLOAT32_DOT)
-                if COUNT_VISITS:
-                    visits += 1
+    visits = pid_m * 0  # (a runtime int: a loop may add to it)
+    for t in range(0, count):
+        n_block, check_mask_mod, wanted = block_to_visit(t, lo, hi, list_row, KvIndices, KvFull, num_k_blocks,
+                                                         MASK_MOD)
+        if wanted:
+            acc, m_i, l_i = forward_tile(
+                acc, m_i, l_i, q, K_head, V_head, n_block * BLOCK_N, offs_m, offs_d, b, h, Lq, Lk, D, offset,
+                scale, softcap, slope, bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
+                KeyKeep, QIds, KIds, check_mask_mod,
+                IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT, HAS_DOCS,
+                SCORE_MOD, MASK_MOD, BLOCK_N, FLOAT32_DOT)
+            if COUNT_VISITS:
+                visits += 1
 
     # a row that saw no key (and no sink) has l = 0: output 0 and LSE -inf, never 0 / 0 (a NaN l, from a NaN score
     # the row sees, stays NaN in both)
@@ -362,7 +366,7 @@ def attention_forward(
 
 # ------------------------------------------------------------------------------------------------ the backward
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGUMENTS)
 def backward_preprocess(
     Out, DOut, Lse, Delta,  # (B, H, Lq, D) twice, (B, H, Lq) float32 twice
     Sinks, SinkPartials,  # (H,) float32; (B * H, number of query blocks) float32
@@ -394,7 +398,7 @@ def backward_preprocess(
 @triton.jit
 def backward_tile(q, k, v, dout, lse, delta, offs_m, offs_n, b, h, Lq, Lk, offset, scale, softcap, slope,
                   bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                  key_keep_base, q_ids_base, k_ids_base, check_mask_mod,
+                  KeyKeep, QIds, KIds, check_mask_mod,
                   IS_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                   HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_DOCS: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_MOD_DERIVATIVE: tl.constexpr,
@@ -405,7 +409,7 @@ def backward_tile(q, k, v, dout, lse, delta, offs_m, offs_n, b, h, Lq, Lk, offse
     qk = dot(q, tl.trans(k), FLOAT32_DOT)
     scores, chain = tile_scores(qk, b, h, offs_m, offs_n, Lq, Lk, offset, scale, softcap, slope,
                                 bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                                key_keep_base, q_ids_base, k_ids_base, check_mask_mod,
+                                KeyKeep, QIds, KIds, check_mask_mod,
                                 IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT,
                                 HAS_DOCS, SCORE_MOD, SCORE_MOD_DERIVATIVE, MASK_MOD, True)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
@@ -418,7 +422,7 @@ def backward_tile(q, k, v, dout, lse, delta, offs_m, offs_n, b, h, Lq, Lk, offse
 
 
 # region: backward_dk_dv
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGUMENTS)
 def backward_dk_dv(
     Q, K, V, DOut, Lse, Delta, DK, DV,  # (B, H, Lq, D), (B, Hk, Lk, D) twice, (B, H, Lq, D), (B, H, Lq) twice, like K
     H, Hk, Lq, Lk, D, scale, offset,
@@ -426,7 +430,7 @@ def backward_dk_dv(
     Bias, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     DBias, stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n,  # float32 gradient, the bias's shape
     window_left, window_right,
-    QIds, KIds, QBlockMin, QBlockMax, KBlockMin, KBlockMax,
+    QIds, KIds, DocKeyBlocks, DocQueryBlocks,
     QCount, QIndices, QFull, mask_stride_b, mask_stride_h,  # block mask: per key block, the query blocks to visit
     num_q_blocks, num_k_blocks,
     IS_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -455,16 +459,9 @@ def backward_dk_dv(
     v = tl.load(V + kv_at, mask=key_ok, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    key_keep_base = KeyKeep
-    if HAS_KEY_PADDING:
-        key_keep_base = KeyKeep + b.to(tl.int64) * Lk
-    q_ids_base = QIds
-    k_ids_base = KIds
-    if HAS_DOCS:
-        q_ids_base = QIds + b.to(tl.int64) * Lq
-        k_ids_base = KIds + b.to(tl.int64) * Lk
     lo, hi = query_block_range(start_n, Lq, Lk, offset, window_left, window_right, IS_CAUSAL, HAS_LEFT, HAS_RIGHT,
                                BLOCK_M, BLOCK_N)
+    lo, hi = document_block_range(lo, hi, DocQueryBlocks, b, pid_n, num_k_blocks, HAS_DOCS)
 
     for g in range(0, group):
         h = kv_head * group + g
@@ -480,23 +477,13 @@ def backward_dk_dv(
         dbias_row = tl.zeros([BLOCK_N], dtype=tl.float32)
         Q_head = Q + bh.to(tl.int64) * Lq * D
         DOut_head = DOut + bh.to(tl.int64) * Lq * D
+        list_row = (b * mask_stride_b + h * mask_stride_h) * num_k_blocks + pid_n
+        count = hi - lo
         if MASK_MOD is not None:
-            list_row = (b * mask_stride_b + h * mask_stride_h) * num_k_blocks + pid_n
             count = tl.load(QCount + list_row)
-        else:
-            count = hi - lo
         for t in range(0, count):
-            if MASK_MOD is not None:
-                m_block = tl.load(QIndices + list_row.to(tl.int64) * num_q_blocks + t)
-                check_mask_mod = tl.load(QFull + list_row.to(tl.int64) * num_q_blocks + t) == 0
-                wanted = (m_block >= lo) & (m_block < hi)
-            else:
-                m_block = lo + t
-                check_mask_mod = False
-                wanted = True
-            if HAS_DOCS:
-                wanted = wanted & documents_may_meet(QBlockMin, QBlockMax, KBlockMin, KBlockMax, b, m_block, pid_n,
-                                                     num_q_blocks, num_k_blocks)
+            m_block, check_mask_mod, wanted = block_to_visit(t, lo, hi, list_row, QIndices, QFull, num_q_blocks,
+                                                             MASK_MOD)
             if wanted:
                 offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = (offs_m[:, None] < Lq) & (offs_d[None, :] < D)
@@ -507,7 +494,7 @@ def backward_dk_dv(
                 p, dz, ds = backward_tile(
                     q, k, v, dout, lse, delta, offs_m, offs_n, b, h, Lq, Lk, offset, scale, softcap, slope,
                     bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                    key_keep_base, q_ids_base, k_ids_base, check_mask_mod,
+                    KeyKeep, QIds, KIds, check_mask_mod,
                     IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT, HAS_DOCS,
                     SCORE_MOD, SCORE_MOD_DERIVATIVE, MASK_MOD, FLOAT32_DOT)
                 dv += dot(tl.trans(cast(p, dout.dtype)), dout, FLOAT32_DOT)
@@ -536,14 +523,14 @@ def backward_dk_dv(
 
 
 # region: backward_dq
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGUMENTS)
 def backward_dq(
     Q, K, V, DOut, Lse, Delta, DQ,
     H, Hk, Lq, Lk, D, scale, offset,
     KeyKeep, softcap, Slopes,
     Bias, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     window_left, window_right,
-    QIds, KIds, QBlockMin, QBlockMax, KBlockMin, KBlockMax,
+    QIds, KIds, DocKeyBlocks, DocQueryBlocks,
     KvCount, KvIndices, KvFull, mask_stride_b, mask_stride_h,
     num_q_blocks, num_k_blocks,
     IS_CAUSAL: tl.constexpr, HAS_KEY_PADDING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -578,33 +565,16 @@ def backward_dq(
     bias_base = Bias
     if HAS_BIAS:
         bias_base = Bias + b.to(tl.int64) * stride_bias_b + h.to(tl.int64) * stride_bias_h
-    key_keep_base = KeyKeep
-    if HAS_KEY_PADDING:
-        key_keep_base = KeyKeep + b.to(tl.int64) * Lk
-    q_ids_base = QIds
-    k_ids_base = KIds
-    if HAS_DOCS:
-        q_ids_base = QIds + b.to(tl.int64) * Lq
-        k_ids_base = KIds + b.to(tl.int64) * Lk
     lo, hi = key_block_range(start_m, Lq, Lk, offset, window_left, window_right, IS_CAUSAL, HAS_LEFT, HAS_RIGHT,
                              BLOCK_M, BLOCK_N)
+    lo, hi = document_block_range(lo, hi, DocKeyBlocks, b, pid_m, num_q_blocks, HAS_DOCS)
+    list_row = (b * mask_stride_b + h * mask_stride_h) * num_q_blocks + pid_m
+    count = hi - lo
     if MASK_MOD is not None:
-        list_row = (b * mask_stride_b + h * mask_stride_h) * num_q_blocks + pid_m
         count = tl.load(KvCount + list_row)
-    else:
-        count = hi - lo
     for t in range(0, count):
-        if MASK_MOD is not None:
-            n_block = tl.load(KvIndices + list_row.to(tl.int64) * num_k_blocks + t)
-            check_mask_mod = tl.load(KvFull + list_row.to(tl.int64) * num_k_blocks + t) == 0
-            wanted = (n_block >= lo) & (n_block < hi)
-        else:
-            n_block = lo + t
-            check_mask_mod = False
-            wanted = True
-        if HAS_DOCS:
-            wanted = wanted & documents_may_meet(QBlockMin, QBlockMax, KBlockMin, KBlockMax, b, pid_m, n_block,
-                                                 num_q_blocks, num_k_blocks)
+        n_block, check_mask_mod, wanted = block_to_visit(t, lo, hi, list_row, KvIndices, KvFull, num_k_blocks,
+                                                         MASK_MOD)
         if wanted:
             offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
             key_ok = (offs_n[:, None] < Lk) & (offs_d[None, :] < D)
@@ -613,7 +583,7 @@ def backward_dq(
             p, dz, ds = backward_tile(
                 q, k, v, dout, lse, delta, offs_m, offs_n, b, h, Lq, Lk, offset, scale, softcap, slope,
                 bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                key_keep_base, q_ids_base, k_ids_base, check_mask_mod,
+                KeyKeep, QIds, KIds, check_mask_mod,
                 IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT, HAS_DOCS,
                 SCORE_MOD, SCORE_MOD_DERIVATIVE, MASK_MOD, FLOAT32_DOT)
             dq += dot(cast(ds, k.dtype), k, FLOAT32_DOT)

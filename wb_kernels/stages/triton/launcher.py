@@ -30,6 +30,7 @@ from ...variants import NO_VARIANTS, Variants
 
 __all__ = ["forward", "gradients", "block_mask", "BlockMask", "visited_key_blocks", "stage_forward",
            "stage_gradients", "launch_config", "interpreting", "use_compiled_kernels", "kernel_arguments",
+           "document_block_ranges",
            "load_kernels", "simulator_seconds", "DTYPES"]
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -264,7 +265,30 @@ def _block_id_ranges(ids, block: int):
     big = torch.iinfo(torch.int64).max
     low = torch.cat([ids, ids.new_full((B, pad), big)], 1).view(B, -1, block).amin(-1)
     high = torch.cat([ids, ids.new_full((B, pad), -big)], 1).view(B, -1, block).amax(-1)
-    return low.contiguous(), high.contiguous()
+    return low, high
+
+
+def document_block_ranges(q_ids, k_ids, block_m: int, block_n: int) -> tuple:
+    """For each (batch entry, query block) the key blocks [first, last + 1) that can share a document id with it,
+    and for each (batch entry, key block) the query blocks: (B, query blocks, 2) and (B, key blocks, 2) int32, what
+    the kernels' ``document_block_range`` reads. Two blocks can share an id when their [smallest, largest] id
+    ranges overlap; for sorted ids (packed sequences) those blocks are contiguous and the range is exact. A block
+    that meets none gets an empty range. O(B · query blocks · key blocks) booleans on the device."""
+    import torch
+
+    q_low, q_high = _block_id_ranges(q_ids, block_m)
+    k_low, k_high = _block_id_ranges(k_ids, block_n)
+    meet = (q_low[:, :, None] <= k_high[:, None, :]) & (k_low[:, None, :] <= q_high[:, :, None])  # (B, nq, nk)
+
+    def span(meets):  # (B, rows, blocks) -> (B, rows, 2): first meeting block, one past the last; [0, 0) if none
+        blocks = meets.shape[-1]
+        index = torch.arange(blocks, device=meets.device, dtype=torch.int32)
+        first = torch.where(meets, index, blocks).amin(-1)
+        last = torch.where(meets, index, -1).amax(-1)
+        found = last >= 0
+        return torch.stack([torch.where(found, first, 0), torch.where(found, last + 1, 0)], -1).to(torch.int32)
+
+    return span(meet).contiguous(), span(meet.transpose(1, 2)).contiguous()
 
 
 def kernel_arguments(q, k, v, causal, key_padding_mask, scale, variants: Variants, score_mod, mask_mod, mask, cfg):
@@ -303,12 +327,11 @@ def kernel_arguments(q, k, v, causal, key_padding_mask, scale, variants: Variant
     left, right = variants.window if variants.window is not None else (None, None)
     args.update(window_left=int(left or 0), window_right=int(right or 0), HAS_LEFT=left is not None,
                 HAS_RIGHT=right is not None)
-    docs = dict(QIds=None, KIds=None, QBlockMin=None, QBlockMax=None, KBlockMin=None, KBlockMax=None)
+    docs = dict(QIds=None, KIds=None, DocKeyBlocks=None, DocQueryBlocks=None)
     if variants.document_ids is not None:
         q_ids, k_ids = (_as_torch(ids, device).to(torch.int64).contiguous() for ids in variants.document_ids)
-        q_min, q_max = _block_id_ranges(q_ids, block_m)
-        k_min, k_max = _block_id_ranges(k_ids, block_n)
-        docs = dict(QIds=q_ids, KIds=k_ids, QBlockMin=q_min, QBlockMax=q_max, KBlockMin=k_min, KBlockMax=k_max)
+        key_blocks, query_blocks = document_block_ranges(q_ids, k_ids, block_m, block_n)
+        docs = dict(QIds=q_ids, KIds=k_ids, DocKeyBlocks=key_blocks, DocQueryBlocks=query_blocks)
     args.update(docs, HAS_DOCS=variants.document_ids is not None)
     sinks = variants.sinks
     if sinks is not None:
@@ -334,7 +357,7 @@ def _check_inputs(q, k, v):
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name}: expected q's dtype {dtype}, got {_dtype_name(x)}")
-    if not interpreting() and not q.is_cuda:
+    if not interpreting() and not q.is_cuda and not q.is_meta:  # (meta: compiled without a launch, figures.py)
         raise ValueError("the triton stage compiles for the GPU here: pass CUDA tensors (CPU tensors run on Triton's "
                          "interpreter, chosen when there is no GPU or WB_BACKEND=simulator)")
 
@@ -409,7 +432,7 @@ def _check_lse_range(lse) -> None:
     """Refuse an LSE whose finite part reaches :data:`LSE_LIMIT` in magnitude (one number read back: a host sync)."""
     import torch
 
-    if not lse.numel():
+    if not lse.numel() or lse.is_meta:  # (meta: no values, compiled without a launch)
         return
     largest = float(torch.where(torch.isfinite(lse), lse.abs(), torch.zeros_like(lse)).amax())
     if largest >= LSE_LIMIT:
