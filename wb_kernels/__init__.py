@@ -13,7 +13,7 @@ by anything else in the package; see :mod:`wb_kernels.backend`.
 
 from .backend import BACKEND, banner, device_name  # noqa: I001  (must come first: sets NUMBA_ENABLE_CUDASIM)
 from . import api
-from .api import (attention, attention_backward, available_backwards, available_stages, decode, decode_problems,
+from .api import (attention, attention_backward, attention_varlen, available_backwards, available_stages, decode, decode_problems,
                   get_backward, get_stage, validate)
 from .check import CheckFailed, CheckResult, GradientCheckResult, check, check_gradients
 from .inputs import random_padding_mask, random_qkv
@@ -23,8 +23,8 @@ from .timing import peak_memory, time_call
 from .validation import seqlen_bucket
 
 __all__ = [
-    "BACKEND", "banner", "device_name", "attention", "attention_backward", "decode", "decode_problems",
-    "seqlen_bucket", "validate", "check",
+    "BACKEND", "banner", "device_name", "attention", "attention_varlen", "attention_backward", "decode",
+    "decode_problems", "seqlen_bucket", "validate", "check",
     "check_gradients", "CheckFailed", "CheckResult", "GradientCheckResult", "random_qkv", "random_padding_mask",
     "reference", "attention_mask", "safe_softmax", "available_stages", "get_stage", "available_backwards",
     "get_backward", "peak_memory", "time_call", "reference_gradients", "VARIANT_NAMES", "document_ids_from_cu_seqlens",

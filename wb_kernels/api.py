@@ -1,7 +1,8 @@
 """The front door: every public entry point (all lessons, tests, the benchmark and the models).
 
 - ``attention(q, k, v, stage=..., causal=...)`` and its gradients: through torch autograd, or ``attention_backward``
-  for NumPy users (lesson 08_backward);
+  for NumPy users (lesson 08_backward); ``attention_varlen``, the same over packed sequences in flash-attn's
+  varlen layout;
 - ``decode(q, k_cache, v_cache, cache_seqlens, ...)``: one new query per sequence against a KV cache, as serving
   engines call it (lesson 07), and ``decode_problems``;
 - ``validate`` and the stage registry's lookups (``available_stages``, ``get_stage``, ``available_backwards``,
@@ -22,15 +23,19 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 from . import stages as _stages  # the registry, read through its module: a test that swaps it swaps it here too
 from .arguments import (Inputs, canonical_causal, canonical_scale, kind_of, require_array, validate_gradient,
                         validate_inputs)
+from .device import is_torch
 from .execution import attention_eager, decode_eager, propagate_non_finite, run_backward, run_forward
 from .stages import available_backwards, available_stages, get_backward, get_stage  # (the public names)
 from .validation import SIMULATOR_MAX_SECONDS, validate, validate_call
+from .variants import document_ids_from_cu_seqlens
 
 # the last five were public here before the front door was layered (they live in arguments, execution and validation)
-__all__ = ["attention", "attention_backward", "decode", "decode_problems", "validate", "available_stages",
+__all__ = ["attention", "attention_varlen", "attention_backward", "decode", "decode_problems", "validate", "available_stages",
            "get_stage", "available_backwards", "get_backward", "torch_operators", "validate_inputs", "require_array",
            "Inputs", "propagate_non_finite", "SIMULATOR_MAX_SECONDS"]
 
@@ -157,6 +162,64 @@ def attention(q, k, v, *, stage: str = "reference", causal=False, key_padding_ma
     if return_lse:
         return out, lse
     return out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, stage: str = "reference", causal=False,
+                     scale: float | None = None, return_lse: bool = False, check_finite: bool = True, softcap=None,
+                     alibi_slopes=None, bias=None, window=None, sinks=None):
+    """Attention over packed sequences in flash-attn's varlen layout: ``q`` (total_q, H, D) holds the queries of
+    every sequence one after another, ``k`` and ``v`` (total_k, Hk, D) their keys and values, and ``cu_seqlens_q``
+    (``cu_seqlens_k``, by default the same) the offsets [0, L_0, L_0 + L_1, ..., total] where each sequence
+    starts. A query attends only keys of its own sequence. Returns the output (total_q, H, D) and, with
+    ``return_lse``, the LSE (H, total_q), flash-attn's varlen LSE layout.
+
+    It is :func:`attention` on one batch entry with the sequences as packed documents (``document_ids`` from the
+    offsets, :func:`wb_kernels.variants.document_ids_from_cu_seqlens`), so it runs on every stage that computes
+    document ids (``wb.get_stage(name).variants``), with gradients through autograd, and the other options mean
+    what they mean there, counted along the packed positions. ``causal`` needs the same offsets for q and k (each
+    query then sees its own sequence's keys up to itself): with different query and key lengths per sequence the
+    diagonal's offset differs from one sequence to the next, which one call's alignment cannot say, so it is
+    refused. No key is padding here: there is no ``key_padding_mask``. The triton stage skips every tile between two
+    sequences, so the work is about that of the sequences alone, not of their packed length squared.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or len(x.shape) != 3:
+            raise ValueError(f"attention_varlen: {name} must be ({'total_q' if name == 'q' else 'total_k'}, heads, "
+                             f"D), the packed layout; got shape {tuple(getattr(x, 'shape', ()))} (for batched "
+                             f"(B, H, L, D) inputs use wb.attention)")
+    same_offsets = cu_seqlens_k is None
+    cu_seqlens_k = cu_seqlens_q if same_offsets else cu_seqlens_k
+    offsets = {}
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        values = np.asarray(cu.detach().cpu() if is_torch(cu) else cu)
+        if values.ndim != 1 or values.size < 2 or values.dtype.kind not in "iu":
+            raise ValueError(f"attention_varlen: {name} must be a 1-D integer array of at least two offsets [0, ..., "
+                             f"total], got {values.dtype} of shape {values.shape}")
+        if values[0] != 0 or np.any(np.diff(values) < 0) or values[-1] != total:
+            raise ValueError(f"attention_varlen: {name} must start at 0, never decrease and end at the packed length "
+                             f"{total}; got {values.tolist()[:8]}{' ...' if values.size > 8 else ''}")
+        offsets[name] = values
+    if offsets["cu_seqlens_q"].size != offsets["cu_seqlens_k"].size:
+        raise ValueError(f"attention_varlen: cu_seqlens_q holds {offsets['cu_seqlens_q'].size - 1} sequences, "
+                         f"cu_seqlens_k {offsets['cu_seqlens_k'].size - 1}: one entry per sequence in both")
+    if canonical_causal(causal) and not np.array_equal(offsets["cu_seqlens_q"], offsets["cu_seqlens_k"]):
+        raise ValueError("attention_varlen: causal=True needs cu_seqlens_k equal to cu_seqlens_q; with different query "
+                         "and key lengths per sequence each sequence's diagonal has its own offset, which one call "
+                         "cannot carry (call wb.attention per sequence with causal='bottom_right')")
+    torch = sys.modules.get("torch") if is_torch(q) else None
+    if torch is not None:
+        batched = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # (1, heads, total, D): views
+        ids = tuple(document_ids_from_cu_seqlens(torch.as_tensor(offsets[name], device=q.device), total)[None]
+                    for name, total in (("cu_seqlens_q", q.shape[0]), ("cu_seqlens_k", k.shape[0])))
+    else:
+        batched = [np.transpose(x, (1, 0, 2))[None] for x in (q, k, v)]
+        ids = tuple(document_ids_from_cu_seqlens(offsets[name], total)[None]
+                    for name, total in (("cu_seqlens_q", q.shape[0]), ("cu_seqlens_k", k.shape[0])))
+    out, lse = attention(*batched, stage=stage, causal=causal, scale=scale, return_lse=True,
+                         check_finite=check_finite, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
+                         window=window, document_ids=ids, sinks=sinks)
+    out = out[0].transpose(0, 1) if torch is not None else np.transpose(out[0], (1, 0, 2))
+    return (out, lse[0]) if return_lse else out
 
 
 def _needs_op(torch, q, k, v, bias=None, sinks=None) -> bool:

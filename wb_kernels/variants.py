@@ -32,7 +32,7 @@ through ``wb.attention``; ``alibi_slopes``, ``window``, ``softcap`` and ``docume
 Packed documents: ``document_ids`` holds one integer per position, ``(B, L)`` for q and k alike when Lq = Lk, or a
 pair ``(q_ids (B, Lq), k_ids (B, Lk))``; query i sees key j only when their ids are equal. flash-attn's varlen layout
 (``cu_seqlens``: the offsets where each sequence starts, all packed into one) becomes ids with
-:func:`document_ids_from_cu_seqlens`.
+:func:`document_ids_from_cu_seqlens`; ``wb.attention_varlen`` takes that layout itself.
 
 This module is the floor beside :mod:`wb_kernels.arguments`: it imports nothing of the package but that and
 :mod:`wb_kernels.device`. Each error names the argument, the value it got and what is accepted.
