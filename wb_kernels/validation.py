@@ -78,12 +78,19 @@ def validate(q, k, v, *, stage: str = "reference", causal=False, key_padding_mas
     own: where it runs (a GPU-only stage says so before anything else: the right dtype would not help on
     the CPU), its dtypes and head dims, and the memory and simulator time the sizes need.
     """
+    return _validated(q, k, v, stage, causal, key_padding_mask, scale, lambda: variants)[0]
+
+
+def _validated(q, k, v, stage, causal, key_padding_mask, scale, variants_of) -> tuple:
+    """:func:`validate`'s checks, with the variants made by ``variants_of()`` once q, k and v passed theirs (a
+    variant's shape is checked against theirs): ``(stage, variants)``."""
     if not isinstance(stage, str):
         raise TypeError(f"stage: expected a stage name (str), one of {', '.join(_stages.available_stages())}; "
                         f"got {stage!r} of type {type(stage).__name__}")
     spec = _stages.get_stage(stage)  # ValueError naming the stages there are
     inputs = validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     B, H, Lq, Lk, D, device = inputs.B, inputs.H, inputs.Lq, inputs.Lk, inputs.D, inputs.device
+    variants = variants_of()
 
     missing = [name for name in variants.used() if name not in spec.variants]
     if missing:
@@ -113,7 +120,7 @@ def validate(q, k, v, *, stage: str = "reference", causal=False, key_padding_mas
                 f"is free. The flash stages keep memory O(L): try stage={'/'.join(flash) or 'flash'}.")
     if BACKEND.is_simulator and spec.simulator_seconds is not None:
         check_simulator_time(stage, spec.simulator_seconds(B, H, Lq, Lk, D), f"B={B} H={H} Lq={Lq} Lk={Lk} D={D}")
-    return spec
+    return spec, variants
 
 
 @dataclass(frozen=True)
@@ -153,11 +160,8 @@ def validate_call(q, k, v, *, stage: str = "reference", causal=False, key_paddin
         key = None
     call = _VALIDATED_CALLS.get(key)
     if call is None:
-        if used:
-            validate_inputs(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)  # q, k first
-        canonical = canonical_variants(q, k, **variants) if used else NO_VARIANTS
-        spec = validate(q, k, v, stage=stage, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                        variants=canonical)
+        spec, canonical = _validated(q, k, v, stage, causal, key_padding_mask, scale,
+                                     lambda: canonical_variants(q, k, **variants) if used else NO_VARIANTS)
         call = _VALIDATED_CALLS.remember(key, AttentionCall(spec, canonical_causal(causal), canonical_scale(scale),
                                                             canonical))
     return call
