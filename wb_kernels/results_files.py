@@ -24,7 +24,7 @@ from .backend import BACKEND
 
 __all__ = ["REPO_ROOT", "round_significant", "nvidia_smi", "package_version", "environment", "git_commit",
            "load_results", "save_results", "newest_matching", "newest_results", "committed_results",
-           "committed_decode_results", "gpu_short_name", "shown_path", "recorded_arguments"]
+           "committed_decode_results", "gpu_short_name", "gpu_results_path", "shown_path", "recorded_arguments"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # wb_kernels/results_files.py -> the repository
 
@@ -172,6 +172,13 @@ def gpu_short_name() -> str:
 
     name = torch.cuda.get_device_name(0)
     return next((g for g in ("H100", "H200", "A100", "B200") if g in name), "gpu").lower()
+
+
+def gpu_results_path(folder: str, stem: str, *, on_cuda: bool, smoke_name: str) -> Path:
+    """Where a benchmark writes by default: ``results/<folder>/<stem>_<gpu>.json`` on a GPU (h100, h200, ...:
+    :func:`gpu_short_name`), ``results/<folder>/<smoke_name>`` on the simulator or a CPU."""
+    folder_path = REPO_ROOT / "results" / folder
+    return folder_path / (f"{stem}_{gpu_short_name()}.json" if on_cuda else smoke_name)
 
 
 def shown_path(path, root: Path) -> str:

@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..attention_costs import ITEMSIZE, attention_flops
-from ..results_files import REPO_ROOT, load_results, round_significant
+from ..results_files import REPO_ROOT, gpu_results_path, load_results, round_significant
 from ..timing import free_device_memory
 from ..tuning import sdpa_call
-from .failures import error_line, is_out_of_memory
+from .failures import error_line, is_refusal
 from .measure import (TimingPolicy, causal_mask_mod, finish_results, flex_problem, open_results, stamp_timing,
                       store_record, tensor_device, time_checked)
 from .results import add_speedups, new_results, timing_method
@@ -457,9 +457,7 @@ def measure_one(contender: BackwardContender, workload: BackwardWorkload, mode: 
             call = contender.prepare(q, k, v, dout, workload, mode)
             grads, memory = peak_memory(call)
     except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
-        text = str(error).lower()
-        refused = is_out_of_memory(error) or "no available kernel" in text or "no viable backend" in text
-        record.update(status="skipped" if refused else "failed", reason=error_line(error))
+        record.update(status="skipped" if is_refusal(error) else "failed", reason=error_line(error))
         free_device_memory()
         return record
     record.update(peak_bytes=int(memory.peak_bytes), peak_device=memory.device,
@@ -475,12 +473,7 @@ def measure_one(contender: BackwardContender, workload: BackwardWorkload, mode: 
 
 def default_backward_output(on_cuda: bool) -> Path:
     """results/backward/bench_<gpu>.json (h100, h200, ...), or results/backward/simulator_smoke.json."""
-    folder = REPO_ROOT / "results" / "backward"
-    if not on_cuda:
-        return folder / "simulator_smoke.json"
-    from ..results_files import gpu_short_name
-
-    return folder / f"bench_{gpu_short_name()}.json"
+    return gpu_results_path("backward", "bench", on_cuda=on_cuda, smoke_name="simulator_smoke.json")
 
 
 def _new_backward(presets, command) -> dict:

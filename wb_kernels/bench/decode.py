@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..inputs import paged_copy
-from ..results_files import gpu_short_name, round_significant, save_results
+from ..results_files import gpu_results_path, round_significant, save_results
 from ..timing import DEVICE_TIME, free_device_memory
 from ..tuning import sdpa_call
 from . import flashinfer
-from .failures import error_line, is_out_of_memory
+from .failures import error_line, is_refusal
 from .measure import (TimingPolicy, finish_results, flex_problem, measure_ceilings, open_results, stamp_timing,
                       store_record, tensor_device, time_into, torch_reference, was_slowed)
 from .results import new_results
@@ -507,10 +507,8 @@ def measure_one(contender: DecodeContender, workload: DecodeWorkload, layout: st
             call, as_bhd = contender.prepare(inputs, layout, workload)
             result, memory = peak_memory(call)
     except Exception as error:  # noqa: BLE001 - recorded, the run goes on
-        text = str(error).lower()
         # (flashinfer's CUDA-core decode has kernels for GQA groups up to 8 query heads: MQA's 32 is refused)
-        refused = (is_out_of_memory(error) or "no available kernel" in text or "no viable backend" in text
-                   or "unsupported group_size" in text)
+        refused = is_refusal(error, "unsupported group_size")
         said = _warning_lines(caught)
         # (a library's message may name its cache under the home folder: shown as ~, as the build messages do)
         record.update(status="skipped" if refused else "failed",
@@ -703,12 +701,7 @@ def measure_overhead(seed: int = 0, policy: Optional[TimingPolicy] = None, *, de
 
 def default_decode_output(on_cuda: bool) -> Path:
     """results/decode/bench_<gpu>.json (h100, h200, ...: the name the tuning files use), or simulator_smoke.json."""
-    from .results import REPO_ROOT
-
-    folder = REPO_ROOT / "results" / "decode"
-    if not on_cuda:
-        return folder / "simulator_smoke.json"
-    return folder / f"bench_{gpu_short_name()}.json"
+    return gpu_results_path("decode", "bench", on_cuda=on_cuda, smoke_name="simulator_smoke.json")
 
 
 def run_decode(workloads, out_path, *, presets=("decode",), policy: Optional[TimingPolicy] = None,

@@ -7,7 +7,7 @@ second) uses these; they import nothing of the benchmark, so that none of those 
 
 from __future__ import annotations
 
-__all__ = ["SizeRefused", "error_line", "is_out_of_memory"]
+__all__ = ["SizeRefused", "error_line", "is_out_of_memory", "is_refusal", "REFUSAL_PHRASES"]
 
 
 class SizeRefused(Exception):
@@ -29,3 +29,16 @@ def error_line(error: BaseException) -> str:
 def is_out_of_memory(error: BaseException) -> bool:
     text = str(error).lower()
     return isinstance(error, MemoryError) or "out of memory" in text or "out_of_memory" in text
+
+
+# what libraries say when they have no kernel for a problem (SDPA's backends, FlashInfer): a row skipped, not failed
+REFUSAL_PHRASES = ("no available kernel", "no viable backend")
+
+
+def is_refusal(error: BaseException, *also: str) -> bool:
+    """Whether `error` says the measurement cannot be made here (a size the stage's validation refused, out of
+    memory, a library with no kernel for the problem, or one of the phrases `also`): the row is recorded as
+    skipped, with the reason; any other error makes it failed."""
+    text = str(error).lower()
+    return isinstance(error, SizeRefused) or is_out_of_memory(error) or any(
+        phrase in text for phrase in REFUSAL_PHRASES + also)

@@ -40,7 +40,7 @@ from ..stages import available_stages
 from ..timing import DEVICE_TIME, TimingMethod, free_device_memory
 from ..tuning import sdpa_call
 from . import flashinfer
-from .failures import SizeRefused, error_line, is_out_of_memory
+from .failures import SizeRefused, error_line, is_out_of_memory, is_refusal
 from .results import add_speedups, new_results
 from .sweeps import BASELINES, Config, Refused, record_key
 
@@ -459,12 +459,7 @@ def measure(contender: Contender, config: Config, inputs, ref, policy: TimingPol
             call, as_bhld = contender.prepare(q, k, v, config.causal)
             result, memory = peak_memory(call)
     except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
-        text = str(error).lower()
-        if isinstance(error, SizeRefused) or is_out_of_memory(error) or "no available kernel" in text \
-                or "no viable backend" in text:
-            record.update(status="skipped", reason=error_line(error))
-        else:
-            record.update(status="failed", reason=error_line(error))
+        record.update(status="skipped" if is_refusal(error) else "failed", reason=error_line(error))
         free_device_memory()
         return record
 

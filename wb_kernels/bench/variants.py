@@ -72,10 +72,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..results_files import REPO_ROOT, load_results, recorded_arguments, round_significant
+from ..results_files import REPO_ROOT, gpu_results_path, load_results, recorded_arguments, round_significant
 from ..timing import free_device_memory
 from ..tuning import sdpa_call
-from .failures import SizeRefused, error_line, is_out_of_memory
+from .failures import error_line, is_refusal
 from .measure import (TimingPolicy, finish_results, flex_problem, open_results, stamp_timing, store_record,
                       tensor_device, time_checked)
 from .results import add_speedups, new_results, timing_method
@@ -837,10 +837,7 @@ def measure_one(contender: VariantContender, workload: VariantWorkload, mode: st
             # on a CPU tracemalloc would see none of torch's buffers and slow the interpreter's Python 3-4x
             result, memory = peak_memory(call) if on_cuda else (call(), None)
     except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
-        text = str(error).lower()
-        refused = isinstance(error, SizeRefused) or is_out_of_memory(error) or "no available kernel" in text \
-            or "no viable backend" in text
-        record.update(status="skipped" if refused else "failed", reason=error_line(error))
+        record.update(status="skipped" if is_refusal(error) else "failed", reason=error_line(error))
         free_device_memory()
         return record
     if memory is not None:
@@ -862,12 +859,7 @@ def measure_one(contender: VariantContender, workload: VariantWorkload, mode: st
 
 def default_variants_output(on_cuda: bool) -> Path:
     """results/triton/variants_<gpu>.json (h100, h200, ...), or results/triton/variants_smoke.json."""
-    folder = REPO_ROOT / "results" / "triton"
-    if not on_cuda:
-        return folder / "variants_smoke.json"
-    from ..results_files import gpu_short_name
-
-    return folder / f"variants_{gpu_short_name()}.json"
+    return gpu_results_path("triton", "variants", on_cuda=on_cuda, smoke_name="variants_smoke.json")
 
 
 def _new_variants(presets, command) -> dict:
