@@ -32,6 +32,9 @@ from wb_kernels.reference import reference, reference_gradients  # noqa: E402
 from wb_kernels.stages.triton import STAGE, launcher  # noqa: E402
 from wb_kernels.variants import canonical_variants, document_ids_from_cu_seqlens  # noqa: E402
 
+from triton_mods import (alibi_mod, causal_mask, integer_score_mod, numeric_mask, row_mask,  # noqa: E402
+                        summed_score_mod, unit_derivative)
+
 kernels = launcher.load_kernels()
 DEVICE = "cpu" if launcher.interpreting() else "cuda"  # the interpreter takes CPU tensors, the compiler CUDA ones
 
@@ -268,7 +271,6 @@ def test_nan_in_bias_reaches_only_its_row():
 SOFTCAP = tl.constexpr(2.0)
 WINDOW = tl.constexpr(6)
 DOCUMENT = tl.constexpr(11)
-HEADS = tl.constexpr(2)
 
 
 @triton.jit
@@ -283,24 +285,8 @@ def softcap_derivative(score, b, h, q_idx, kv_idx):
 
 
 @triton.jit
-def alibi_mod(score, b, h, q_idx, kv_idx):
-    slope = tl.exp2(-8.0 * (h + 1).to(tl.float32) / HEADS)
-    return score - slope * tl.abs(kv_idx - q_idx).to(tl.float32)
-
-
-@triton.jit
 def relative_bias_mod(score, b, h, q_idx, kv_idx):
     return score + 0.05 * (h + 1).to(tl.float32) * (q_idx - kv_idx).to(tl.float32)
-
-
-@triton.jit
-def unit_derivative(score, b, h, q_idx, kv_idx):
-    return 1.0
-
-
-@triton.jit
-def causal_mask(b, h, q_idx, kv_idx):
-    return kv_idx <= q_idx
 
 
 @triton.jit
@@ -362,6 +348,20 @@ def test_score_mod_without_derivative_is_refused():
     out, lse = launcher.forward(q, k, v, score_mod=softcap_mod, **BLOCK)
     with pytest.raises(ValueError, match="score_mod_derivative"):
         launcher.gradients(q, k, v, out, lse, dout, score_mod=softcap_mod, **BLOCK)
+
+
+@pytest.mark.parametrize("mods, message", [
+    (dict(score_mod=summed_score_mod), "score_mod must return one score per"),
+    (dict(score_mod=integer_score_mod), "score_mod must return floating-point scores"),
+    (dict(mask_mod=numeric_mask), "mask_mod must return booleans"),
+    (dict(mask_mod=row_mask), "mask_mod must return one boolean per"),
+], ids=["1-D score", "integer score", "numeric mask", "1-D mask"])
+def test_a_mod_of_the_wrong_shape_or_dtype_is_refused(mods, message):
+    """A score_mod or mask_mod whose result would broadcast or convert into a wrong answer is refused when the
+    kernel is compiled (or interpreted), with the kernels' own sentence as a ValueError."""
+    q, k, v, _ = make_problem(B=1, H=2, Lq=20, seed=2)
+    with pytest.raises(ValueError, match=message):
+        launcher.forward(q, k, v, **mods, **BLOCK)
 
 
 def test_mask_depending_on_the_head_and_a_mask_shared_by_batch():

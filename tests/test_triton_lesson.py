@@ -31,6 +31,7 @@ except ImportError:  # the tests that launch a kernel skip; the others run
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSON = ROOT / "notebooks" / "11_triton.ipynb"
+MODS_FILE = str(Path(__file__).with_name("triton_mods.py"))  # mods a compiling process loads by path
 
 if triton is not None:
     BAND = tl.constexpr(9)  # (a global: Triton's interpreter runs a jit function with its module's globals)
@@ -205,10 +206,10 @@ def test_compile_report_without_a_gpu():
 
 def test_every_variant_compiles_for_the_h100_pipelined_without_spills():
     """What a GPU launch of each named variant would compile (the launcher's own arguments, on meta tensors), for
-    sm_90a at D = 128 in float16: every kernel uses wgmma; the forward and dQ kernels pipeline their loads (cp.async)
-    and spill nothing. The interpreter cannot show a kernel that does not compile (a jit function returning None
+    sm_90a at D = 128 in float16: every kernel uses wgmma and pipelines its loads (cp.async); the forward and dQ
+    kernels spill nothing. The interpreter cannot show a kernel that does not compile (a jit function returning None
     does not), nor one that loses its pipelining (a branch around a tile's loads did, for document ids). The
-    dK/dV kernel holds five tiles and sits at the 255-register limit: with most variants it spills a few dozen
+    dK/dV kernel holds five tiles and sits at the 255-register limit: with most variants it spills up to about 200
     bytes, which the H100 run is to weigh (NOTES.md)."""
     _needs_triton()
     from wb_kernels.variants import VARIANT_NAMES
@@ -225,12 +226,34 @@ def test_every_variant_compiles_for_the_h100_pipelined_without_spills():
             assert row["spill_bytes"] == 0
             continue
         assert figures.instruction_count(row, "wgmma") > 0, (kernel, name)
-        if kernel == "backward_dk_dv":
-            assert row["spill_bytes"] < 128, (kernel, name, row["spill_bytes"])
+        assert figures.instruction_count(row, "cp.async") > 0, (kernel, name)
+        if kernel == "backward_dk_dv":  # (a blow-up, not the few dozen registers' worth it spills today)
+            assert row["spill_bytes"] < 256, (kernel, name, row["spill_bytes"])
         else:
-            assert figures.instruction_count(row, "cp.async") > 0, (kernel, name)
             assert row["spill_bytes"] == 0, (kernel, name, row["spill_bytes"])
 
+
+
+def test_mods_compile_pipelined_and_wrong_ones_are_refused_by_the_compiler():
+    """A score_mod with a constant derivative and a mask_mod (tests/triton_mods.py) compile for sm_90a, the block
+    mask's loops pipelined (cp.async: the loops run over the list positions two binary searches find, with no test
+    inside); and the compiler, like the interpreter, refuses a mod of the wrong shape or dtype with the kernels' own
+    sentence (the compiling process fails with that ValueError)."""
+    _needs_triton()
+    base = dict(B=1, H=2, L=256, D=64, dtype="float16", causal=None, targets=["sm_90a"])
+    good = dict(file=MODS_FILE, score_mod="alibi_mod", score_mod_derivative="unit_derivative",
+                mask_mod="causal_mask")
+    rows = figures.compile_report([dict(base, mods=good, **{"pass": p}) for p in ("forward", "backward")],
+                                  timeout=900)
+    names = [row["kernel"] for row in rows]
+    assert names.count("block_mask_tiles") == 2 and {"attention_forward", "backward_dk_dv", "backward_dq"} <= set(names)
+    for row in rows:
+        if row["kernel"] in ("attention_forward", "backward_dk_dv", "backward_dq"):
+            assert figures.instruction_count(row, "cp.async") > 0, row["kernel"]
+    for bad, said in ((dict(score_mod="summed_score_mod"), "score_mod must return one score per"),
+                      (dict(mask_mod="numeric_mask"), "mask_mod must return booleans")):
+        with pytest.raises(RuntimeError, match=f"ValueError: {said}"):
+            figures.compile_report([dict(base, mods=dict(file=MODS_FILE, **bad))], timeout=900)
 
 
 def test_a_new_length_compiles_no_new_kernel():

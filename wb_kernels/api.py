@@ -35,9 +35,9 @@ from .validation import SIMULATOR_MAX_SECONDS, validate, validate_call
 from .variants import document_ids_from_cu_seqlens
 
 # the last five were public here before the front door was layered (they live in arguments, execution and validation)
-__all__ = ["attention", "attention_varlen", "attention_backward", "decode", "decode_problems", "validate", "available_stages",
-           "get_stage", "available_backwards", "get_backward", "torch_operators", "validate_inputs", "require_array",
-           "Inputs", "propagate_non_finite", "SIMULATOR_MAX_SECONDS"]
+__all__ = ["attention", "attention_varlen", "attention_backward", "decode", "decode_problems", "validate",
+           "available_stages", "get_stage", "available_backwards", "get_backward", "torch_operators", "validate_inputs",
+           "require_array", "Inputs", "propagate_non_finite", "SIMULATOR_MAX_SECONDS"]
 
 _ops = None  # wb_kernels.torch_ops, once torch_operators() has defined the operators (it imports torch)
 

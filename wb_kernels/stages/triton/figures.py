@@ -321,21 +321,6 @@ class _LaunchRecorder:
         return _Grid()
 
 
-def _meta_block_mask(mask_mod, B, H, Lq, Lk, block_m, block_n):
-    """A block mask with the shapes and dtypes :func:`launcher.block_mask` builds, on meta tensors (building a real
-    one runs a kernel): enough for the launcher to pass its lists to the kernels being compiled."""
-    import torch
-
-    from .launcher import BlockMask
-
-    nq, nk = -(-Lq // block_m), -(-Lk // block_n)
-    lists = lambda rows, length: (torch.empty((B, H, rows), dtype=torch.int32, device="meta"),  # noqa: E731
-                                  torch.empty((B, H, rows, length), dtype=torch.int32, device="meta"),
-                                  torch.empty((B, H, rows, length), dtype=torch.int8, device="meta"))
-    state = torch.empty((B, H, nq, nk), dtype=torch.int8, device="meta")
-    return BlockMask(mask_mod, (B, H, Lq, Lk), block_m, block_n, state, *lists(nq, nk), *lists(nk, nq))
-
-
 def _compiled_variants(name: str, B: int, H: int, L: int, dtype):
     """The variants of a compile problem, on meta tensors: "plain", one of ``VARIANT_NAMES`` alone, or "every
     named variant" (softcap, ALiBi, a (1, H, L, L) bias, a two-sided window, document ids and sinks at once)."""
@@ -356,10 +341,26 @@ def _compiled_variants(name: str, B: int, H: int, L: int, dtype):
     raise ValueError(f"variants: 'plain', 'every named variant' or one of {list(each)}, not {name!r}")
 
 
+def _compiled_mods(mods) -> dict:
+    """A compile problem's ``score_mod``, ``score_mod_derivative`` and ``mask_mod``: ``mods`` names a Python file and
+    the functions in it ({"file": path, "score_mod": name, ...}; Triton compiles a jit function from its source
+    file, so they come from one). A mask_mod's block mask is built by the launcher as for a call: its tile kernel
+    recorded (and compiled) with the rest, its lists computed on meta tensors."""
+    if not mods:
+        return {}
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compiled_mods", mods["file"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {name: getattr(module, mods[name]) for name in ("score_mod", "score_mod_derivative", "mask_mod")
+            if mods.get(name)}
+
+
 def _recorded_launches(problem: dict, kernels) -> list:
     """The launches (name, kernel, args, kwargs) of one problem: a dict with B, H, L, D, dtype, causal; optional
-    block_m, block_n, num_warps, num_stages (override the launcher's), pass ("forward", the default, or "backward": the backward's kernels)
-    and variants (:func:`_compiled_variants`)."""
+    block_m, block_n, num_warps, num_stages (override the launcher's), pass ("forward", the default, or
+    "backward": the backward's kernels), variants (:func:`_compiled_variants`) and mods (:func:`_compiled_mods`)."""
     import torch
 
     from . import launcher
@@ -371,10 +372,12 @@ def _recorded_launches(problem: dict, kernels) -> list:
     variants = _compiled_variants(problem.get("variants", "plain"), B, H, L, dtype)
     options = dict(causal=problem["causal"], variants=variants,
                    **{name: problem.get(name) for name in ("block_m", "block_n", "num_warps", "num_stages")})
+    options.update(_compiled_mods(problem.get("mods")))
     recorder = _LaunchRecorder(kernels)
     launcher.use_compiled_kernels(recorder)
     try:
         if problem.get("pass", "forward") == "forward":
+            options.pop("score_mod_derivative", None)
             launcher.forward(q, q, q, **options)
         else:
             lse = meta(B, H, L, dtype=torch.float32)
@@ -433,6 +436,7 @@ def compile_here(problems: list) -> list:
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
 
+    from . import launcher
     from .compiled import summarize_ptx
 
     kernels = _compiler_kernels()
@@ -442,7 +446,13 @@ def compile_here(problems: list) -> list:
         for name, fn, signature, constexprs, attrs, launch, values in _specialized_launches(problem, kernels):
             for arch, capability, gpu in targets:
                 source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-                compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=launch)
+                try:
+                    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=launch)
+                except Exception as error:  # noqa: BLE001 - a mod's refusal said as a launch says it
+                    said = launcher.mod_complaint(error)
+                    if said is None:
+                        raise
+                    raise ValueError(said) from error
                 ptx = compiled.asm["ptx"]
                 ptxas = get_ptxas(capability)
                 with tempfile.TemporaryDirectory() as folder:

@@ -79,6 +79,12 @@ if INTERPRETING:
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # (a NaN stays NaN, whatever its payload)
         return x.to(dtype)
+
+    @triton.jit
+    def as_tile(x):
+        """x as the compiler has it. The interpreter runs jit code as Python, where a constexpr times a tensor (a mod's
+        ``CAP * tanh(score / CAP)``) stays a constexpr wrapping the tensor; the compiler gives the tensor."""
+        return x.value if isinstance(x, tl.constexpr) else x
 else:
     from triton.language.extra import libdevice
 
@@ -89,6 +95,10 @@ else:
     @triton.jit
     def cast(x, dtype: tl.constexpr):
         return x.to(dtype)  # rounds to nearest even on a GPU
+
+    @triton.jit
+    def as_tile(x):
+        return x
 
 
 @triton.jit
@@ -169,21 +179,81 @@ def document_block_range(lo, hi, DocBlocks, b, block, num_blocks, HAS_DOCS: tl.c
 # endregion
 
 
-# region: block_to_visit
+# region: loop_range
 @triton.jit
-def block_to_visit(t, lo, hi, list_row, Indices, Full, list_length, MASK_MOD: tl.constexpr):
-    """The t-th block of a program's loop: (block, whether to evaluate mask_mod elementwise, whether to visit it).
-    Without a block mask the loop is [lo, hi) itself; with one, the t-th entry of this program's list (ascending
-    blocks with a visible element, each marked full or not), skipped outside [lo, hi)."""
+def first_listed_at_least(Indices, start, count, value):
+    """The first position t in [0, count) of the ascending list at Indices + start whose block is >= value (count
+    if there is none): a binary search, about log2(count) loads."""
+    first = count * 0
+    last = count
+    while first < last:
+        middle = (first + last) // 2
+        below = tl.load(Indices + start + middle) < value
+        first = tl.where(below, middle + 1, first)
+        last = tl.where(below, last, middle)
+    return first
+
+
+@triton.jit
+def loop_range(lo, hi, Count, Indices, list_row, list_length, MASK_MOD: tl.constexpr):
+    """The positions [t_lo, t_hi) a program's loop runs over. Without a block mask they are the blocks [lo, hi)
+    themselves. With one, the positions in this program's list (ascending blocks with a visible element) of the
+    blocks inside [lo, hi), found by two binary searches: a test inside the loop instead would keep Triton from
+    pipelining the loop's loads (no cp.async), as the compile check showed."""
+    t_lo = lo
+    t_hi = hi
     if MASK_MOD is not None:
-        block = tl.load(Indices + list_row.to(tl.int64) * list_length + t)
-        check_mask_mod = tl.load(Full + list_row.to(tl.int64) * list_length + t) == 0
-        wanted = (block >= lo) & (block < hi)
-    else:
-        block = lo + t
-        check_mask_mod = False
-        wanted = True
-    return block, check_mask_mod, wanted
+        start = list_row.to(tl.int64) * list_length
+        count = tl.load(Count + list_row)
+        t_lo = first_listed_at_least(Indices, start, count, lo)
+        t_hi = first_listed_at_least(Indices, start, count, hi)
+    return t_lo, t_hi
+
+
+@triton.jit
+def block_to_visit(t, list_row, Indices, Full, list_length, MASK_MOD: tl.constexpr):
+    """The block at position t of the loop and whether its tile needs mask_mod elementwise: t itself without a
+    block mask; with one, the t-th entry of this program's list and its "full" mark."""
+    block = t
+    check_mask_mod = False
+    if MASK_MOD is not None:
+        at = list_row.to(tl.int64) * list_length + t
+        block = tl.load(Indices + at)
+        check_mask_mod = tl.load(Full + at) == 0
+    return block, check_mask_mod
+# endregion
+
+
+# region: checked_mods
+@triton.jit
+def checked_score(result, tile):
+    """A score_mod's result, refused when the kernel is compiled unless it holds one floating value per (q_idx,
+    kv_idx) of the tile: a 2-D block whose sides are the tile's or 1. A reduced or 1-D result would otherwise
+    broadcast into a wrong answer without a word. (Its derivative may be a constant, 1.0 for an added term: not
+    checked.)"""
+    result = as_tile(result)
+    tl.static_assert(len(result.shape) == 2, "score_mod must return one score per (q_idx, kv_idx): a 2-D tile like "
+                                             "its score argument, not a reduction or a 1-D result")
+    tl.static_assert(((result.shape[0] == tile.shape[0]) | (result.shape[0] == 1))
+                     & ((result.shape[1] == tile.shape[1]) | (result.shape[1] == 1)),
+                     "score_mod must return one score per (q_idx, kv_idx): a tile shaped like its score argument")
+    tl.static_assert(result.dtype.is_floating(), "score_mod must return floating-point scores")
+    return result
+
+
+@triton.jit
+def checked_mask(result, tile):
+    """A mask_mod's result, refused when the kernel is compiled unless it holds one boolean per (q_idx, kv_idx) of
+    the tile (a 2-D block whose sides are the tile's or 1)."""
+    result = as_tile(result)
+    tl.static_assert(len(result.shape) == 2, "mask_mod must return one boolean per (q_idx, kv_idx): a 2-D tile, not "
+                                             "a reduction or a 1-D result")
+    tl.static_assert(((result.shape[0] == tile.shape[0]) | (result.shape[0] == 1))
+                     & ((result.shape[1] == tile.shape[1]) | (result.shape[1] == 1)),
+                     "mask_mod must return one boolean per (q_idx, kv_idx): a tile shaped like q_idx x kv_idx")
+    tl.static_assert(result.dtype == tl.int1, "mask_mod must return booleans (a comparison such as kv_idx <= q_idx), "
+                                              "not numbers")
+    return result
 # endregion
 
 
@@ -220,7 +290,7 @@ def tile_scores(qk, b, h, offs_m, offs_n, Lq, Lk, offset, scale, softcap, slope,
         if SCORE_MOD is not None:
             if WANT_CHAIN:
                 chain = chain * SCORE_MOD_DERIVATIVE(z, b, h, q_idx, kv_idx)
-            z = SCORE_MOD(z, b, h, q_idx, kv_idx)
+            z = checked_score(SCORE_MOD(z, b, h, q_idx, kv_idx), z)
         scores = z * LOG2E
     else:
         scores = qk * (scale * LOG2E)  # one multiply: the plain path
@@ -240,7 +310,7 @@ def tile_scores(qk, b, h, offs_m, offs_n, Lq, Lk, offset, scale, softcap, slope,
         visible = visible & (q_ids[:, None] == k_ids[None, :])
     if MASK_MOD is not None:
         if check_mask_mod:  # a tile the block mask found full skips the elementwise mask
-            visible = visible & MASK_MOD(b, h, q_idx, kv_idx)
+            visible = visible & checked_mask(MASK_MOD(b, h, q_idx, kv_idx), visible)
     scores = tl.where(visible, scores, float("-inf"))
     return scores, chain
 # endregion
@@ -334,22 +404,18 @@ def attention_forward(
                              BLOCK_M, BLOCK_N)
     lo, hi = document_block_range(lo, hi, DocKeyBlocks, b, pid_m, num_q_blocks, HAS_DOCS)
     list_row = (b * mask_stride_b + h * mask_stride_h) * num_q_blocks + pid_m  # its block mask list, if any
-    count = hi - lo
-    if MASK_MOD is not None:
-        count = tl.load(KvCount + list_row)
+    t_lo, t_hi = loop_range(lo, hi, KvCount, KvIndices, list_row, num_k_blocks, MASK_MOD)
     visits = pid_m * 0  # (a runtime int: a loop may add to it)
-    for t in range(0, count):
-        n_block, check_mask_mod, wanted = block_to_visit(t, lo, hi, list_row, KvIndices, KvFull, num_k_blocks,
-                                                         MASK_MOD)
-        if wanted:
-            acc, m_i, l_i = forward_tile(
-                acc, m_i, l_i, q, K_head, V_head, n_block * BLOCK_N, offs_m, offs_d, b, h, Lq, Lk, D, offset,
-                scale, softcap, slope, bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                KeyKeep, QIds, KIds, check_mask_mod,
-                IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT, HAS_DOCS,
-                SCORE_MOD, MASK_MOD, BLOCK_N, FLOAT32_DOT)
-            if COUNT_VISITS:
-                visits += 1
+    for t in range(t_lo, t_hi):
+        n_block, check_mask_mod = block_to_visit(t, list_row, KvIndices, KvFull, num_k_blocks, MASK_MOD)
+        acc, m_i, l_i = forward_tile(
+            acc, m_i, l_i, q, K_head, V_head, n_block * BLOCK_N, offs_m, offs_d, b, h, Lq, Lk, D, offset,
+            scale, softcap, slope, bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
+            KeyKeep, QIds, KIds, check_mask_mod,
+            IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT, HAS_DOCS,
+            SCORE_MOD, MASK_MOD, BLOCK_N, FLOAT32_DOT)
+        if COUNT_VISITS:
+            visits += 1
 
     # a row that saw no key (and no sink) has l = 0: output 0 and LSE -inf, never 0 / 0 (a NaN l, from a NaN score
     # the row sees, stays NaN in both)
@@ -478,37 +544,33 @@ def backward_dk_dv(
         Q_head = Q + bh.to(tl.int64) * Lq * D
         DOut_head = DOut + bh.to(tl.int64) * Lq * D
         list_row = (b * mask_stride_b + h * mask_stride_h) * num_k_blocks + pid_n
-        count = hi - lo
-        if MASK_MOD is not None:
-            count = tl.load(QCount + list_row)
-        for t in range(0, count):
-            m_block, check_mask_mod, wanted = block_to_visit(t, lo, hi, list_row, QIndices, QFull, num_q_blocks,
-                                                             MASK_MOD)
-            if wanted:
-                offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_ok = (offs_m[:, None] < Lq) & (offs_d[None, :] < D)
-                q = tl.load(Q_head + offs_m[:, None] * D + offs_d[None, :], mask=row_ok, other=0.0)
-                dout = tl.load(DOut_head + offs_m[:, None] * D + offs_d[None, :], mask=row_ok, other=0.0)
-                lse = tl.load(Lse + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=float("-inf"))
-                delta = tl.load(Delta + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-                p, dz, ds = backward_tile(
-                    q, k, v, dout, lse, delta, offs_m, offs_n, b, h, Lq, Lk, offset, scale, softcap, slope,
-                    bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                    KeyKeep, QIds, KIds, check_mask_mod,
-                    IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT, HAS_DOCS,
-                    SCORE_MOD, SCORE_MOD_DERIVATIVE, MASK_MOD, FLOAT32_DOT)
-                dv += dot(tl.trans(cast(p, dout.dtype)), dout, FLOAT32_DOT)
-                dk += dot(tl.trans(cast(ds, q.dtype)), q, FLOAT32_DOT)
-                if HAS_BIAS:
-                    if BIAS_SUM_ROWS:
-                        dbias_row += tl.sum(dz, 0)
+        t_lo, t_hi = loop_range(lo, hi, QCount, QIndices, list_row, num_q_blocks, MASK_MOD)
+        for t in range(t_lo, t_hi):
+            m_block, check_mask_mod = block_to_visit(t, list_row, QIndices, QFull, num_q_blocks, MASK_MOD)
+            offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = (offs_m[:, None] < Lq) & (offs_d[None, :] < D)
+            q = tl.load(Q_head + offs_m[:, None] * D + offs_d[None, :], mask=row_ok, other=0.0)
+            dout = tl.load(DOut_head + offs_m[:, None] * D + offs_d[None, :], mask=row_ok, other=0.0)
+            lse = tl.load(Lse + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=float("-inf"))
+            delta = tl.load(Delta + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+            p, dz, ds = backward_tile(
+                q, k, v, dout, lse, delta, offs_m, offs_n, b, h, Lq, Lk, offset, scale, softcap, slope,
+                bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
+                KeyKeep, QIds, KIds, check_mask_mod,
+                IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT, HAS_DOCS,
+                SCORE_MOD, SCORE_MOD_DERIVATIVE, MASK_MOD, FLOAT32_DOT)
+            dv += dot(tl.trans(cast(p, dout.dtype)), dout, FLOAT32_DOT)
+            dk += dot(tl.trans(cast(ds, q.dtype)), q, FLOAT32_DOT)
+            if HAS_BIAS:
+                if BIAS_SUM_ROWS:
+                    dbias_row += tl.sum(dz, 0)
+                else:
+                    tile_ok = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+                    at = dbias_base + offs_m[:, None] * stride_dbias_m + offs_n[None, :] * stride_dbias_n
+                    if BIAS_ATOMIC:
+                        tl.atomic_add(at, dz, mask=tile_ok)
                     else:
-                        tile_ok = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
-                        at = dbias_base + offs_m[:, None] * stride_dbias_m + offs_n[None, :] * stride_dbias_n
-                        if BIAS_ATOMIC:
-                            tl.atomic_add(at, dz, mask=tile_ok)
-                        else:
-                            tl.store(at, dz, mask=tile_ok)
+                        tl.store(at, dz, mask=tile_ok)
         if HAS_BIAS:
             if BIAS_SUM_ROWS:
                 at = dbias_base + offs_n * stride_dbias_n
@@ -569,24 +631,20 @@ def backward_dq(
                              BLOCK_M, BLOCK_N)
     lo, hi = document_block_range(lo, hi, DocKeyBlocks, b, pid_m, num_q_blocks, HAS_DOCS)
     list_row = (b * mask_stride_b + h * mask_stride_h) * num_q_blocks + pid_m
-    count = hi - lo
-    if MASK_MOD is not None:
-        count = tl.load(KvCount + list_row)
-    for t in range(0, count):
-        n_block, check_mask_mod, wanted = block_to_visit(t, lo, hi, list_row, KvIndices, KvFull, num_k_blocks,
-                                                         MASK_MOD)
-        if wanted:
-            offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-            key_ok = (offs_n[:, None] < Lk) & (offs_d[None, :] < D)
-            k = tl.load(K_head + offs_n[:, None] * D + offs_d[None, :], mask=key_ok, other=0.0)
-            v = tl.load(V_head + offs_n[:, None] * D + offs_d[None, :], mask=key_ok, other=0.0)
-            p, dz, ds = backward_tile(
-                q, k, v, dout, lse, delta, offs_m, offs_n, b, h, Lq, Lk, offset, scale, softcap, slope,
-                bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
-                KeyKeep, QIds, KIds, check_mask_mod,
-                IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT, HAS_DOCS,
-                SCORE_MOD, SCORE_MOD_DERIVATIVE, MASK_MOD, FLOAT32_DOT)
-            dq += dot(cast(ds, k.dtype), k, FLOAT32_DOT)
+    t_lo, t_hi = loop_range(lo, hi, KvCount, KvIndices, list_row, num_k_blocks, MASK_MOD)
+    for t in range(t_lo, t_hi):
+        n_block, check_mask_mod = block_to_visit(t, list_row, KvIndices, KvFull, num_k_blocks, MASK_MOD)
+        offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok = (offs_n[:, None] < Lk) & (offs_d[None, :] < D)
+        k = tl.load(K_head + offs_n[:, None] * D + offs_d[None, :], mask=key_ok, other=0.0)
+        v = tl.load(V_head + offs_n[:, None] * D + offs_d[None, :], mask=key_ok, other=0.0)
+        p, dz, ds = backward_tile(
+            q, k, v, dout, lse, delta, offs_m, offs_n, b, h, Lq, Lk, offset, scale, softcap, slope,
+            bias_base, stride_bias_m, stride_bias_n, window_left, window_right,
+            KeyKeep, QIds, KIds, check_mask_mod,
+            IS_CAUSAL, HAS_KEY_PADDING, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_LEFT, HAS_RIGHT, HAS_DOCS,
+            SCORE_MOD, SCORE_MOD_DERIVATIVE, MASK_MOD, FLOAT32_DOT)
+        dq += dot(cast(ds, k.dtype), k, FLOAT32_DOT)
     tl.store(DQ + q_at, cast(dq * scale, DQ.dtype.element_ty), mask=row_ok)
 # endregion
 
@@ -611,7 +669,7 @@ def block_mask_tiles(
     q_idx = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
     kv_idx = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
     inside = (q_idx < Lq) & (kv_idx < Lk)
-    visible = MASK_MOD(b, h, q_idx, kv_idx) & inside
+    visible = checked_mask(MASK_MOD(b, h, q_idx, kv_idx), inside) & inside
     n_visible = tl.sum(tl.sum(visible.to(tl.int32), 1), 0)
     n_inside = tl.sum(tl.sum(inside.to(tl.int32), 1), 0)
     state = tl.where(n_visible == 0, 0, tl.where(n_visible == n_inside, 2, 1))

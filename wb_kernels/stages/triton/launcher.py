@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -228,8 +229,9 @@ def block_mask(mask_mod, B: int, H: int, Lq: int, Lk: int, block_m: Optional[int
     block_n = int(block_n or defaults["block_n"])
     num_q_blocks, num_k_blocks = triton_cdiv(Lq, block_m), triton_cdiv(Lk, block_n)
     state = torch.empty((B, H, num_q_blocks, num_k_blocks), dtype=torch.int8, device=device)
-    kernels.block_mask_tiles[(num_q_blocks, num_k_blocks, B * H)](
-        state, H, Lq, Lk, num_q_blocks, num_k_blocks, MASK_MOD=mask_mod, BLOCK_M=block_m, BLOCK_N=block_n)
+    with _mods_refused():
+        kernels.block_mask_tiles[(num_q_blocks, num_k_blocks, B * H)](
+            state, H, Lq, Lk, num_q_blocks, num_k_blocks, MASK_MOD=mask_mod, BLOCK_M=block_m, BLOCK_N=block_n)
     kv = _lists(state)
     q_lists = _lists(state.transpose(-1, -2))
     return BlockMask(mask_mod, (B, H, Lq, Lk), block_m, block_n, state, *kv, *q_lists)
@@ -349,6 +351,36 @@ def kernel_arguments(q, k, v, causal, key_padding_mask, scale, variants: Variant
     return args, sinks
 
 
+MOD_COMPLAINTS = ("score_mod must", "mask_mod must")  # how kernels.checked_score / checked_mask's refusals begin
+
+
+def mod_complaint(error: BaseException) -> Optional[str]:
+    """What a score_mod or mask_mod did wrong, if that is why a launch failed: the message of the kernels' static
+    assertion (``kernels.checked_score``, ``checked_mask``), found in the compiler's error (its ``error_message``)
+    or the interpreter's (an AssertionError under an InterpreterError). None for any other error."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        said = getattr(error, "error_message", None) or (str(error) if isinstance(error, AssertionError) else "")
+        if str(said).startswith(MOD_COMPLAINTS):
+            return str(said)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+@contextmanager
+def _mods_refused():
+    """A launch whose score_mod or mask_mod returned the wrong shape or dtype raises ValueError with the kernels'
+    own sentence, not the compiler's trace."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - re-raised as it came unless a mod's check refused it
+        said = mod_complaint(error)
+        if said is None:
+            raise
+        raise ValueError(said) from error
+
+
 def _check_inputs(q, k, v):
     dtype = _dtype_name(q)
     if dtype not in DTYPES:
@@ -391,11 +423,12 @@ def _forward(q, k, v, *, causal, key_padding_mask, scale, variants, score_mod, m
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     visits = torch.zeros((B * H, args["num_q_blocks"]), dtype=torch.int32, device=q.device) if count_visits else None
     grid = (args["num_q_blocks"], B * H)
-    LAST_COMPILED["forward"] = kernels.attention_forward[grid](
-        q, k, v, out, lse, Sinks=sinks, HAS_SINKS=sinks is not None,
-        KvCount=None if mask is None else mask.kv_count, KvIndices=None if mask is None else mask.kv_indices,
-        KvFull=None if mask is None else mask.kv_full, Visits=visits, COUNT_VISITS=count_visits,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **args)
+    with _mods_refused():
+        LAST_COMPILED["forward"] = kernels.attention_forward[grid](
+            q, k, v, out, lse, Sinks=sinks, HAS_SINKS=sinks is not None,
+            KvCount=None if mask is None else mask.kv_count, KvIndices=None if mask is None else mask.kv_indices,
+            KvFull=None if mask is None else mask.kv_full, Visits=visits, COUNT_VISITS=count_visits,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **args)
     return out, lse, visits
 
 
@@ -496,15 +529,17 @@ def gradients(q, k, v, out, lse, dout, *, causal=None, key_padding_mask=None, sc
     lists = dict(QCount=None, QIndices=None, QFull=None) if mask is None else dict(
         QCount=mask.q_count, QIndices=mask.q_indices, QFull=mask.q_full)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    kernels.backward_dk_dv[(nk, B * Hk)](
-        q, k, v, dout, lse, delta, dk, dv, DBias=dbias32, SCORE_MOD_DERIVATIVE=score_mod_derivative,
-        **lists, **dbias_strides, **bias_flags, **args, **launch)
+    with _mods_refused():
+        kernels.backward_dk_dv[(nk, B * Hk)](
+            q, k, v, dout, lse, delta, dk, dv, DBias=dbias32, SCORE_MOD_DERIVATIVE=score_mod_derivative,
+            **lists, **dbias_strides, **bias_flags, **args, **launch)
 
     lists = dict(KvCount=None, KvIndices=None, KvFull=None) if mask is None else dict(
         KvCount=mask.kv_count, KvIndices=mask.kv_indices, KvFull=mask.kv_full)
     dq = torch.empty_like(q)
-    kernels.backward_dq[(nq, B * H)](
-        q, k, v, dout, lse, delta, dq, SCORE_MOD_DERIVATIVE=score_mod_derivative, **lists, **args, **launch)
+    with _mods_refused():
+        kernels.backward_dq[(nq, B * H)](
+            q, k, v, dout, lse, delta, dq, SCORE_MOD_DERIVATIVE=score_mod_derivative, **lists, **args, **launch)
 
     grads = {"q": dq, "k": dk, "v": dv}
     if bias is not None:
