@@ -376,3 +376,32 @@ def test_no_new_rung_module_imports_the_package_root():
     assert found <= ROOT_IMPORTERS, (f"{sorted(found - ROOT_IMPORTERS)} import the package root, which re-exports the "
                                      "API above the rungs: import from the floor (check, inputs, reference, timing, ...)")
     assert not ROOT_IMPORTERS - found, f"no longer importing the root (take them off the list): {ROOT_IMPORTERS - found}"
+
+
+# One file, one thing: a file of the package past this many lines says why in its first lines ("long because ...").
+LONG_FILE_LINES = 900
+LONG_FILE_SUFFIXES = (".py", ".cu", ".cuh")
+
+
+def _long_files_without_a_reason(package: Path) -> list:
+    found = []
+    for path in sorted(package.rglob("*")):
+        if path.suffix not in LONG_FILE_SUFFIXES or "__pycache__" in path.parts:
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if len(lines) > LONG_FILE_LINES and "long because" not in "\n".join(lines[:40]).lower():
+            found.append(f"{path.relative_to(package.parent).as_posix()} ({len(lines)} lines)")
+    return found
+
+
+def test_no_file_is_long_without_saying_why():
+    assert _long_files_without_a_reason(PACKAGE) == []
+
+
+def test_the_length_check_fails_on_a_planted_long_file(tmp_path):
+    package = tmp_path / "wb_kernels"
+    package.mkdir()
+    (package / "short.py").write_text("x = 1\n")
+    (package / "long.py").write_text("x = 1\n" * (LONG_FILE_LINES + 1))
+    (package / "explained.py").write_text('"""Long because it is one table."""\n' + "x = 1\n" * LONG_FILE_LINES)
+    assert _long_files_without_a_reason(package) == [f"wb_kernels/long.py ({LONG_FILE_LINES + 1} lines)"]

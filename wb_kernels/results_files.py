@@ -24,7 +24,8 @@ from .backend import BACKEND
 
 __all__ = ["REPO_ROOT", "round_significant", "nvidia_smi", "package_version", "environment", "git_commit",
            "load_results", "save_results", "newest_matching", "newest_results", "committed_results",
-           "committed_decode_results", "gpu_short_name", "gpu_results_path", "shown_path", "recorded_arguments"]
+           "committed_decode_results", "gpu_short_name", "gpu_results_path", "shown_path", "recorded_arguments",
+           "fill_block"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # wb_kernels/results_files.py -> the repository
 
@@ -179,6 +180,22 @@ def gpu_results_path(folder: str, stem: str, *, on_cuda: bool, smoke_name: str) 
     :func:`gpu_short_name`), ``results/<folder>/<smoke_name>`` on the simulator or a CPU."""
     folder_path = REPO_ROOT / "results" / folder
     return folder_path / (f"{stem}_{gpu_short_name()}.json" if on_cuda else smoke_name)
+
+
+def fill_block(document, start: str, end: str, body, error=ValueError) -> Path:
+    """Replace what lies between the markers `start` and `end` in the file `document` (the README's result blocks)
+    with `body` (text, or a function that makes it, called once the markers are found), on lines of its own. A file
+    without both markers raises `error` naming them, before anything is read: a table is never appended where
+    nobody placed it."""
+    document = Path(document)
+    text = document.read_text() if document.exists() else ""
+    if start not in text or end not in text:
+        raise error(f"{document} has no {start} ... {end} block to fill; add the two markers where the table belongs")
+    body = body() if callable(body) else body
+    head, rest = text.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    document.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+    return document
 
 
 def shown_path(path, root: Path) -> str:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..attention_costs import ITEMSIZE, attention_flops
-from ..results_files import REPO_ROOT, gpu_results_path, load_results, round_significant
+from ..results_files import REPO_ROOT, fill_block, gpu_results_path, load_results, round_significant, shown_path
 from ..timing import free_device_memory
 from ..tuning import sdpa_call
 from .failures import error_line, is_refusal
@@ -680,26 +680,17 @@ def overhead_table(results: dict) -> str:
 
 def update_backward_readme(results_path, readme=REPO_ROOT / "README.md") -> Path:
     """Rewrite the README's backward block (between :data:`README_BACKWARD_START` and ``_END``) from a results file."""
-    readme = Path(readme)
-    text = readme.read_text() if readme.exists() else ""
-    if README_BACKWARD_START not in text or README_BACKWARD_END not in text:
-        raise Refused(f"{readme} has no {README_BACKWARD_START} ... {README_BACKWARD_END} block to fill; add the two "
-                      "markers where the table belongs")
-    path = Path(results_path).resolve()
-    try:
-        source = str(path.relative_to(REPO_ROOT))
-    except ValueError:
-        source = str(results_path)
-    results = load_results(results_path)
-    table = backward_table(results, source=source)
-    if any(r["dtype"] == "float32" and r["contender"] == "flash" for r in results["records"]):
-        # the numba rung on CUDA cores against SDPA's float32 backward (EFFICIENT: FLASH and cuDNN take no float32)
-        table += "\n\n" + backward_table(results, source=source, dtype="float32",
-                                          contenders=("flash", "flash-kernel", "sdpa-efficient"), ours="flash",
-                                          bar="sdpa-efficient")
-    if overhead_table(results):
-        table += "\n\n" + overhead_table(results)
-    head, rest = text.split(README_BACKWARD_START, 1)
-    tail = rest.split(README_BACKWARD_END, 1)[1]
-    readme.write_text(f"{head}{README_BACKWARD_START}\n{table}\n{README_BACKWARD_END}{tail}")
-    return readme
+    def table_of_the_file() -> str:
+        source = shown_path(results_path, REPO_ROOT)
+        results = load_results(results_path)
+        table = backward_table(results, source=source)
+        if any(r["dtype"] == "float32" and r["contender"] == "flash" for r in results["records"]):
+            # the numba rung on CUDA cores against SDPA's float32 backward (EFFICIENT: FLASH and cuDNN take no float32)
+            table += "\n\n" + backward_table(results, source=source, dtype="float32",
+                                              contenders=("flash", "flash-kernel", "sdpa-efficient"), ours="flash",
+                                              bar="sdpa-efficient")
+        if overhead_table(results):
+            table += "\n\n" + overhead_table(results)
+        return table
+
+    return fill_block(readme, README_BACKWARD_START, README_BACKWARD_END, table_of_the_file, error=Refused)

@@ -19,7 +19,8 @@ from ..models import llama_decoder as dec
 from ..models.decoder_graphs import (COMPILE_VARIANTS, DEFAULT_VARIANTS, CompiledDecoder, EagerRunner, cudagraph_skips,
                                      profile_compiled, time_compiled, variant_names)
 from ..models.decoder_greedy import compare_runners, greedy_note
-from ..results_files import REPO_ROOT, environment, gpu_short_name, round_significant, save_results
+from ..results_files import (REPO_ROOT, environment, fill_block, gpu_short_name, round_significant, save_results,
+                             shown_path)
 from ..timing import free_device_memory
 from .failures import error_line
 from .results import SCHEMA_VERSION
@@ -380,17 +381,9 @@ def update_variants_readme(results_path, readme=None) -> Path:
     :func:`variants_readme_line` of the variants file `results_path` (the README's test checks that it is current)."""
 
 
-    readme = Path(readme) if readme is not None else REPO_ROOT / "README.md"
-    text = readme.read_text()
-    if README_VARIANTS_START not in text or README_VARIANTS_END not in text:
-        raise ValueError(f"{readme} has no {README_VARIANTS_START} ... {README_VARIANTS_END} block to fill")
-    source = Path(results_path).resolve()
-    source = source.relative_to(REPO_ROOT) if source.is_relative_to(REPO_ROOT) else source
-    line = variants_readme_line(json.loads(Path(results_path).read_text()), source=str(source))
-    head, rest = text.split(README_VARIANTS_START, 1)
-    tail = rest.split(README_VARIANTS_END, 1)[1]
-    readme.write_text(f"{head}{README_VARIANTS_START}\n{line}\n{README_VARIANTS_END}{tail}")
-    return readme
+    return fill_block(readme if readme is not None else REPO_ROOT / "README.md", README_VARIANTS_START,
+                      README_VARIANTS_END, lambda: variants_readme_line(json.loads(Path(results_path).read_text()),
+                                                                        source=shown_path(results_path, REPO_ROOT)))
 
 
 def default_variants_output(smoke: bool) -> Path:

@@ -15,8 +15,8 @@ import datetime as _dt
 from pathlib import Path
 from typing import Optional
 
-from ..results_files import (REPO_ROOT, committed_decode_results, committed_results, environment, git_commit,
-                             load_results, round_significant, save_results)
+from ..results_files import (REPO_ROOT, committed_decode_results, committed_results, environment, fill_block,
+                             git_commit, load_results, round_significant, save_results, shown_path)
 from ..stages import available_stages
 from ..timing import EVENTS_AROUND_CALL, TimingMethod
 from .sweeps import BASELINES, PUBLIC_CONFIGS, Config, Refused, record_key
@@ -415,21 +415,8 @@ def _readme_blocks(results: dict) -> list:
 def update_readme(results_path, readme=REPO_ROOT / "README.md") -> Path:
     """Rewrite the README blocks that `results_path` fills (:func:`_readme_blocks`). Each table's caption says how
     its file was timed (:func:`timing_method`), so tables timed differently are labelled so."""
-    readme = Path(readme)
-    text = readme.read_text() if readme.exists() else ""
     results = load_results(results_path)
-    relative = Path(results_path).resolve()
-    try:
-        relative = relative.relative_to(REPO_ROOT)
-    except ValueError:
-        pass
+    source = shown_path(results_path, REPO_ROOT)
     for start, end, render in _readme_blocks(results):
-        if start not in text or end not in text:
-            raise Refused(f"{readme} has no {start} ... {end} block to fill; add the two markers "
-                          "where the table belongs")
-        table = render(results, source=str(relative))
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
-        text = f"{head}{start}\n{table}\n{end}{tail}"
-    readme.write_text(text)
-    return readme
+        fill_block(readme, start, end, render(results, source=source), error=Refused)
+    return Path(readme)

@@ -241,18 +241,10 @@ def readme_table(results, source: str | None = None) -> str:
 
 def update_readme(results_path, readme) -> Path:
     """Rewrite the README's block between :data:`README_START` and :data:`README_END` from a results file."""
-    readme, results_path = Path(readme), Path(results_path)
-    text = readme.read_text()
-    if README_START not in text or README_END not in text:
-        raise ValueError(f"{readme} has no {README_START} ... {README_END} block to fill")
-    try:
-        source = results_path.resolve().relative_to(readme.resolve().parent).as_posix()
-    except ValueError:
-        source = results_path.name
-    head, rest = text.split(README_START, 1)
-    tail = rest.split(README_END, 1)[1]
-    readme.write_text(f"{head}{README_START}\n{readme_table(load_scaling(results_path), source)}\n{README_END}{tail}")
-    return readme
+    from ...results_files import fill_block, shown_path
+
+    source = shown_path(results_path, Path(readme).resolve().parent)
+    return fill_block(readme, README_START, README_END, lambda: readme_table(load_scaling(results_path), source))
 
 
 def efficiency_figure(results, dtype: str | None = None):
