@@ -49,8 +49,8 @@ from ..results_files import REPO_ROOT, fill_block, gpu_results_path, load_result
 from ..timing import free_device_memory
 from ..tuning import sdpa_call
 from .failures import error_line, is_refusal
-from .measure import (TimingPolicy, causal_mask_mod, finish_results, flex_problem, open_results, stamp_timing,
-                      store_record, tensor_device, time_checked)
+from .measure import (TimingPolicy, causal_mask_mod, finish_results, flex_problem, measure_jobs, open_results,
+                      stamp_timing, tensor_device, time_checked)
 from .results import add_speedups, new_results, timing_method
 from .sweeps import TOKENS, Refused
 
@@ -501,8 +501,6 @@ def _run_backward(presets, out_path, *, policy: Optional[TimingPolicy] = None, r
                  command: Optional[str] = None, log=print) -> dict:
     """Run the backward `presets` (names in :data:`BACKWARD_PRESETS`) into `out_path`; return the results.
     `retry_failed`: drop the records a resumed file holds as failed, so that they are measured again."""
-    from ..widgets import progress as show_progress
-
     started = time.monotonic()
     policy = policy or TimingPolicy()
     table = table if table is not None else backward_contenders()
@@ -512,41 +510,20 @@ def _run_backward(presets, out_path, *, policy: Optional[TimingPolicy] = None, r
                            fresh=_new_backward)
     stamp_timing(results, policy, out_path)
     results["contenders"] = {name: c.what for name, c in table.items()}
-    if retry_failed:  # a fixed contender's failed rows are measured again, not kept as done
-        results["records"] = [r for r in results["records"] if r["status"] != "failed"]
-    done = {r["key"] for r in results["records"]}
-    jobs = plan_backward(presets, table)
-    todo = [job for job in jobs if backward_record_key(job[0].name, job[2], job[1]) not in done]
-    log(f"{len(jobs)} backward measurements planned, {len(jobs) - len(todo)} already in {out_path}, {len(todo)} to "
-        f"run on {results['environment']['device']}")
-    by_workload = {}
-    for contender, workload, mode, names in todo:
-        by_workload.setdefault(workload, []).append((contender, mode, names))
-    stopped = False
     device = "cuda" if on_cuda else "cpu"
-    for workload, group in show_progress(list(by_workload.items()), description="backward", unit="workloads",
-                                         disable=not progress):
-        inputs = judge = why = None
-        for contender, mode, names in group:
-            if time_budget is not None and time.monotonic() - started > time_budget:
-                stopped = True
-                break
-            if judge is None and why is None and contender.refusal(workload, on_cuda) is None:
-                try:  # the inputs and the float64 reference's slice, once per workload
-                    inputs = _inputs(workload, seed, device)
-                    judge = _Judge(*inputs, workload)
-                except Exception as error:  # noqa: BLE001 - out of memory, most likely: recorded for each row
-                    why, inputs = f"could not build the inputs or the reference: {error_line(error)}", None
-                    free_device_memory()
-            if why is not None:
-                record = dict(_base_record(contender, workload, mode), status="skipped", reason=why)
-            else:
-                record = measure_one(contender, workload, mode, inputs, judge, policy, on_cuda)
-            store_record(results, dict(record, presets=names), out_path, log, add_speedups)
-        inputs = judge = None
-        free_device_memory()
-        if stopped:
-            break
+
+    def prepare(workload):
+        inputs = _inputs(workload, seed, device)
+        return inputs, _Judge(*inputs, workload)
+
+    stopped = measure_jobs(
+        results, plan_backward(presets, table), out_path, key_of=backward_record_key, prepare=prepare,
+        measure_row=lambda contender, workload, mode, state: measure_one(
+            contender, workload, mode, *(state or (None, None)), policy, on_cuda),
+        base_record=_base_record,
+        wants_inputs=lambda contender, workload, mode: contender.refusal(workload, on_cuda) is None,
+        started=started, time_budget=time_budget, retry_failed=retry_failed, progress=progress, what="backward",
+        log=log)
     if on_cuda and not stopped and "overhead" not in results:
         results["overhead"] = measure_backward_overhead(seed)
         log("per-call wall time (us): " + ", ".join(f"{r['name']} {r.get('per_call_us')}"

@@ -667,6 +667,52 @@ def store_record(results: dict, record: dict, out_path: Path, log, derive=add_sp
     save_results(results, out_path)
 
 
+def measure_jobs(results: dict, jobs: list, out_path: Path, *, key_of, prepare, measure_row, base_record,
+                 wants_inputs, started: float, time_budget: Optional[float], retry_failed: bool, progress: bool,
+                 what: str, log, release=lambda: None) -> bool:
+    """The loop of a resumable benchmark whose rows share inputs per workload (the backward and variants presets):
+    `jobs` (contender, workload, mode, preset names) not yet in `results` (``key_of(contender name, mode,
+    workload)``; with `retry_failed` a failed row is measured again), grouped by workload. For each workload,
+    ``prepare(workload)`` builds the shared state once, when the first row that ``wants_inputs(contender, workload,
+    mode)`` comes (an error there skips the workload's rows, saying why: ``base_record(contender, workload, mode)``
+    marked skipped), then ``measure_row(contender, workload, mode, state)`` (state None when no row wanted it) gives
+    each record, stored as it comes; then
+    ``release()`` and the device's memory are freed. Stops starting rows past `time_budget` seconds after `started`.
+    Returns whether it stopped there."""
+    from ..widgets import progress as show_progress
+
+    if retry_failed:  # a fixed contender's failed rows are measured again, not kept as done
+        results["records"] = [r for r in results["records"] if r["status"] != "failed"]
+    done = {r["key"] for r in results["records"]}
+    todo = [job for job in jobs if key_of(job[0].name, job[2], job[1]) not in done]
+    log(f"{len(jobs)} {what} measurements planned, {len(jobs) - len(todo)} already in {out_path}, {len(todo)} to "
+        f"run on {results['environment']['device']}")
+    by_workload = {}
+    for contender, workload, mode, names in todo:
+        by_workload.setdefault(workload, []).append((contender, mode, names))
+    for workload, group in show_progress(list(by_workload.items()), description=what, unit="workloads",
+                                         disable=not progress):
+        state = why = None
+        for contender, mode, names in group:
+            if time_budget is not None and time.monotonic() - started > time_budget:
+                release()
+                free_device_memory()
+                return True
+            if state is None and why is None and wants_inputs(contender, workload, mode):
+                try:  # the inputs (and the reference they are checked against), once per workload
+                    state = prepare(workload)
+                except Exception as error:  # noqa: BLE001 - out of memory, most likely: recorded for each row
+                    why, state = f"could not build the inputs: {error_line(error)}", None
+                    free_device_memory()
+            record = dict(base_record(contender, workload, mode), status="skipped", reason=why) if why is not None \
+                else measure_row(contender, workload, mode, state)
+            store_record(results, dict(record, presets=names), out_path, log, add_speedups)
+        state = None
+        release()
+        free_device_memory()
+    return False
+
+
 def finish_results(results: dict, out_path: Path, *, stopped: bool, time_budget: Optional[float], log) -> dict:
     """Mark the run complete (or stopped by the time budget), save it, and say what the file holds."""
     results["complete"] = not stopped

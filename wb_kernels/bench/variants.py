@@ -80,7 +80,7 @@ from ..results_files import REPO_ROOT, gpu_results_path, load_results, recorded_
 from ..timing import free_device_memory
 from ..tuning import sdpa_call
 from .failures import error_line, is_refusal
-from .measure import (TimingPolicy, finish_results, flex_problem, open_results, stamp_timing, store_record,
+from .measure import (TimingPolicy, finish_results, flex_problem, measure_jobs, open_results, stamp_timing,
                       tensor_device, time_checked)
 from .results import add_speedups, new_results
 from .sweeps import Refused
@@ -690,8 +690,6 @@ def run_variants(presets, out_path, *, policy: Optional[TimingPolicy] = None, re
     """Run the `presets` (names in :data:`VARIANT_PRESETS`) into `out_path`; return the results. The timing policy
     is `policy`, else the first preset's own, else the default. `retry_failed`: drop the records a resumed file holds
     as failed, so that they are measured again."""
-    from ..widgets import progress as show_progress
-
     started = time.monotonic()
     presets = list(presets)
     cpu = [p for p in presets if VARIANT_PRESETS[p].cpu]
@@ -705,42 +703,20 @@ def run_variants(presets, out_path, *, policy: Optional[TimingPolicy] = None, re
     results = open_results(out_path, presets, resume=resume, command=command, kind="variants", fresh=_new_variants)
     stamp_timing(results, policy, out_path)
     results["contenders"] = {name: c.what for name, c in table.items()}
-    if retry_failed:
-        results["records"] = [r for r in results["records"] if r["status"] != "failed"]
-    done = {r["key"] for r in results["records"]}
-    jobs = plan_variants(presets, table)
-    todo = [job for job in jobs if variant_record_key(job[0].name, job[2], job[1]) not in done]
-    log(f"{len(jobs)} variant measurements planned, {len(jobs) - len(todo)} already in {out_path}, {len(todo)} to "
-        f"run on {results['environment']['device']}")
-    by_workload = {}
-    for contender, workload, mode, names in todo:
-        by_workload.setdefault(workload, []).append((contender, mode, names))
-    stopped = False
     device = "cuda" if on_cuda else "cpu"
-    for workload, group in show_progress(list(by_workload.items()), description="variants", unit="workloads",
-                                         disable=not progress):
-        problem = judge = why = None
-        for contender, mode, names in group:
-            if time_budget is not None and time.monotonic() - started > time_budget:
-                stopped = True
-                break
-            if problem is None and why is None and contender.refusal(workload, mode, on_cuda) is None:
-                try:  # the inputs once per workload, shared by its rows
-                    problem = make_problem(workload, seed, device)
-                    judge = _Judge(problem)
-                except Exception as error:  # noqa: BLE001 - out of memory, most likely: recorded for each row
-                    why, problem = f"could not build the inputs: {error_line(error)}", None
-                    free_device_memory()
-            if why is not None:
-                record = dict(_base_record(contender, workload, mode), status="skipped", reason=why)
-            else:
-                record = measure_one(contender, workload, mode, problem, judge, policy, on_cuda)
-            store_record(results, dict(record, presets=names), out_path, log, add_speedups)
-        problem = judge = None
-        _FLEX.clear()
-        free_device_memory()
-        if stopped:
-            break
+
+    def prepare(workload):
+        problem = make_problem(workload, seed, device)
+        return problem, _Judge(problem)
+
+    stopped = measure_jobs(
+        results, plan_variants(presets, table), out_path, key_of=variant_record_key, prepare=prepare,
+        measure_row=lambda contender, workload, mode, state: measure_one(
+            contender, workload, mode, *(state or (None, None)), policy, on_cuda),
+        base_record=_base_record,
+        wants_inputs=lambda contender, workload, mode: contender.refusal(workload, mode, on_cuda) is None,
+        started=started, time_budget=time_budget, retry_failed=retry_failed, progress=progress, what="variant",
+        log=log, release=_FLEX.clear)
     add_speedups(results)
     return finish_results(results, out_path, stopped=stopped, time_budget=time_budget, log=log)
 
