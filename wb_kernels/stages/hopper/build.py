@@ -13,6 +13,9 @@ points of both). :data:`SOURCE` is all of them (:class:`~wb_kernels.cuda_build.E
 - :func:`nvcc_compile_report`, :func:`sass` (need only nvcc): registers, spills and shared memory of every kernel,
   and its machine code: ``HGMMA`` (wgmma), ``UTMALDG`` (the TMA load), ``SYNCS`` (mbarrier operations).
   ptxas' "wgmma ... serialized" note (C7510, C7520) raises :class:`~wb_kernels.cuda_build.CudaBuildError`.
+  ``part="backward"`` compiles the backward's kernels instead (``hopper_backward.cuh``, issue 47: the preprocessing,
+  the main kernel and the dQ conversion, fp16/bf16, D 64/128; ``-DWB_BACKWARD_ONLY``), so that neither report
+  waits for the other's kernels.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from ...cuda_build import (CudaBuildError, EditableSource, Extension, build_flag
                            ptxas_entries, sass_lines, serialized_wgmma)
 
 __all__ = ["SOURCE", "SOURCE_NAME", "ARCH", "WATCHDOG_SECONDS", "GEMM_VARIANTS", "GemmVariant", "KernelResources",
-           "package_source", "build_options", "build", "extension", "nvcc_compile_report", "sass", "check_wgmma_not_serialized"]
+           "package_source", "build_options", "build", "extension", "nvcc_compile_report", "sass", "check_wgmma_not_serialized",
+           "PARTS"]
 
 SOURCE = EditableSource(Path(__file__).resolve().parent / "hopper_host.cu")  # and the headers it includes
 SOURCE_NAME = SOURCE.name
@@ -34,15 +38,19 @@ LINE_NAME = SOURCE.file_name
 ARCH = "sm_90a"  # wgmma and setmaxnreg: Hopper's architecture-specific target
 WATCHDOG_SECONDS = 2.0  # a barrier wait longer than this traps (the kernels here finish in microseconds)
 _FUNCTIONS = ["hopper_tma_tile", "hopper_wgmma_gemm", "hopper_register_split", "hopper_named_barrier_turns",
-              "hopper_flash_forward"]
+              "hopper_flash_forward", "hopper_flash_backward"]
 _CPP_DECLARATION = (
     "torch::Tensor hopper_tma_tile(torch::Tensor x, int64_t row0, int64_t column0, int64_t expect_bytes);\n"
     "torch::Tensor hopper_wgmma_gemm(torch::Tensor a, torch::Tensor b, bool a_in_registers, bool b_mn_major);\n"
     "torch::Tensor hopper_register_split(torch::Tensor x);\n"
     "torch::Tensor hopper_named_barrier_turns(int64_t rounds, torch::Tensor device_like);\n"
     "std::vector<torch::Tensor> hopper_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, "
-    "torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale, int64_t version);"
+    "torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale, int64_t version);\n"
+    "std::vector<torch::Tensor> hopper_flash_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, "
+    "torch::Tensor out, torch::Tensor lse, torch::Tensor dout, torch::Tensor key_keep, bool causal, "
+    "int64_t causal_offset, double scale, bool deterministic);"
 )
+PARTS = {"forward": (), "backward": ("-DWB_BACKWARD_ONLY",)}  # which kernels a compile without torch instantiates
 
 package_source = SOURCE.package_source
 _EXTENSION = Extension(SOURCE, _CPP_DECLARATION, _FUNCTIONS, default="package")  # build() below adds Hopper's checks
@@ -78,9 +86,12 @@ def build_options(watchdog_seconds: float | None = WATCHDOG_SECONDS) -> list:
 
 
 def check_wgmma_not_serialized(source: str, options: list) -> None:
-    """Compile the kernels alone for sm_90a and raise :class:`CudaBuildError` when ptxas serialized a wgmma."""
-    _, log = compile_cubin(ARCH, source, LINE_NAME, SOURCE_NAME, extra_flags=tuple(options))
-    found = serialized_wgmma(log)
+    """Compile the kernels alone for sm_90a (the forward's, then the backward's) and raise :class:`CudaBuildError`
+    when ptxas serialized a wgmma."""
+    found = []
+    for flags in PARTS.values():
+        _, log = compile_cubin(ARCH, source, LINE_NAME, SOURCE_NAME, extra_flags=tuple(options) + flags)
+        found += serialized_wgmma(log)
     if found:
         lines = "\n".join(f"  ({code}) {function}: serialized due to {reason}" for code, reason, function in found)
         raise CudaBuildError(f"ptxas serialized the wgmma of {len(found)} kernel(s) of {SOURCE_NAME} (a printf, "
@@ -112,7 +123,8 @@ def extension():
 class KernelResources:
     """What ptxas reports for one kernel (per thread; shared memory is static here, per block)."""
 
-    function: str  # "tma_tile", "register_split", "named_barrier", a GemmVariant's label or "flash_v1 D=64" (v2-v4)
+    function: str  # "tma_tile", "register_split", "named_barrier", a GemmVariant's label, "flash_v1 D=64" (v2-v4),
+    # "backward D=64" (128), "backward_preprocess", "backward_convert_dq"
     dtype: str | None
     variant: GemmVariant | None
     registers: int
@@ -127,6 +139,12 @@ _MANGLED = re.compile(r"wgmma_gemm_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELi(\d
 
 _V1 = re.compile(r"flash_v1_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
 _WS = re.compile(r"flash_ws_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELi([234])E")  # VERSION 2, 3 or 4
+_BACKWARD = re.compile(r"flash_backward_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
+_BACKWARD_EDGES = re.compile(r"backward_(preprocess|convert_dq)_kernelI(6__half|13__nv_bfloat16)E")
+
+
+def _dtype(mangled: str) -> str:
+    return "float16" if mangled == "6__half" else "bfloat16"
 
 
 def _decode(function: str):
@@ -140,6 +158,12 @@ def _decode(function: str):
     if match is not None:
         return (f"flash_v{match.group(3)} D={match.group(2)}",
                 "float16" if match.group(1) == "6__half" else "bfloat16", None)
+    match = _BACKWARD.search(function)
+    if match is not None:
+        return f"backward D={match.group(2)}", _dtype(match.group(1)), None
+    match = _BACKWARD_EDGES.search(function)
+    if match is not None:
+        return f"backward_{match.group(1)}", _dtype(match.group(2)), None
     match = _MANGLED.search(function)
     if match is None:
         return None
@@ -149,11 +173,11 @@ def _decode(function: str):
 
 
 def nvcc_compile_report(source: str | None = None, *, watchdog_seconds: float | None = WATCHDOG_SECONDS,
-                        nvcc: str | None = None) -> list:
-    """Compile every kernel for sm_90a with nvcc (no GPU); one :class:`KernelResources` each. Raises
-    :class:`CudaBuildError` when ptxas serialized a wgmma."""
+                        nvcc: str | None = None, part: str = "forward") -> list:
+    """Compile every kernel of `part` (:data:`PARTS`: the lab and the forward, or the backward) for sm_90a with nvcc
+    (no GPU); one :class:`KernelResources` each. Raises :class:`CudaBuildError` when ptxas serialized a wgmma."""
     source = package_source() if source is None else source
-    options = tuple(build_options(watchdog_seconds))
+    options = tuple(build_options(watchdog_seconds)) + PARTS[part]
     _, log = compile_cubin(ARCH, source, LINE_NAME, SOURCE_NAME, extra_flags=options, nvcc=nvcc)
     found = serialized_wgmma(log)
     if found:
@@ -171,9 +195,9 @@ def nvcc_compile_report(source: str | None = None, *, watchdog_seconds: float | 
 
 
 def sass(function: str = "", *, source: str | None = None, pattern: str = "",
-         watchdog_seconds: float | None = WATCHDOG_SECONDS, nvcc: str | None = None) -> list:
-    """Machine instructions containing `pattern` of the kernels whose mangled name contains `function`."""
+         watchdog_seconds: float | None = WATCHDOG_SECONDS, nvcc: str | None = None, part: str = "forward") -> list:
+    """Machine instructions containing `pattern` of the kernels of `part` whose mangled name contains `function`."""
     source = package_source() if source is None else source
-    cubin, _ = compile_cubin(ARCH, source, LINE_NAME, SOURCE_NAME, extra_flags=tuple(build_options(watchdog_seconds)),
-                             nvcc=nvcc)
+    cubin, _ = compile_cubin(ARCH, source, LINE_NAME, SOURCE_NAME,
+                             extra_flags=tuple(build_options(watchdog_seconds)) + PARTS[part], nvcc=nvcc)
     return sass_lines(cubin, lambda name: function in name, pattern)

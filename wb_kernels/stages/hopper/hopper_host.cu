@@ -1,5 +1,6 @@
 // The Hopper rung's extension (rung "hopper"): the torch entry points of the primitives lab
-// (hopper_primitives_lab.cuh) and of the attention versions v1-v4 (hopper_attention.cuh), built as one extension.
+// (hopper_primitives_lab.cuh), of the attention versions v1-v4 (hopper_attention.cuh) and of the backward
+// (hopper_backward.cuh, issue 47: work in progress, not yet the stage's backward), built as one extension.
 // Used by:
 //   - wb_kernels/stages/hopper/build.py: torch load_inline builds it on a Hopper GPU with
 //     -gencode arch=compute_90a,code=sm_90a (wgmma exists only on that target); without a GPU nvcc compiles it for
@@ -12,6 +13,7 @@
 
 #include "hopper_primitives_lab.cuh"
 #include "hopper_attention.cuh"
+#include "hopper_backward.cuh"
 
 // Every GEMM variant the launcher can choose: X(N, K_STEPS, A_IN_REGISTERS, B_MN_MAJOR), each for fp16 and bf16.
 #define WB_FOR_EACH_GEMM_VARIANT(X)                                                                               \
@@ -19,7 +21,21 @@
     X(64, 4, true, false) X(128, 4, true, false) X(64, 4, false, true) X(128, 4, false, true)                   \
     X(64, 4, true, true) X(128, 4, true, true)
 
-#ifdef WB_KERNEL_ONLY
+#if defined(WB_KERNEL_ONLY) && defined(WB_BACKWARD_ONLY)
+// The backward's compile report (build.nvcc_compile_report(part="backward")): its kernels alone, so that the
+// forward's report does not wait for them
+#define WB_INSTANTIATE_BACKWARD(T, D)                                                                               \
+    template __global__ void wb::flash_backward_kernel<T, D>(                                                      \
+        const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap, \
+        const __grid_constant__ CUtensorMap, const wb::BackwardParams);
+WB_INSTANTIATE_BACKWARD(__half, 64) WB_INSTANTIATE_BACKWARD(__half, 128) WB_INSTANTIATE_BACKWARD(__nv_bfloat16, 64)
+WB_INSTANTIATE_BACKWARD(__nv_bfloat16, 128)
+#define WB_INSTANTIATE_BACKWARD_EDGES(T)                                                                            \
+    template __global__ void wb::backward_preprocess_kernel<T>(const T*, const T*, const float*, float*, float*,     \
+                                                               float*, int64_t, int, int, int);                    \
+    template __global__ void wb::backward_convert_dq_kernel<T>(const float*, T*, int64_t, int, int, int, float);
+WB_INSTANTIATE_BACKWARD_EDGES(__half) WB_INSTANTIATE_BACKWARD_EDGES(__nv_bfloat16)
+#elif defined(WB_KERNEL_ONLY)
 #define WB_INSTANTIATE(T, N, KS, RS, MN) \
     template __global__ void wb::wgmma_gemm_kernel<T, N, KS, RS, MN>(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap, float*);
 #define WB_INSTANTIATE_BOTH(N, KS, RS, MN) WB_INSTANTIATE(__half, N, KS, RS, MN) WB_INSTANTIATE(__nv_bfloat16, N, KS, RS, MN)
@@ -47,6 +63,7 @@ WB_INSTANTIATE_WS_ALL(2) WB_INSTANTIATE_WS_ALL(3) WB_INSTANTIATE_WS_ALL(4)
 
 #include "../host_checks.cuh"
 
+#include <algorithm>
 #include <limits>
 
 namespace wb {
@@ -274,6 +291,118 @@ std::vector<torch::Tensor> hopper_flash_forward(torch::Tensor q, torch::Tensor k
         else wb::launch_flash<__nv_bfloat16, 128>(which, q, k, v, params, stream);
     }
     return {out, lse};
+}
+// endregion
+
+// region: backward_entry_point
+namespace wb {
+template <typename T, int HEAD_DIM>
+void launch_flash_backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const torch::Tensor& dout, const BackwardParams& params, cudaStream_t stream) {
+    constexpr int smem = bwd_smem_bytes<HEAD_DIM>();
+    auto kernel = flash_backward_kernel<T, HEAD_DIM>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    // key blocks along x: the deterministic mode's order assumes block j - 1 is dispatched before block j
+    const dim3 grid((params.Lk + BWD_BLOCK_N - 1) / BWD_BLOCK_N, params.B * params.Hk);
+    kernel<<<grid, BWD_THREADS, smem, stream>>>(head_map_3d(q, BWD_BLOCK_M), head_map_3d(dout, BWD_BLOCK_M),
+                                                head_map_3d(k, BWD_BLOCK_N), head_map_3d(v, BWD_BLOCK_N), params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void run_flash_backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& out, const torch::Tensor& lse, const torch::Tensor& dout,
+                        torch::Tensor& dq, BackwardParams& params, torch::Tensor& lse_log2, torch::Tensor& dot,
+                        torch::Tensor& dq_accum, cudaStream_t stream) {
+    const int D = static_cast<int>(q.size(3));
+    const int64_t padded_rows = static_cast<int64_t>(params.B) * params.H * params.Lq_pad;
+    const int rows_per_block = BWD_PRE_THREADS / 32;
+    backward_preprocess_kernel<T><<<static_cast<unsigned>((padded_rows + rows_per_block - 1) / rows_per_block),
+                                    BWD_PRE_THREADS, 0, stream>>>(
+        static_cast<const T*>(out.data_ptr()), static_cast<const T*>(dout.data_ptr()), lse.data_ptr<float>(),
+        lse_log2.data_ptr<float>(), dot.data_ptr<float>(), dq_accum.data_ptr<float>(), padded_rows, params.Lq,
+        params.Lq_pad, D);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (D == 64) launch_flash_backward<T, 64>(q, k, v, dout, params, stream);
+    else launch_flash_backward<T, 128>(q, k, v, dout, params, stream);
+    const int64_t pairs = dq.numel() / 2;
+    const int64_t blocks = std::min<int64_t>((pairs + 255) / 256, 65536);
+    backward_convert_dq_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        dq_accum.data_ptr<float>(), static_cast<T*>(dq.data_ptr()), pairs, params.Lq, params.Lq_pad, D, params.scale);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+}  // namespace wb
+// endregion
+
+// region: backward_torch_entry
+// Returns [dq (B, H, Lq, D), dk, dv (B, Hk, Lk, D)] in q's dtype; dk and dv summed over each group of query heads.
+// out and lse are the forward's; deterministic: dQ added in key-block order (bit-identical across runs).
+// Work in progress (issue 47): not yet the stage's backward.
+std::vector<torch::Tensor> hopper_flash_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+                                                 torch::Tensor lse, torch::Tensor dout, torch::Tensor key_keep,
+                                                 bool causal, int64_t causal_offset, double scale, bool deterministic) {
+    TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && lse.is_cuda() && dout.is_cuda(),
+                "hopper_backward: every tensor must be a CUDA tensor");
+    TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                q.scalar_type() == out.scalar_type() && q.scalar_type() == dout.scalar_type() &&
+                (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16),
+                "hopper_backward: q, k, v, out, dout must be all float16 or all bfloat16");
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.is_contiguous() && k.is_contiguous() &&
+                v.is_contiguous() && out.is_contiguous() && dout.is_contiguous() && out.sizes() == q.sizes() &&
+                dout.sizes() == q.sizes(), "hopper_backward: q, k, v, out, dout must be contiguous (B, H, L, D)");
+    const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Hk = k.size(1), Lk = k.size(2);
+    TORCH_CHECK(D == 64 || D == 128, "hopper_backward: head dim must be 64 or 128, got ", D);
+    TORCH_CHECK(k.size(0) == B && Hk > 0 && H % Hk == 0 && k.size(3) == D && v.sizes() == k.sizes(),
+                "hopper_backward: k and v must be (B, Hk, Lk, D) with q's B and D, and Hk dividing H");
+    TORCH_CHECK(lse.scalar_type() == torch::kFloat32 && lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == B &&
+                lse.size(1) == H && lse.size(2) == Lq, "hopper_backward: lse must be contiguous float32 (B, H, Lq)");
+    TORCH_CHECK(scale > 0, "hopper_backward: the launcher passes a positive scale (got ", scale, ")");
+    TORCH_CHECK(B * Hk <= 65535, "hopper_backward: B * Hk = ", B * Hk, " is over gridDim.y's 65,535");
+    const uint8_t* keep = wb::key_keep_pointer(key_keep, B, Lk, "hopper_backward");
+    const c10::cuda::CUDAGuard guard(q.device());
+    auto dq = torch::empty_like(q);
+    auto dk = torch::empty_like(k);  // every key row is written: each (batch, head, key block) has its CTA
+    auto dv = torch::empty_like(v);
+    if (Lq == 0 || Lk == 0 || B * H == 0) {  // nothing to multiply; a tensor map cannot have an empty dimension
+        dq.zero_();
+        dk.zero_();
+        dv.zero_();
+        return {dq, dk, dv};
+    }
+    const int64_t Lq_pad = (Lq + wb::BWD_BLOCK_M - 1) / wb::BWD_BLOCK_M * wb::BWD_BLOCK_M;
+    const auto floats = q.options().dtype(torch::kFloat32);
+    auto lse_log2 = torch::empty({B, H, Lq_pad}, floats);
+    auto dot = torch::empty({B, H, Lq_pad}, floats);
+    auto dq_accum = torch::empty({B, H, Lq_pad, D}, floats);  // zeroed by the preprocessing kernel
+    auto semaphore = deterministic ? torch::zeros({B, H, Lq_pad / wb::BWD_BLOCK_M}, q.options().dtype(torch::kInt32))
+                                   : torch::empty({0}, q.options().dtype(torch::kInt32));
+    wb::BackwardParams params;
+    params.dq_accum = dq_accum.data_ptr<float>();
+    params.lse_log2 = lse_log2.data_ptr<float>();
+    params.dot = dot.data_ptr<float>();
+    params.dk = dk.data_ptr();
+    params.dv = dv.data_ptr();
+    params.key_keep = keep;
+    params.semaphore = deterministic ? semaphore.data_ptr<int>() : nullptr;
+    params.B = static_cast<int>(B);
+    params.H = static_cast<int>(H);
+    params.Hk = static_cast<int>(Hk);
+    params.Lq = static_cast<int>(Lq);
+    params.Lk = static_cast<int>(Lk);
+    params.Lq_pad = static_cast<int>(Lq_pad);
+    params.kv_group = static_cast<int>(H / Hk);
+    params.scale = static_cast<float>(scale);
+    params.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    params.causal = causal ? 1 : 0;
+    params.causal_offset = static_cast<int>(causal_offset);
+    params.deterministic = deterministic ? 1 : 0;
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    if (q.scalar_type() == torch::kHalf) {
+        wb::run_flash_backward<__half>(q, k, v, out, lse, dout, dq, params, lse_log2, dot, dq_accum, stream);
+    } else {
+        wb::run_flash_backward<__nv_bfloat16>(q, k, v, out, lse, dout, dq, params, lse_log2, dot, dq_accum, stream);
+    }
+    return {dq, dk, dv};
 }
 // endregion
 #endif
