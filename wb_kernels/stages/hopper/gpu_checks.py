@@ -22,7 +22,20 @@ the exit status is the number of failed checks.
   sanitizers; ``v2``, ``v3``, ``v4`` (and ``v2_quick`` ... ``v4_quick``): the same for the warp-specialized
   versions, with two shapes more (nine key tiles: the ring wraps; Lq far above Lk: blocks without a key tile);
 - ``watchdog``: a TMA load whose barrier expects 16 bytes more than arrive: the phase never completes, and the
-  watchdog's trap must end the kernel with an error (this check passes when the launch fails).
+  watchdog's trap must end the kernel with an error (this check passes when the launch fails);
+- ``backward`` (issue 47, work in progress: not yet the stage's backward): the Hopper backward's dq, dk, dv
+  (``launcher.backward_gradients``, fed by the stage's own forward) against the float64 reference gradients with
+  wb.check's rule (``check_gradients``): both dtypes and head dims, ragged lengths, Lq != Lk, L = 1, both causal
+  alignments, key padding, GQA, whole key blocks past the diagonal, and rows that see no key (zero dq); each
+  fp16 case in the default (atomic) and the deterministic mode, bf16 in the default. ``backward_quick``: one shape (fp16, D 64 and 128,
+  bottom-right causal, key padding, GQA) and the rows without keys, for the sanitizers;
+- ``deterministic``: the deterministic mode gives the same bits three times in a row (dq, dk, dv), and by
+  ``torch.use_deterministic_algorithms(True)`` too; it reports whether the atomic mode's dq differed between runs
+  and the two modes' times (CUDA events), for NOTES.md.
+
+``backward`` stops starting new problems after ``BACKWARD_SECONDS`` and says how many it did not run (the float64
+reference is most of its time); with the watchdog a wrong barrier traps instead of hanging, and the GPU run wraps
+each process in ``timeout`` as well.
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ from .build import GEMM_VARIANTS
 from .tma_swizzle import swizzled_image, tma_box
 
 __all__ = ["check_tma", "check_gemm", "check_registers", "check_named_barriers", "check_attention", "check_watchdog",
-           "register_split_expected", "CHECKS", "main"]
+           "check_backward", "check_deterministic", "register_split_expected", "CHECKS", "main"]
 
 
 _current = {"case": "before the first launch"}  # what ran last: a trap or a hang names it in the report
@@ -215,12 +228,137 @@ def check_watchdog() -> str:
     raise AssertionError("a barrier expecting 16 bytes too many completed: the watchdog did not fire")
 
 
+# region: backward_checks
+BACKWARD_SHAPES = ATTENTION_SHAPES + [(1, 2, 300, 1100, 1), (1, 2, 1030, 200, 2), (2, 4, 520, 520, 1)]
+BACKWARD_QUICK_SHAPES = [(2, 4, 130, 300, 2)]
+BACKWARD_SECONDS = 240.0  # a whole check's budget; the GPU run wraps the process in `timeout` as well
+BACKWARD_DEVICE = "cuda"  # tests/test_hopper_backward.py runs check_backward's logic on "cpu" with the NumPy model
+
+
+def _synchronize() -> None:
+    import torch
+
+    if BACKWARD_DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _backward_case(dtype, D, B, H, Lq, Lk, Hk, causal, padded, seed):
+    import torch
+
+    from .launcher import forward
+
+    device = BACKWARD_DEVICE
+    q, k, v = random_qkv(B, H, Lq, D, Lk=Lk, dtype=dtype, framework="torch", device=device, seed=seed)
+    k, v = k[:, :Hk].contiguous(), v[:, :Hk].contiguous()
+    mask = random_padding_mask(B, Lk, seed=Lk, framework="torch", device=device) if padded else None
+    out, lse = forward(q, k, v, causal=causal, key_padding_mask=mask)
+    dout = torch.randn(q.shape, generator=torch.Generator(device).manual_seed(seed), device=device).to(q.dtype)
+    return q, k, v, out, lse, dout, mask
+
+
+def check_backward(quick: bool = False) -> str:
+    """The backward's gradients against float64 (module docstring); each case atomic and deterministic."""
+    import time
+
+    import torch
+
+    from ...check import check_gradients
+    from .launcher import backward_gradients, forward
+
+    started = time.monotonic()
+    failures, cases, skipped = [], 0, 0
+    shapes, dtypes = BACKWARD_SHAPES, ("float16", "bfloat16")
+    if quick:
+        shapes, dtypes = BACKWARD_QUICK_SHAPES, ("float16",)
+    for dtype in dtypes:
+        for D in (64, 128):
+            for B, H, Lq, Lk, Hk in shapes:
+                for causal in (("bottom_right",) if quick else (False, "top_left", "bottom_right")):
+                    for padded in ((True,) if quick else (False, True)):
+                        if time.monotonic() - started > BACKWARD_SECONDS:
+                            skipped += 1  # reported below: a partial run says so
+                            continue
+                        q, k, v, out, lse, dout, mask = _backward_case(dtype, D, B, H, Lq, Lk, Hk, causal, padded,
+                                                                       seed=Lq + 3 * Lk + D)
+                        for deterministic in ((False, True) if dtype == "float16" else (False,)):
+                            name = (f"backward {dtype} D={D} {(B, H, Lq, Lk)} Hk={Hk} causal={causal} "
+                                    f"padded={padded} deterministic={deterministic}")
+                            _running(name)
+                            grads = backward_gradients(q, k, v, out, lse, dout, causal=causal, key_padding_mask=mask,
+                                                       deterministic=deterministic)
+                            _synchronize()
+                            cases += 1
+                            result = check_gradients(name, grads, q, k, v, dout, causal=causal, key_padding_mask=mask,
+                                                     verbose=False, raise_on_failure=False)
+                            if not result.passed:
+                                failures.append(result.line())
+    # keys 0-4 padded out under top-left causal: queries 0-4 see no key; their dq and the padded keys' dk, dv are 0
+    for D in (64, 128):
+        q, k, v, out, lse, dout, _ = _backward_case("float16", D, 1, 2, 70, 70, 2, True, False, seed=3)
+        mask = torch.ones(1, 70, dtype=torch.bool, device=BACKWARD_DEVICE)
+        mask[0, :5] = False
+        out, lse = forward(q, k, v, causal=True, key_padding_mask=mask)
+        _running(f"backward rows without keys D={D}")
+        dq, dk, dv = backward_gradients(q, k, v, out, lse, dout, causal=True, key_padding_mask=mask)
+        cases += 1
+        if not (torch.all(dq[:, :, :5] == 0) and torch.all(dk[:, :, :5] == 0) and torch.all(dv[:, :, :5] == 0)
+                and all(torch.isfinite(g).all() for g in (dq, dk, dv))):
+            failures.append(f"D={D} rows without a key: dq, dk, dv not zero there (or not finite)")
+    if failures:
+        raise AssertionError(f"{len(failures)} of {cases} cases failed: " + "; ".join(failures[:6]))
+    partial = f" (stopped at {BACKWARD_SECONDS:.0f} s: {skipped} problems not run)" if skipped else ""
+    return (f"backward: {cases} cases within wb.check's gradient rule (fp16 atomic and deterministic, bf16 "
+            f"atomic){partial}")
+
+
+def check_deterministic() -> str:
+    """Bit-identical gradients in the deterministic mode (three runs, and through the PyTorch switch); the atomic
+    mode's dq compared between two runs (reported, not required to differ); both modes timed."""
+    import torch
+
+    from .launcher import backward_gradients
+
+    lines, failures = [], []
+    for D, causal in ((128, False), (128, "bottom_right"), (64, False)):
+        q, k, v, out, lse, dout, _ = _backward_case("bfloat16", D, 2, 8, 2048, 2048, 2, causal, False, seed=D)
+        _running(f"deterministic D={D} causal={causal}")
+        runs = [backward_gradients(q, k, v, out, lse, dout, causal=causal, deterministic=True) for _ in range(3)]
+        torch.use_deterministic_algorithms(True)
+        try:
+            runs.append(backward_gradients(q, k, v, out, lse, dout, causal=causal))
+        finally:
+            torch.use_deterministic_algorithms(False)
+        for run in runs[1:]:
+            if not all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(runs[0], run)):
+                failures.append(f"D={D} causal={causal}: the deterministic mode gave other bits")
+        atomic = [backward_gradients(q, k, v, out, lse, dout, causal=causal, deterministic=False) for _ in range(2)]
+        differs = not torch.equal(atomic[0][0].view(torch.int16), atomic[1][0].view(torch.int16))
+        times = {}
+        for mode in (False, True):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            backward_gradients(q, k, v, out, lse, dout, causal=causal, deterministic=mode)
+            start.record()
+            for _ in range(5):
+                backward_gradients(q, k, v, out, lse, dout, causal=causal, deterministic=mode)
+            end.record()
+            torch.cuda.synchronize()
+            times[mode] = start.elapsed_time(end) / 5
+        lines.append(f"D={D} causal={causal}: atomic dq {'differed' if differs else 'equal'} across 2 runs, "
+                     f"{times[False]:.3f} ms atomic vs {times[True]:.3f} ms deterministic "
+                     f"({times[True] / times[False]:.2f}x; bf16 B2 H8 Hk2 L2048, the three kernels)")
+    if failures:
+        raise AssertionError("; ".join(failures) + " | " + "; ".join(lines))
+    return "bit-identical in 4 runs each; " + "; ".join(lines)
+# endregion
+
+
 CHECKS = {"tma": check_tma, "gemm": check_gemm, "registers": check_registers, "named_barriers": check_named_barriers,
           "attention": check_attention, "attention_quick": lambda: check_attention(quick=True),
           "v2": lambda: check_attention(2), "v2_quick": lambda: check_attention(2, quick=True),
           "v3": lambda: check_attention(3), "v3_quick": lambda: check_attention(3, quick=True),
           "v4": lambda: check_attention(4), "v4_quick": lambda: check_attention(4, quick=True),
-          "watchdog": check_watchdog}
+          "watchdog": check_watchdog, "backward": check_backward,
+          "backward_quick": lambda: check_backward(quick=True), "deterministic": check_deterministic}
 
 
 def main(names) -> int:

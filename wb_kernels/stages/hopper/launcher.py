@@ -15,7 +15,7 @@ from .. import Stage
 from ...reference import positive_scale
 
 __all__ = ["STAGE", "forward", "VERSIONS", "DEFAULT_VERSION", "DEFAULT_VERSION_BY_HEAD_DIM", "launcher_of",
-           "GRID_Y_BLOCKS"]
+           "GRID_Y_BLOCKS", "backward_gradients"]
 
 # The versions of the kernel that lab.py launches, by name, each ``(q, k, v, *, causal, key_padding_mask, scale,
 # module) -> (out, lse)`` taking a positive scale. A version joins the table by existing in lab.py as flash_<name>
@@ -64,6 +64,40 @@ def launcher_of(version=None, head_dim=None):
     if name not in VERSIONS:
         raise ValueError(f"the hopper rung has no version {name!r}; it has {', '.join(VERSIONS)}")
     return VERSIONS[name]
+
+
+def backward_gradients(q, k, v, out, lse, dout, *, causal=False, key_padding_mask=None, scale=None, module=None,
+                       deterministic=None):
+    """FlashAttention-3's backward on Hopper (``hopper_backward.cuh``, issue 47): ``(dq, dk, dv)`` for the forward's
+    ``out`` and ``lse``, dk and dv summed over each group of query heads (GQA), in q's dtype.
+
+    Work in progress: NOT registered as the stage's :class:`~wb_kernels.stages.Backward` (no ``BACKWARDS`` here)
+    until it has passed its checks on an H100 (``gpu_checks backward``); an untested kernel must not run behind
+    ``wb.attention``. `deterministic`: dQ added in key-block order (semaphores), bit-identical across runs; by
+    default ``torch.are_deterministic_algorithms_enabled()``, the PyTorch switch. A positive `scale` (as the forward
+    takes: :func:`~wb_kernels.reference.positive_scale`); one launch needs B * Hk <= 65,535.
+    """
+    import torch
+
+    from ...reference import causal_offset
+    from .build import extension
+
+    module = module or extension()
+    D = q.shape[-1]
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    if not scale > 0:
+        raise ValueError(f"the hopper backward takes a positive scale, got {scale}")
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    offset = causal_offset(causal, q.shape[2], k.shape[2])
+    if key_padding_mask is None:
+        keep = torch.empty(0, dtype=torch.uint8, device=q.device)
+    else:
+        keep = torch.as_tensor(key_padding_mask).to(device=q.device, dtype=torch.uint8).contiguous()
+    dq, dk, dv = module.hopper_flash_backward(q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+                                              lse.float().contiguous(), dout.contiguous(), keep, offset is not None,
+                                              offset or 0, scale, bool(deterministic))
+    return dq, dk, dv
 
 
 STAGE = Stage(
