@@ -62,7 +62,12 @@ def test_the_header_holds_work_splits_table():
     text = HEADER.read_text()
     table = {int(b): tuple(int(v) for v in values) for b, *values in re.findall(
         r"struct GemvShape<(\d+)> \{ static constexpr int ROWS = (\d+), UNROLL = (\d+), MIN_BLOCKS = (\d+); \};", text)}
-    assert table == ws.SHAPES
+    table[1] = tuple(int(re.search(rf"#define WB_GEMV_B1_{name} (\d+)", text).group(1))
+                     for name in ("ROWS", "UNROLL", "MIN_BLOCKS"))  # batch 1's defaults, which -D flags may change
+    assert table == ws.SHAPES and build.VARIANTS["default"] == ws.SHAPES[1]
+    assert all(rows % 2 == 0 for rows, _, _ in build.VARIANTS.values())  # the gate/up form pairs a warp's rows
+    assert build.variant_flags("rows2_unroll8") == ["-DWB_GEMV_B1_ROWS=2", "-DWB_GEMV_B1_UNROLL=8",
+                                                     "-DWB_GEMV_B1_MIN_BLOCKS=2"]
     assert f"constexpr int kWarps = {ws.WARPS};" in text and f"constexpr int kV1Unroll = {ws.V1_UNROLL};" in text
     host = (HEADER.parent / "gemv_host.cu").read_text()
     assert "enum Form { kPlain = 0, kNormProduct = 1, kResidualProduct = 2, kNormGateUp = 3 };" in host
@@ -421,9 +426,14 @@ def test_the_benchmarks_rows_on_the_model(on_the_model):
     from wb_kernels.stages.gemv import bench
 
     product = ws.Product("o", 24, 512, "residual", batch=2)
-    rows = bench.measure_product(product, "float16", repeats=2, splits_sweep=(1, 2), large_gbps=3000.0)
+    rows = bench.measure_product(product, "float16", repeats=2, splits_sweep=(1, 2), large_gbps=3000.0,
+                                 variants={"rows4_unroll2": on_the_model})
     names = [row["contender"] for row in rows]
     assert names == ["copy", "gemv splits=1", "gemv splits=2", "gemv auto", "cublas", "fused", "torch unfused"]
+    batch_one = bench.measure_product(ws.Product("o", 24, 512, "residual"), "float16", repeats=2, splits_sweep=(), large_gbps=3e3,
+                                      variants={"rows4_unroll2": on_the_model})
+    assert [row["contender"] for row in batch_one] == ["copy", "v1", "gemv auto", "variant rows4_unroll2", "cublas",
+                                                       "fused", "torch unfused"]
     assert all(row["error_over_bound"] <= 1 for row in rows if row["contender"] in ("gemv auto", "fused"))
     assert all("us" in row and "of_weight_copy" in row for row in rows[1:])
     assert rows[5]["form"] == "residual" and rows[1]["form"] == "plain" and "predicted_us" in rows[5]

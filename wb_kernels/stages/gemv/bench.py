@@ -4,6 +4,7 @@
     python -m wb_kernels.stages.gemv.bench                       # batches 1, 4, 8, 16; float16
     python -m wb_kernels.stages.gemv.bench --batches 1 --quick   # fewer repeats, the split sweep left out
     python -m wb_kernels.stages.gemv.bench --dtype bfloat16 --json results/gemv/bench_h100_bf16.json
+    python -m wb_kernels.stages.gemv.bench --batches 1 --variants all --json results/gemv/variants_h100.json
 
 For each product of work_split.MODEL_PRODUCTS (QKV, o, gate/up, down, LM head) and each batch, on the same inputs:
 
@@ -15,6 +16,8 @@ For each product of work_split.MODEL_PRODUCTS (QKV, o, gate/up, down, LM head) a
   up) at the launcher's split choice;
 - ``cublas``: ``torch.nn.functional.linear`` (cuBLAS) on the same W and x, and ``torch unfused``: the fused form's
   eager PyTorch sequence (F.rms_norm, F.linear, the add or F.silu * up): what the fusion saves;
+- ``variant <name>`` (with ``--variants``, batch 1): the plain product, one split, from a build whose batch-1 kernel
+  has another shape (build.VARIANTS: rows per warp, loads in flight per row, minimum blocks per SM);
 - ``copy``: a device-to-device copy of W's bytes (it reads and writes them: half its time is the ceiling of a
   product that only reads them), and once per run a 1 GiB copy, the rate the decoder's roofline uses.
 
@@ -95,7 +98,7 @@ def _checked(fn, case: dict, form: str, dtype: str, splits: int) -> float:
 
 
 def measure_product(product: ws.Product, dtype: str, repeats: int, splits_sweep, large_gbps: float,
-                    seed: int = 0) -> list:
+                    seed: int = 0, variants: dict | None = None) -> list:
     """Every contender on one product and batch: a list of rows for the results file."""
     import torch
 
@@ -118,6 +121,11 @@ def measure_product(product: ws.Product, dtype: str, repeats: int, splits_sweep,
                                lambda s=splits: launcher.gemv(case["w"], case["x"], splits=s, workspace=workspace)))
     contenders.append(("gemv auto", auto, "plain",
                        lambda: launcher.gemv(case["w"], case["x"], workspace=workspace)))
+    for variant, module in (variants or {}).items():
+        if product.batch == 1:
+            call = launcher.validate(case["w"], case["x"], splits=1)
+            contenders.append((f"variant {variant}", 1, "plain",
+                               lambda c=call, m=module: launcher.run(case["w"], case["x"], c, module=m)))
     contenders.append(("cublas", None, "plain", _torch_unfused(plain, case)))
     if product.form != "plain":
         contenders.append(("fused", fused_splits, product.form, _fused_call(product, case, workspace)))
@@ -169,6 +177,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="10 repeats, no split sweep (auto only)")
     parser.add_argument("--json", default=None, help="where to write (default results/gemv/bench_<gpu>.json)")
+    parser.add_argument("--variants", default="", help="build variants to time at batch 1 (names from "
+                        "build.VARIANTS, comma-separated, or 'all'): each a build of its own (minutes when cold)")
     args = parser.parse_args(argv)
     import torch
 
@@ -182,6 +192,13 @@ def main(argv=None) -> int:
     if unknown or not all(1 <= b <= 16 for b in batches):
         parser.error(f"products from {[p.name for p in ws.MODEL_PRODUCTS]} and batches 1 to 16 (got {unknown}, "
                      f"{batches})")
+    from .build import VARIANTS, build_variant
+
+    wanted = [v for v in VARIANTS if v != "default"] if args.variants == "all" else \
+        [v for v in args.variants.split(",") if v]
+    if [v for v in wanted if v not in VARIANTS]:
+        parser.error(f"--variants: names from {list(VARIANTS)} or 'all'")
+    variants = {name: build_variant(name) for name in wanted}
     repeats = 10 if args.quick else args.repeats
     sweep = () if args.quick else SPLITS
     large = large_copy_gbps(repeats)
@@ -190,7 +207,7 @@ def main(argv=None) -> int:
     for batch in batches:
         for product in ws.model_products(batch):
             if product.name in names:
-                measured = measure_product(product, args.dtype, repeats, sweep, large)
+                measured = measure_product(product, args.dtype, repeats, sweep, large, variants=variants)
                 rows += measured
                 for row in measured:
                     print(f"{row['product']:8s} B{row['batch']:<2d} {row['contender']:15s} "
@@ -199,6 +216,8 @@ def main(argv=None) -> int:
     path = args.json or gpu_results_path("gemv", "bench", on_cuda=True, smoke_name="bench_smoke.json")
     save_results({"kind": "gemv", "environment": environment(), "timing": dict(DEVICE_TIME),
                   "timing_words": DEVICE_TIME.words(), "dtype": args.dtype, "large_copy_gbps": round_significant(large),
+                  "variants": {name: dict(zip(("rows", "unroll", "min_blocks"), VARIANTS[name])) for name in
+                               ["default", *wanted]},
                   "command": "python -m wb_kernels.stages.gemv.bench " + recorded_arguments(
                       argv if argv is not None else sys.argv[1:], REPO_ROOT),
                   "rows": rows}, path)

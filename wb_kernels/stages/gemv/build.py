@@ -6,6 +6,8 @@
   ``gemv_forward``, built once per process for the GPU's own architecture (sm_90 on an H100) and cached on disk.
 - :func:`nvcc_compile_report` (needs only nvcc): registers, spills and stack of every kernel the launcher can
   choose, for a CPU-only machine and CI, one :class:`KernelResources` each.
+- :data:`VARIANTS` and :func:`build_variant`: the batch-1 kernel's shape (weight rows per warp, loads in flight per
+  row, minimum blocks per SM) built with other values (``-D`` flags), for ``bench.py --variants`` to time side by side.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from ...cuda_build import CudaBuildError, EditableSource, Extension, compile_cubin, ptxas_entries
 
 __all__ = ["SOURCE", "SOURCE_NAME", "ARCH", "FORM_NAMES", "extension", "build", "package_source",
-           "nvcc_compile_report", "KernelResources"]
+           "nvcc_compile_report", "KernelResources", "VARIANTS", "variant_flags", "build_variant"]
 
 SOURCE = EditableSource(Path(__file__).resolve().parent / "gemv_host.cu")  # and the headers it includes
 SOURCE_NAME = SOURCE.name  # "wb_kernels/stages/gemv/gemv_host.cu"
@@ -36,6 +38,27 @@ package_source = SOURCE.package_source
 EXTENSION = Extension(SOURCE, _CPP_DECLARATION, _FUNCTIONS, default="package")
 build = EXTENSION.build
 extension = EXTENSION.extension
+
+
+# The batch-1 shape (rows per warp, loads in flight per row and lane, min blocks per SM) of each build bench.py can time
+# side by side; "default" is the package's (work_split.SHAPES[1]). Rows stay even: the gate/up form pairs them.
+VARIANTS = {"default": (2, 4, 4), "rows4_unroll2": (4, 2, 4), "rows2_unroll8": (2, 8, 2), "rows4_unroll4": (4, 4, 2),
+            "capped_registers": (2, 4, 8)}
+
+
+def variant_flags(name: str) -> list:
+    """The ``-D`` flags of build variant `name` (:data:`VARIANTS`); a ValueError naming the variants there are."""
+    if name not in VARIANTS:
+        raise ValueError(f"the gemv rung has no build variant {name!r}; it has {', '.join(VARIANTS)}")
+    rows, unroll, min_blocks = VARIANTS[name]
+    return [f"-DWB_GEMV_B1_ROWS={rows}", f"-DWB_GEMV_B1_UNROLL={unroll}", f"-DWB_GEMV_B1_MIN_BLOCKS={min_blocks}"]
+
+
+def build_variant(name: str, *, verbose: bool = False):
+    """The extension built with variant `name`'s batch-1 shape (a GPU; cached on disk like the package's)."""
+    from ...cuda_build import build_flags
+
+    return build(package_source(), flags=build_flags() + variant_flags(name), verbose=verbose)
 
 
 @dataclass(frozen=True)
@@ -58,11 +81,14 @@ _V1 = re.compile(r"gemv_v1_kernelI(6__half|13__nv_bfloat16)E")
 _GEMV = re.compile(r"gemv_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELi(\d)ELi(\d)E")
 
 
-def nvcc_compile_report(arch: str = ARCH, source: str | None = None, nvcc: str | None = None) -> list:
-    """Every kernel of ``gemv_host.cu`` compiled for `arch` with nvcc alone (no GPU): one :class:`KernelResources`
-    each, sorted. Cached per source and arch in this process (:func:`~wb_kernels.cuda_build.compile_cubin`)."""
+def nvcc_compile_report(arch: str = ARCH, source: str | None = None, nvcc: str | None = None,
+                        variant: str = "default") -> list:
+    """Every kernel of ``gemv_host.cu`` compiled for `arch` with nvcc alone (no GPU), as build `variant` shapes its
+    batch-1 kernel: one :class:`KernelResources` each, sorted. Cached per source, arch and flags in this process
+    (:func:`~wb_kernels.cuda_build.compile_cubin`)."""
+    flags = tuple(variant_flags(variant)) if variant != "default" else ()
     _, log = compile_cubin(arch, package_source() if source is None else source, SOURCE.file_name, SOURCE_NAME,
-                           nvcc=nvcc)
+                           nvcc=nvcc, extra_flags=flags)
     found = []
     for entry in ptxas_entries(log):
         v1, gemv = _V1.search(entry.function), _GEMV.search(entry.function)

@@ -108,7 +108,19 @@ enum Epilogue { kStore = 0, kResidual = 1, kSiluMul = 2 };  // y; residual + y; 
 // loads; more rows per warp reuse each x load (from L1) ROWS times, which the L1's bandwidth needs at B = 8 and 16.
 // work_split.py's SHAPES holds the same table (a test compares them).
 template <int BATCH> struct GemvShape;
-template <> struct GemvShape<1> { static constexpr int ROWS = 2, UNROLL = 4, MIN_BLOCKS = 4; };
+// batch 1, the issue's bar: bench.py --variants builds other values of it with -D flags (build.VARIANTS)
+#ifndef WB_GEMV_B1_ROWS
+#define WB_GEMV_B1_ROWS 2
+#endif
+#ifndef WB_GEMV_B1_UNROLL
+#define WB_GEMV_B1_UNROLL 4
+#endif
+#ifndef WB_GEMV_B1_MIN_BLOCKS
+#define WB_GEMV_B1_MIN_BLOCKS 4
+#endif
+template <> struct GemvShape<1> {
+    static constexpr int ROWS = WB_GEMV_B1_ROWS, UNROLL = WB_GEMV_B1_UNROLL, MIN_BLOCKS = WB_GEMV_B1_MIN_BLOCKS;
+};
 template <> struct GemvShape<2> { static constexpr int ROWS = 2, UNROLL = 4, MIN_BLOCKS = 4; };
 template <> struct GemvShape<4> { static constexpr int ROWS = 4, UNROLL = 2, MIN_BLOCKS = 3; };
 template <> struct GemvShape<8> { static constexpr int ROWS = 4, UNROLL = 2, MIN_BLOCKS = 2; };

@@ -192,8 +192,10 @@ def _aligned(t):
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def run(w, x, call: GemvCall, *, norm_weight=None, residual=None, out=None, workspace: Workspace | None = None):
-    """Launch a validated call (:func:`validate`) on the GPU; returns y."""
+def run(w, x, call: GemvCall, *, norm_weight=None, residual=None, out=None, workspace: Workspace | None = None,
+        module=None):
+    """Launch a validated call (:func:`validate`) on the GPU; returns y. `module`: an extension other than the
+    package's (a build variant, build.build_variant)."""
     import torch
 
     from .build import extension
@@ -212,8 +214,8 @@ def run(w, x, call: GemvCall, *, norm_weight=None, residual=None, out=None, work
         partial, counters = workspace.partial, workspace.counters
     else:
         partial = counters = torch.empty(0, dtype=torch.float32, device=w.device)
-    y = extension().gemv_forward(w, x2, norm_weight, residual, _FORM_INDEX[call.form], call.eps, plan.splits,
-                                 plan.k_per_split, partial, counters, out)
+    y = (module or extension()).gemv_forward(w, x2, norm_weight, residual, _FORM_INDEX[call.form], call.eps,
+                                             plan.splits, plan.k_per_split, partial, counters, out)
     return y.reshape(call.n_out) if call.squeeze else y
 
 
