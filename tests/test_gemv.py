@@ -241,6 +241,22 @@ def test_split_k_at_the_models_shapes_on_an_h100():
         assert ws.waves(plan, registers) <= (1.0 if product.name in ("qkv", "o", "down") else 300)
 
 
+def test_the_notes_tabulate_the_models_predictions():
+    notes = (HEADER.parent / "NOTES.md").read_text()
+    names = {"qkv": "QKV", "o": "o", "gate_up": "gate/up", "down": "down", "lm_head": "LM head"}
+    for row in ws.predictions(1):
+        line = (f"| {names[row['product']]} | {row['weight_mb']:.1f} | {row['ceiling_us']:.2f} | {row['tiles']} | "
+                f"{row['in_flight_kb']:.0f} | {row['model_us']:.2f} | {100 * row['of_ceiling']:.0f} % |")
+        assert line in notes, line
+    for batch in (1, 4, 8, 16):
+        rows = ws.predictions(batch)
+        line = f"| {batch} | " + " | ".join(f"{100 * row['of_ceiling']:.0f} %" for row in rows) + " |"
+        assert line in notes, line
+    for batches, splits in (("1", "1 | 1 | 1 | 1 | 1"), ("4, 8", "2 | 2 | 1 | 2 | 1"), ("16", "2 | 2 | 1 | 3 | 1")):
+        assert f"| {batches} | {splits} |" in notes
+        assert all(" | ".join(str(row["splits"]) for row in ws.predictions(int(b))) == splits for b in batches.split(", "))
+
+
 def test_the_roofline_arithmetic():
     assert ws.copy_time_us(3e9, 3000) == pytest.approx(1000.0)  # 3 GB at a 3,000 GB/s copy's rate
     lm_head = ws.MODEL_PRODUCTS[4]

@@ -31,7 +31,7 @@ from ..wmma.fragment_model import round_to  # float32 -> float16 / bfloat16 (to 
 __all__ = ["WARPS", "LANES", "CHUNK", "WARP_STEP", "V1_UNROLL", "SHAPES", "FORMS", "Gpu", "H100", "Product",
            "MODEL_PRODUCTS", "model_products", "batch_width", "Launch", "launch", "split_plan", "warp_rows",
            "lane_columns", "read_counts", "blocks_per_sm", "bytes_in_flight_per_warp", "bytes_in_flight_per_sm",
-           "bytes_needed_per_sm", "waves", "instructions_per_weight", "issue_time_us", "predicted_time_us", "choose_splits", "copy_time_us", "roofline_us",
+           "bytes_needed_per_sm", "waves", "instructions_per_weight", "issue_time_us", "predicted_time_us", "predictions", "choose_splits", "copy_time_us", "roofline_us",
            "round_to", "emulate", "reference64", "error_bound"]
 
 WARPS = 4  # warps per block (gemv.cuh: kWarps)
@@ -275,6 +275,22 @@ def choose_splits(product: Product, gpu: Gpu = H100, registers: int | None = Non
         if t < 0.98 * best_time:
             best, best_time = splits, t
     return best
+
+
+def predictions(batch: int = 1, gpu: Gpu = H100) -> list:
+    """Each model product at `batch` in its fused form at :func:`choose_splits`' count: the model's numbers as
+    NOTES.md tabulates them (tests/test_gemv.py compares the two)."""
+    rows = []
+    for product in model_products(batch):
+        splits = choose_splits(product, gpu)
+        plan = launch(product, "gemv", splits)
+        registers = REGISTERS[("gemv", batch_width(batch))]
+        ceiling, model = copy_time_us(product.weight_bytes, gpu.copy_gbps), predicted_time_us(product, plan, gpu)
+        rows.append({"product": product.name, "weight_mb": product.weight_bytes / 1e6, "ceiling_us": ceiling,
+                     "tiles": plan.tiles, "splits": splits,
+                     "in_flight_kb": bytes_in_flight_per_sm(product, plan, registers, gpu) / 1024,
+                     "issue_us": issue_time_us(product, plan, gpu), "model_us": model, "of_ceiling": ceiling / model})
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- the roofline
