@@ -455,6 +455,24 @@ def test_the_benchmarks_rows_on_the_model(on_the_model):
     assert rows[5]["form"] == "residual" and rows[1]["form"] == "plain" and "predicted_us" in rows[5]
 
 
+def test_the_benchmarks_file_on_the_model(on_the_model, monkeypatch, tmp_path):
+    import json
+
+    from wb_kernels.stages.gemv import bench
+
+    monkeypatch.setattr(ws, "MODEL_PRODUCTS", (ws.Product("o", 16, 256, "residual"), ws.Product("up", 8, 512, "norm")))
+    monkeypatch.setattr(bench, "large_copy_gbps", lambda repeats: 3000.0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "stand-in"})
+    path = tmp_path / "bench.json"
+    assert bench.main(["--batches", "1,3", "--quick", "--json", str(path)]) == 0
+    results = json.loads(path.read_text())
+    assert results["complete"] and results["command"].endswith("--quick --json bench.json")
+    assert {(row["product"], row["batch"]) for row in results["rows"]} == {("o", 1), ("o", 3), ("up", 1), ("up", 3)}
+    assert all(row["error_over_bound"] <= 1 for row in results["rows"] if "error_over_bound" in row
+               and not row["contender"].startswith(("cublas", "torch")))
+
+
 def test_the_benchmark_refuses_to_run_without_a_gpu(capsys):
     from wb_kernels.stages.gemv import bench
 

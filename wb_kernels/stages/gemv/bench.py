@@ -138,7 +138,8 @@ def measure_product(product: ws.Product, dtype: str, repeats: int, splits_sweep,
                "splits": splits}
         if name != "copy":
             ratio = _checked(fn, case, form, dtype, splits or 1)
-            row["error_over_bound"] = round_significant(ratio, 3)
+            row["error_over_bound"] = round_significant(ratio, 3) if ratio == ratio and ratio != float("inf") \
+                else str(ratio)  # NaN or inf: a string, which JSON can hold
             if not ratio <= 1.0 and name not in ("cublas", "torch unfused"):
                 row["status"] = "wrong result: not timed"
                 rows.append(row)
@@ -203,26 +204,28 @@ def main(argv=None) -> int:
     sweep = () if args.quick else SPLITS
     large = large_copy_gbps(repeats)
     print(f"1 GiB copy: {large:.0f} GB/s", file=sys.stderr)
-    rows = []
+    path = args.json or gpu_results_path("gemv", "bench", on_cuda=True, smoke_name="bench_smoke.json")
+    results = {"kind": "gemv", "environment": environment(), "timing": dict(DEVICE_TIME),
+               "timing_words": DEVICE_TIME.words(), "dtype": args.dtype, "large_copy_gbps": round_significant(large),
+               "variants": {name: dict(zip(("rows", "unroll", "min_blocks"), VARIANTS[name])) for name in
+                            ["default", *wanted]},
+               "command": "python -m wb_kernels.stages.gemv.bench " + recorded_arguments(
+                   argv if argv is not None else sys.argv[1:], REPO_ROOT),
+               "complete": False, "rows": []}
     for batch in batches:
         for product in ws.model_products(batch):
             if product.name in names:
                 measured = measure_product(product, args.dtype, repeats, sweep, large, variants=variants)
-                rows += measured
+                results["rows"] += measured
+                save_results(results, path)  # after each product: a kernel that faults later leaves these
                 for row in measured:
                     print(f"{row['product']:8s} B{row['batch']:<2d} {row['contender']:15s} "
                           f"{row.get('us', float('nan')):9.2f} us  of copy {row.get('of_weight_copy', ''):>6} "
                           f"x cuBLAS {row.get('x_cublas', ''):>6}  {row.get('status', '')}", file=sys.stderr)
-    path = args.json or gpu_results_path("gemv", "bench", on_cuda=True, smoke_name="bench_smoke.json")
-    save_results({"kind": "gemv", "environment": environment(), "timing": dict(DEVICE_TIME),
-                  "timing_words": DEVICE_TIME.words(), "dtype": args.dtype, "large_copy_gbps": round_significant(large),
-                  "variants": {name: dict(zip(("rows", "unroll", "min_blocks"), VARIANTS[name])) for name in
-                               ["default", *wanted]},
-                  "command": "python -m wb_kernels.stages.gemv.bench " + recorded_arguments(
-                      argv if argv is not None else sys.argv[1:], REPO_ROOT),
-                  "rows": rows}, path)
+    results["complete"] = True
+    save_results(results, path)
     print(f"wrote {path}", file=sys.stderr)
-    wrong = [row for row in rows if row.get("status")]
+    wrong = [row for row in results["rows"] if row.get("status")]
     return 1 if wrong else 0
 
 
