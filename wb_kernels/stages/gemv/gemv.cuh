@@ -123,7 +123,7 @@ template <> struct GemvShape<1> {
 };
 template <> struct GemvShape<2> { static constexpr int ROWS = 2, UNROLL = 4, MIN_BLOCKS = 4; };
 template <> struct GemvShape<4> { static constexpr int ROWS = 4, UNROLL = 2, MIN_BLOCKS = 3; };
-template <> struct GemvShape<8> { static constexpr int ROWS = 4, UNROLL = 2, MIN_BLOCKS = 2; };
+template <> struct GemvShape<8> { static constexpr int ROWS = 4, UNROLL = 2, MIN_BLOCKS = 3; };
 template <> struct GemvShape<16> { static constexpr int ROWS = 4, UNROLL = 1, MIN_BLOCKS = 2; };
 
 struct GemvParams {
