@@ -11,8 +11,8 @@ On the CPU (CI):
   deterministic one bit-identical under any order in which the key blocks get there, the atomic one not;
 - the source decides tiles and masks as the model does.
 
-On a Hopper GPU (tests/test_hopper.py's subprocess runner, next session): ``gpu_checks backward_quick backward
-deterministic``.
+On a Hopper GPU (next session), each in a subprocess under a time limit: ``gpu_checks dq_product backward_quick
+backward deterministic``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def test_every_backward_kernel_compiles_for_sm_90a_without_spills(backward_repor
     found = {(r.function, r.dtype) for r in backward_report if r.function.startswith("backward")}
     expected = {(f"backward D={D}", dtype) for D in (64, 128) for dtype in DTYPES}
     expected |= {(f"backward_{edge}", dtype) for edge in ("preprocess", "convert_dq") for dtype in DTYPES}
+    expected |= {(f"backward_dq_product D={D}", dtype) for D in (64, 128) for dtype in DTYPES}
     assert found == expected
     for kernel in backward_report:
         assert kernel.spill_stores == kernel.spill_loads == kernel.stack_bytes == 0, kernel
@@ -57,7 +58,7 @@ def test_the_cuda_13_0_toolkit_compiles_the_backward_too():
     if nvcc is None:
         pytest.skip("no CUDA toolkit nvcc on this machine (the wheel's nvcc is checked above)")
     report = [r for r in hb.nvcc_compile_report(nvcc=nvcc, part="backward") if r.function.startswith("backward")]
-    assert len(report) == 8
+    assert len(report) == 12
     assert all(r.spill_stores == r.spill_loads == r.stack_bytes == 0 for r in report), report
 
 
@@ -91,6 +92,18 @@ def test_the_backward_is_wgmma_on_tma_tiles(backward_report, dtype, D):
     assert not [line for line in lines if line.startswith(("LDL", "STL"))]
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_dq_product_runs_alone_as_the_backward_issues_it(backward_report, D):
+    """dq_product_kernel calls issue_dq itself: 8 SS k-steps with A and B transposed, N = D / 2, A and B by TMA."""
+    tool_or_skip(cuda_build.find_cuobjdump, "the hopper backward's machine-code check")
+    lines = hb.sass(f"dq_product_kernelI6__halfLi{D}E", part="backward")
+    hgmma = [line for line in lines if line.startswith("HGMMA.")]
+    assert len(hgmma) == 8 and all(line.startswith(f"HGMMA.64x{D // 2}x16.F32 ") and ".tnspA.tnspB" in line
+                                   for line in hgmma), hgmma
+    assert sum(line.startswith("UTMALDG.2D") for line in lines) >= 2
+    assert "issue_dq<T, HEAD_DIM>(d, smem_address(a_t_tile), smem_address(b_tile), consumer);" in hb.package_source()
+
+
 def test_a_trap_inline_on_the_consumers_path_would_spill():
     """Why the backward's waits trap through a call (watchdog_trap): inlined, the trap made ptxas allocate the
     consumers for the launch's 168 registers (spills at D = 64 and 128, serialized wgmma at D = 128)."""
@@ -114,13 +127,17 @@ def test_the_backward_regions_exist():
     assert {"backward_params", "backward_preprocess", "backward_convert_dq", "backward_primitives",
             "backward_wgmma_transposed_a", "backward_main_layout", "backward_main_producer", "backward_main_softmax",
             "backward_main_dq", "backward_main_epilogue", "backward_main_kernel", "backward_main_consumer",
-            "backward_entry_point", "backward_torch_entry"} <= regions
+            "backward_entry_point", "backward_torch_entry", "backward_dq_product_kernel",
+            "backward_dq_product_entry"} <= regions
 
 
 def test_the_build_declares_the_backward_entry_point():
     assert "hopper_flash_backward" in hb._FUNCTIONS
     assert "std::vector<torch::Tensor> hopper_flash_backward(" in hb._CPP_DECLARATION
     assert "std::vector<torch::Tensor> hopper_flash_backward(" in hb.package_source()
+    assert "hopper_backward_dq_product" in hb._FUNCTIONS
+    assert "torch::Tensor hopper_backward_dq_product(torch::Tensor a_t, torch::Tensor b, int64_t consumer)" in \
+        hb.package_source()
 
 
 def test_the_launcher_does_not_register_the_backward_yet():
@@ -295,7 +312,7 @@ def test_the_gpu_checks_backward_logic_passes_the_model_and_fails_a_wrong_dq(mon
 
 from test_hopper import REPO, _environment, built_extension, needs_hopper  # noqa: E402,F401 (the fixture)
 
-BACKWARD_GPU_SECONDS = {"backward_quick": 120, "backward": 420, "deterministic": 180}
+BACKWARD_GPU_SECONDS = {"dq_product": 60, "backward_quick": 120, "backward": 420, "deterministic": 180}
 
 
 @needs_hopper

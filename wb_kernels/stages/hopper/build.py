@@ -38,7 +38,7 @@ LINE_NAME = SOURCE.file_name
 ARCH = "sm_90a"  # wgmma and setmaxnreg: Hopper's architecture-specific target
 WATCHDOG_SECONDS = 2.0  # a barrier wait longer than this traps (the kernels here finish in microseconds)
 _FUNCTIONS = ["hopper_tma_tile", "hopper_wgmma_gemm", "hopper_register_split", "hopper_named_barrier_turns",
-              "hopper_flash_forward", "hopper_flash_backward"]
+              "hopper_flash_forward", "hopper_flash_backward", "hopper_backward_dq_product"]
 _CPP_DECLARATION = (
     "torch::Tensor hopper_tma_tile(torch::Tensor x, int64_t row0, int64_t column0, int64_t expect_bytes);\n"
     "torch::Tensor hopper_wgmma_gemm(torch::Tensor a, torch::Tensor b, bool a_in_registers, bool b_mn_major);\n"
@@ -48,7 +48,8 @@ _CPP_DECLARATION = (
     "torch::Tensor key_keep, bool causal, int64_t causal_offset, double scale, int64_t version);\n"
     "std::vector<torch::Tensor> hopper_flash_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, "
     "torch::Tensor out, torch::Tensor lse, torch::Tensor dout, torch::Tensor key_keep, bool causal, "
-    "int64_t causal_offset, double scale, bool deterministic);"
+    "int64_t causal_offset, double scale, bool deterministic);\n"
+    "torch::Tensor hopper_backward_dq_product(torch::Tensor a_t, torch::Tensor b, int64_t consumer);"
 )
 PARTS = {"forward": (), "backward": ("-DWB_BACKWARD_ONLY",)}  # which kernels a compile without torch instantiates
 
@@ -124,7 +125,7 @@ class KernelResources:
     """What ptxas reports for one kernel (per thread; shared memory is static here, per block)."""
 
     function: str  # "tma_tile", "register_split", "named_barrier", a GemmVariant's label, "flash_v1 D=64" (v2-v4),
-    # "backward D=64" (128), "backward_preprocess", "backward_convert_dq"
+    # "backward D=64" (128), "backward_preprocess", "backward_convert_dq", "backward_dq_product D=64" (128)
     dtype: str | None
     variant: GemmVariant | None
     registers: int
@@ -141,6 +142,7 @@ _V1 = re.compile(r"flash_v1_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
 _WS = re.compile(r"flash_ws_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELi([234])E")  # VERSION 2, 3 or 4
 _BACKWARD = re.compile(r"flash_backward_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
 _BACKWARD_EDGES = re.compile(r"backward_(preprocess|convert_dq)_kernelI(6__half|13__nv_bfloat16)E")
+_DQ_PRODUCT = re.compile(r"dq_product_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
 
 
 def _dtype(mangled: str) -> str:
@@ -164,6 +166,9 @@ def _decode(function: str):
     match = _BACKWARD_EDGES.search(function)
     if match is not None:
         return f"backward_{match.group(1)}", _dtype(match.group(2)), None
+    match = _DQ_PRODUCT.search(function)
+    if match is not None:
+        return f"backward_dq_product D={match.group(2)}", _dtype(match.group(1)), None
     match = _MANGLED.search(function)
     if match is None:
         return None

@@ -23,6 +23,9 @@ the exit status is the number of failed checks.
   versions, with two shapes more (nine key tiles: the ring wraps; Lq far above Lk: blocks without a key tile);
 - ``watchdog``: a TMA load whose barrier expects 16 bytes more than arrive: the phase never completes, and the
   watchdog's trap must end the kernel with an error (this check passes when the launch fails);
+- ``dq_product`` (issue 47): the backward's dQ product alone (``lab.backward_dq_product``: SS wgmma with A M-major,
+  never run by the ``gemm`` check, and B MN-major from column 0, 32 or 64) in fp16 and bf16, D 64 and 128, both
+  consumers' halves, against float64 with ``gemm``'s bound: run it first, a wrong descriptor shows here alone;
 - ``backward`` (issue 47, work in progress: not yet the stage's backward): the Hopper backward's dq, dk, dv
   (``launcher.backward_gradients``, fed by the stage's own forward) against the float64 reference gradients with
   wb.check's rule (``check_gradients``): both dtypes and head dims, ragged lengths, Lq != Lk, L = 1, both causal
@@ -51,7 +54,7 @@ from .build import GEMM_VARIANTS
 from .tma_swizzle import swizzled_image, tma_box
 
 __all__ = ["check_tma", "check_gemm", "check_registers", "check_named_barriers", "check_attention", "check_watchdog",
-           "check_backward", "check_deterministic", "register_split_expected", "CHECKS", "main"]
+           "check_dq_product", "check_backward", "check_deterministic", "register_split_expected", "CHECKS", "main"]
 
 
 _current = {"case": "before the first launch"}  # what ran last: a trap or a hang names it in the report
@@ -87,6 +90,13 @@ def check_tma() -> str:
     return f"{cases} boxes equal to the NumPy swizzle model bit for bit"
 
 
+def _product_error(c, a, b):
+    """max |c - a b| against float64, and its bound: fp32 accumulation of K exact products errs by at most
+    K 2^-24 sum |a||b|; 1e-4 max(|a||b|) leaves room to spare."""
+    error = float((c.double() - a.double() @ b.double()).abs().max())
+    return error, 1e-4 * float((a.double().abs() @ b.double().abs()).max()) + 1e-6
+
+
 def check_gemm() -> str:
     import torch
 
@@ -101,10 +111,7 @@ def check_gemm() -> str:
                 operand = b if variant.b_mn_major else b.t().contiguous()
                 _running(f"gemm {dtype} {variant.label} K={K}")
                 c = lab.wgmma_gemm(a, operand, a_in_registers=variant.a_in_registers, b_mn_major=variant.b_mn_major)
-                expected = a.double() @ b.double()
-                error = float((c.double() - expected).abs().max())
-                # fp32 accumulation of K exact products: |error| <= K * 2^-24 * sum |a||b|, with room to spare
-                bound = 1e-4 * float((a.double().abs() @ b.double().abs()).max()) + 1e-6
+                error, bound = _product_error(c, a, b)
                 cases += 1
                 worst = max(worst, error)
                 if not error <= bound:
@@ -256,6 +263,27 @@ def _backward_case(dtype, D, B, H, Lq, Lk, Hk, causal, padded, seed):
     return q, k, v, out, lse, dout, mask
 
 
+def check_dq_product() -> str:
+    import torch
+
+    failures, cases, worst = [], 0, 0.0
+    for dtype in (torch.float16, torch.bfloat16):
+        for D in (64, 128):
+            for consumer in (0, 1):
+                a_t = torch.randn(128, 64, device="cuda").to(dtype)
+                b = torch.randn(128, D, device="cuda").to(dtype)
+                _running(f"dq_product {dtype} D={D} consumer={consumer}")
+                c = lab.backward_dq_product(a_t, b, consumer)
+                error, bound = _product_error(c, a_t.t(), b[:, consumer * D // 2:(consumer + 1) * D // 2])
+                cases += 1
+                worst = max(worst, error)
+                if not error <= bound:
+                    failures.append(f"{dtype} D={D} consumer {consumer}: max |error| {error:.3g} > {bound:.3g}")
+    if failures:
+        raise AssertionError("; ".join(failures))
+    return f"{cases} dQ products (A M-major, B MN-major) within fp32 accumulation error of float64 (worst {worst:.2g})"
+
+
 def check_backward(quick: bool = False) -> str:
     """The backward's gradients against float64 (module docstring); each case atomic and deterministic."""
     import time
@@ -357,7 +385,7 @@ CHECKS = {"tma": check_tma, "gemm": check_gemm, "registers": check_registers, "n
           "v2": lambda: check_attention(2), "v2_quick": lambda: check_attention(2, quick=True),
           "v3": lambda: check_attention(3), "v3_quick": lambda: check_attention(3, quick=True),
           "v4": lambda: check_attention(4), "v4_quick": lambda: check_attention(4, quick=True),
-          "watchdog": check_watchdog, "backward": check_backward,
+          "watchdog": check_watchdog, "dq_product": check_dq_product, "backward": check_backward,
           "backward_quick": lambda: check_backward(quick=True), "deterministic": check_deterministic}
 
 

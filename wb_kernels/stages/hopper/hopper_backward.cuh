@@ -392,6 +392,49 @@ __device__ __forceinline__ void add_dq(const float (&dq)[HEAD_DIM / 4], float* d
 }
 // endregion
 
+// region: backward_dq_product_kernel
+// issue_dq alone, before the backward relies on it (the lab's gemm check runs B transposed, never A): one warpgroup,
+// C (64 x HEAD_DIM / 2, fp32) = A B[:, consumer HEAD_DIM / 2 ...] with A given as its transpose A^T (128 x 64,
+// row-major: what the consumers store as dS^T) and B (128 x HEAD_DIM, row-major: the K tile), both by 2-D TMA boxes
+// of 128 rows in the 128-byte swizzle. The GPU check compares C with float64 (gpu_checks "dq_product").
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(WARPGROUP) dq_product_kernel(const __grid_constant__ CUtensorMap a_t_map,
+                                                             const __grid_constant__ CUtensorMap b_map, int consumer,
+                                                             float* __restrict__ c) {
+    constexpr int BLOCK_BYTES = BWD_BLOCK_N * TILE_ROW_BYTES;  // 128 rows x 64 16-bit columns
+    __shared__ __align__(1024) uint8_t a_t_tile[BLOCK_BYTES];
+    __shared__ __align__(1024) uint8_t b_tile[HEAD_DIM / 64 * BLOCK_BYTES];
+    __shared__ __align__(8) uint64_t loaded;
+    if (threadIdx.x == 0) {  // the thread that initialises the barrier may use it at once; the others after the sync
+        mbarrier_init(&loaded, 1);
+        fence_barrier_init();
+        mbarrier_arrive_expect_tx(&loaded, (1 + HEAD_DIM / 64) * BLOCK_BYTES);
+        tma_load_2d(a_t_tile, &a_t_map, 0, 0, &loaded);
+        for (int block = 0; block < HEAD_DIM / 64; ++block) {
+            tma_load_2d(b_tile + block * BLOCK_BYTES, &b_map, 64 * block, 0, &loaded);
+        }
+    }
+    __syncthreads();
+    mbarrier_wait_watched(&loaded, 0);
+    float d[HEAD_DIM / 4];
+    zero_accumulators(d);
+    wgmma_fence();
+    issue_dq<T, HEAD_DIM>(d, smem_address(a_t_tile), smem_address(b_tile), consumer);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    fence_accumulators(d);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 16; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = 16 * warp + lane / 4 + 8 * h, column = 8 * j + 2 * (lane % 4);
+            *reinterpret_cast<float2*>(c + row * HEAD_DIM / 2 + column) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+        }
+    }
+}
+// endregion
+
 // region: backward_main_epilogue
 // dK (times scale: the products used S = Q K^T unscaled) and dV from registers to global memory, keys past Lk
 // dropped.

@@ -35,6 +35,11 @@ WB_INSTANTIATE_BACKWARD(__nv_bfloat16, 128)
                                                                float*, int64_t, int, int, int);                    \
     template __global__ void wb::backward_convert_dq_kernel<T>(const float*, T*, int64_t, int, int, int, float);
 WB_INSTANTIATE_BACKWARD_EDGES(__half) WB_INSTANTIATE_BACKWARD_EDGES(__nv_bfloat16)
+#define WB_INSTANTIATE_DQ_PRODUCT(T, D)                                                                             \
+    template __global__ void wb::dq_product_kernel<T, D>(const __grid_constant__ CUtensorMap,                      \
+                                                         const __grid_constant__ CUtensorMap, int, float*);
+WB_INSTANTIATE_DQ_PRODUCT(__half, 64) WB_INSTANTIATE_DQ_PRODUCT(__half, 128) WB_INSTANTIATE_DQ_PRODUCT(__nv_bfloat16, 64)
+WB_INSTANTIATE_DQ_PRODUCT(__nv_bfloat16, 128)
 #elif defined(WB_KERNEL_ONLY)
 #define WB_INSTANTIATE(T, N, KS, RS, MN) \
     template __global__ void wb::wgmma_gemm_kernel<T, N, KS, RS, MN>(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap, float*);
@@ -332,6 +337,34 @@ void run_flash_backward(const torch::Tensor& q, const torch::Tensor& k, const to
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 }  // namespace wb
+// endregion
+
+// region: backward_dq_product_entry
+// The dQ product alone (dq_product_kernel): a_t (128, 64), b (128, D) 16-bit, D = 64 or 128, consumer 0 or 1;
+// returns (64, D / 2) float32 = a_t^T b[:, consumer D / 2 : (consumer + 1) D / 2].
+torch::Tensor hopper_backward_dq_product(torch::Tensor a_t, torch::Tensor b, int64_t consumer) {
+    TORCH_CHECK(a_t.is_cuda() && b.is_cuda() && a_t.scalar_type() == b.scalar_type() && a_t.is_contiguous() &&
+                b.is_contiguous(), "hopper_backward_dq_product: contiguous CUDA tensors of one dtype");
+    TORCH_CHECK(a_t.dim() == 2 && a_t.size(0) == 128 && a_t.size(1) == 64 && b.dim() == 2 && b.size(0) == 128 &&
+                (b.size(1) == 64 || b.size(1) == 128) && (consumer == 0 || consumer == 1),
+                "hopper_backward_dq_product: a_t (128, 64), b (128, 64 or 128), consumer 0 or 1");
+    const c10::cuda::CUDAGuard guard(a_t.device());
+    const int64_t D = b.size(1);
+    auto c = torch::empty({64, D / 2}, a_t.options().dtype(torch::kFloat32));
+    const CUtensorMap a_map = wb::tile_map_2d(a_t, 128), b_map = wb::tile_map_2d(b, 128);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const bool is_half = a_t.scalar_type() == torch::kHalf;
+    const int which = static_cast<int>(consumer);
+    if (D == 64) {
+        if (is_half) wb::dq_product_kernel<__half, 64><<<1, wb::WARPGROUP, 0, stream>>>(a_map, b_map, which, c.data_ptr<float>());
+        else wb::dq_product_kernel<__nv_bfloat16, 64><<<1, wb::WARPGROUP, 0, stream>>>(a_map, b_map, which, c.data_ptr<float>());
+    } else {
+        if (is_half) wb::dq_product_kernel<__half, 128><<<1, wb::WARPGROUP, 0, stream>>>(a_map, b_map, which, c.data_ptr<float>());
+        else wb::dq_product_kernel<__nv_bfloat16, 128><<<1, wb::WARPGROUP, 0, stream>>>(a_map, b_map, which, c.data_ptr<float>());
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return c;
+}
 // endregion
 
 // region: backward_torch_entry

@@ -12,7 +12,9 @@ subprocess under a time limit (:mod:`.gpu_checks`).
 - :func:`wgmma_gemm`: (b, c) C = A B in fp32 by one warpgroup, A (64, K <= 64) from shared memory (SS) or registers
   (RS), B K-major (given as its transpose, (N, K)) or MN-major ((K, N)), N = 64 or 128;
 - :func:`register_split`: (d) ``setmaxnreg``: one warpgroup gives registers back, two take 240 each and use them;
-- :func:`named_barrier_turns`: (e) ``bar.sync`` / ``bar.arrive``: two warpgroups taking turns, the order they took.
+- :func:`named_barrier_turns`: (e) ``bar.sync`` / ``bar.arrive``: two warpgroups taking turns, the order they took;
+- :func:`backward_dq_product`: the backward's dQ product alone (issue 47): SS wgmma with A M-major (given as its
+  transpose, as the consumers store dS^T) and B MN-major from a column offset.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 from . import build as hopper_build
 
 __all__ = ["tma_tile", "wgmma_gemm", "register_split", "named_barrier_turns", "flash_v1", "flash_v2", "flash_v3",
-           "flash_v4", "SPLIT_LIVE"]
+           "flash_v4", "backward_dq_product", "SPLIT_LIVE"]
 
 TILE_BYTES = 64 * 128
 SPLIT_LIVE = 200  # values each consumer thread of register_split_kernel keeps live (the kernel's SPLIT_LIVE)
@@ -39,6 +41,14 @@ def wgmma_gemm(a, b, *, a_in_registers: bool = False, b_mn_major: bool = False, 
     """C = A B (64 x N, float32). `a`: (64, K); `b`: (N, K) (K-major, B's transpose) or, with `b_mn_major`, (K, N)."""
     module = module or hopper_build.extension()
     return module.hopper_wgmma_gemm(a.contiguous(), b.contiguous(), bool(a_in_registers), bool(b_mn_major))
+
+
+def backward_dq_product(a_t, b, consumer: int = 0, *, module=None):
+    """The backward's dQ product alone (``dq_product_kernel``, issue 47): ``a_t`` (128, 64) and ``b`` (128, D), D = 64
+    or 128, CUDA fp16/bf16; returns (64, D / 2) float32 = ``a_t.T @ b[:, consumer D / 2 : (consumer + 1) D / 2]``, by
+    the SS wgmma with A M-major (A given as its transpose) and B MN-major that the backward's consumers issue."""
+    module = module or hopper_build.extension()
+    return module.hopper_backward_dq_product(a_t.contiguous(), b.contiguous(), int(consumer))
 
 
 def register_split(x, *, module=None):
