@@ -64,10 +64,11 @@ def test_the_header_holds_work_splits_table():
         r"struct GemvShape<(\d+)> \{ static constexpr int ROWS = (\d+), UNROLL = (\d+), MIN_BLOCKS = (\d+); \};", text)}
     table[1] = tuple(int(re.search(rf"#define WB_GEMV_B1_{name} (\d+)", text).group(1))
                      for name in ("ROWS", "UNROLL", "MIN_BLOCKS"))  # batch 1's defaults, which -D flags may change
-    assert table == ws.SHAPES and build.VARIANTS["default"] == ws.SHAPES[1]
-    assert all(rows % 2 == 0 for rows, _, _ in build.VARIANTS.values())  # the gate/up form pairs a warp's rows
+    assert table == ws.SHAPES and build.VARIANTS["default"] == (*ws.SHAPES[1], 0)
+    assert "#define WB_GEMV_PREFETCH 0" in text
+    assert all(rows % 2 == 0 for rows, *_ in build.VARIANTS.values())  # the gate/up form pairs a warp's rows
     assert build.variant_flags("rows2_unroll8") == ["-DWB_GEMV_B1_ROWS=2", "-DWB_GEMV_B1_UNROLL=8",
-                                                     "-DWB_GEMV_B1_MIN_BLOCKS=2"]
+                                                     "-DWB_GEMV_B1_MIN_BLOCKS=2", "-DWB_GEMV_PREFETCH=0"]
     assert f"constexpr int kWarps = {ws.WARPS};" in text and f"constexpr int kV1Unroll = {ws.V1_UNROLL};" in text
     host = (HEADER.parent / "gemv_host.cu").read_text()
     assert "enum Form { kPlain = 0, kNormProduct = 1, kResidualProduct = 2, kNormGateUp = 3 };" in host

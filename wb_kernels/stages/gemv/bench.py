@@ -17,7 +17,8 @@ For each product of work_split.MODEL_PRODUCTS (QKV, o, gate/up, down, LM head) a
 - ``cublas``: ``torch.nn.functional.linear`` (cuBLAS) on the same W and x, and ``torch unfused``: the fused form's
   eager PyTorch sequence (F.rms_norm, F.linear, the add or F.silu * up): what the fusion saves;
 - ``variant <name>`` (with ``--variants``, batch 1): the plain product, one split, from a build whose batch-1 kernel
-  has another shape (build.VARIANTS: rows per warp, loads in flight per row, minimum blocks per SM);
+  has another shape (build.VARIANTS: rows per warp, loads in flight per row, minimum blocks per SM) or loads each
+  trip's weights a trip ahead (prefetch);
 - ``copy``: a device-to-device copy of W's bytes (it reads and writes them: half its time is the ceiling of a
   product that only reads them), and once per run a 1 GiB copy, the rate the decoder's roofline uses.
 
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     if unknown or not all(1 <= b <= 16 for b in batches):
         parser.error(f"products from {[p.name for p in ws.MODEL_PRODUCTS]} and batches 1 to 16 (got {unknown}, "
                      f"{batches})")
-    from .build import VARIANTS, build_variant
+    from .build import VARIANT_FIELDS, VARIANTS, build_variant
 
     wanted = [v for v in VARIANTS if v != "default"] if args.variants == "all" else \
         [v for v in args.variants.split(",") if v]
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
     path = args.json or gpu_results_path("gemv", "bench", on_cuda=True, smoke_name="bench_smoke.json")
     results = {"kind": "gemv", "environment": environment(), "timing": dict(DEVICE_TIME),
                "timing_words": DEVICE_TIME.words(), "dtype": args.dtype, "large_copy_gbps": round_significant(large),
-               "variants": {name: dict(zip(("rows", "unroll", "min_blocks"), VARIANTS[name])) for name in
+               "variants": {name: dict(zip(VARIANT_FIELDS, VARIANTS[name])) for name in
                             ["default", *wanted]},
                "command": "python -m wb_kernels.stages.gemv.bench " + recorded_arguments(
                    argv if argv is not None else sys.argv[1:], REPO_ROOT),

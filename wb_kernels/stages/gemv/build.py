@@ -7,7 +7,8 @@
 - :func:`nvcc_compile_report` (needs only nvcc): registers, spills and stack of every kernel the launcher can
   choose, for a CPU-only machine and CI, one :class:`KernelResources` each.
 - :data:`VARIANTS` and :func:`build_variant`: the batch-1 kernel's shape (weight rows per warp, loads in flight per
-  row, minimum blocks per SM) built with other values (``-D`` flags), for ``bench.py --variants`` to time side by side.
+  row, minimum blocks per SM) and the next trip's loads issued early (prefetch) built with other values (``-D``
+  flags), for ``bench.py --variants`` to time side by side.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from ...cuda_build import CudaBuildError, EditableSource, Extension, compile_cubin, ptxas_entries
 
 __all__ = ["SOURCE", "SOURCE_NAME", "ARCH", "FORM_NAMES", "extension", "build", "package_source",
-           "nvcc_compile_report", "KernelResources", "VARIANTS", "variant_flags", "build_variant"]
+           "nvcc_compile_report", "KernelResources", "VARIANTS", "VARIANT_FIELDS", "variant_flags", "build_variant"]
 
 SOURCE = EditableSource(Path(__file__).resolve().parent / "gemv_host.cu")  # and the headers it includes
 SOURCE_NAME = SOURCE.name  # "wb_kernels/stages/gemv/gemv_host.cu"
@@ -40,18 +41,21 @@ build = EXTENSION.build
 extension = EXTENSION.extension
 
 
-# The batch-1 shape (rows per warp, loads in flight per row and lane, min blocks per SM) of each build bench.py can time
-# side by side; "default" is the package's (work_split.SHAPES[1]). Rows stay even: the gate/up form pairs them.
-VARIANTS = {"default": (2, 4, 4), "rows4_unroll2": (4, 2, 4), "rows2_unroll8": (2, 8, 2), "rows4_unroll4": (4, 4, 2),
-            "capped_registers": (2, 4, 8)}
+# Each build bench.py can time side by side: the batch-1 shape (rows per warp, loads in flight per row and lane, min
+# blocks per SM) and whether every kernel loads its next trip before computing this one (prefetch); "default" is the
+# package's (work_split.SHAPES[1], no prefetch). Rows stay even: the gate/up form pairs them.
+VARIANT_FIELDS = ("rows", "unroll", "min_blocks", "prefetch")
+VARIANTS = {"default": (2, 4, 4, 0), "rows4_unroll2": (4, 2, 4, 0), "rows2_unroll8": (2, 8, 2, 0),
+            "rows4_unroll4": (4, 4, 2, 0), "capped_registers": (2, 4, 8, 0), "prefetch": (2, 4, 4, 1)}
 
 
 def variant_flags(name: str) -> list:
     """The ``-D`` flags of build variant `name` (:data:`VARIANTS`); a ValueError naming the variants there are."""
     if name not in VARIANTS:
         raise ValueError(f"the gemv rung has no build variant {name!r}; it has {', '.join(VARIANTS)}")
-    rows, unroll, min_blocks = VARIANTS[name]
-    return [f"-DWB_GEMV_B1_ROWS={rows}", f"-DWB_GEMV_B1_UNROLL={unroll}", f"-DWB_GEMV_B1_MIN_BLOCKS={min_blocks}"]
+    rows, unroll, min_blocks, prefetch = VARIANTS[name]
+    return [f"-DWB_GEMV_B1_ROWS={rows}", f"-DWB_GEMV_B1_UNROLL={unroll}", f"-DWB_GEMV_B1_MIN_BLOCKS={min_blocks}",
+            f"-DWB_GEMV_PREFETCH={prefetch}"]
 
 
 def build_variant(name: str, *, verbose: bool = False):

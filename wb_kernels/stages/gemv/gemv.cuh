@@ -108,6 +108,11 @@ enum Epilogue { kStore = 0, kResidual = 1, kSiluMul = 2 };  // y; residual + y; 
 // loads; more rows per warp reuse each x load (from L1) ROWS times, which the L1's bandwidth needs at B = 8 and 16.
 // work_split.py's SHAPES holds the same table (a test compares them).
 template <int BATCH> struct GemvShape;
+// 1: each warp issues its next trip's loads before this trip's arithmetic (twice the weight registers), at batch
+// widths up to 4; a build variant (build.VARIANTS "prefetch"), not the package's default until the H100 says it pays
+#ifndef WB_GEMV_PREFETCH
+#define WB_GEMV_PREFETCH 0
+#endif
 // batch 1, the issue's bar: bench.py --variants builds other values of it with -D flags (build.VARIANTS)
 #ifndef WB_GEMV_B1_ROWS
 #define WB_GEMV_B1_ROWS 2
@@ -202,14 +207,12 @@ __device__ void finish_split_tile(const GemvParams& p, int tile) {
 
 // region: gemv_trip
 // One trip of a warp over UNROLL x 256 columns of its ROWS weight rows: the weights' ROWS x UNROLL 16-byte loads
-// first, then for each chunk and each row of x, 8 fused multiply-adds per weight row. Rows of x past the batch read
-// its last row again (their sums are never stored): no test, so no branch between the loads. Only the last trip of
-// a split tests its columns (CHECKED).
-template <typename T, int BATCH, int PROLOGUE, int ROWS, int UNROLL, bool CHECKED>
-__device__ __forceinline__ void gemv_trip(const T* const (&w_rows)[ROWS], const T* x, const T* g, int K, int batch,
-                                          int k0, int k_end, int lane, float (&acc)[ROWS][BATCH],
-                                          float (&squares)[BATCH]) {
-    uint4 w_raw[ROWS][UNROLL];
+// (load_trip), then for each chunk and each row of x, 8 fused multiply-adds per weight row (use_trip). Rows of x past
+// the batch read its last row again (their sums are never stored): no test, so no branch between the loads. Only the
+// last trip of a split tests its columns (CHECKED).
+template <typename T, int ROWS, int UNROLL, bool CHECKED>
+__device__ __forceinline__ void load_trip(const T* const (&w_rows)[ROWS], int k0, int k_end, int lane,
+                                          uint4 (&w_raw)[ROWS][UNROLL]) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const int k = k0 + u * kWarpStep + lane * kChunk;
@@ -217,6 +220,12 @@ __device__ __forceinline__ void gemv_trip(const T* const (&w_rows)[ROWS], const 
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) w_raw[i][u] = inside ? load_weights(w_rows[i] + k) : make_uint4(0, 0, 0, 0);
     }
+}
+
+template <typename T, int BATCH, int PROLOGUE, int ROWS, int UNROLL, bool CHECKED>
+__device__ __forceinline__ void use_trip(const uint4 (&w_raw)[ROWS][UNROLL], const T* x, const T* g, int K, int batch,
+                                         int k0, int k_end, int lane, float (&acc)[ROWS][BATCH],
+                                         float (&squares)[BATCH]) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const int k = k0 + u * kWarpStep + lane * kChunk;
@@ -278,11 +287,34 @@ __global__ void __launch_bounds__(kWarps * 32, GemvShape<BATCH>::MIN_BLOCKS) gem
     }
 
     const T* g = static_cast<const T*>(p.norm_weight);
+    constexpr int STEP = UNROLL * kWarpStep;
+    uint4 w_raw[ROWS][UNROLL];
     int k0 = k_begin;
-    for (; k0 + UNROLL * kWarpStep <= k_end; k0 += UNROLL * kWarpStep)
-        gemv_trip<T, BATCH, PROLOGUE, ROWS, UNROLL, false>(w_rows, x, g, p.K, p.batch, k0, k_end, lane, acc, squares);
-    if (k0 < k_end)
-        gemv_trip<T, BATCH, PROLOGUE, ROWS, UNROLL, true>(w_rows, x, g, p.K, p.batch, k0, k_end, lane, acc, squares);
+    constexpr bool PREFETCH = WB_GEMV_PREFETCH && BATCH <= 4;  // wider batches have no registers to spare
+    if (PREFETCH && k0 + STEP <= k_end) {
+        // the next trip's loads issued before this trip's multiply-adds: they are used only after the loop turns, so
+        // no compiler can sink them behind the arithmetic, and a warp keeps a trip in flight while it computes
+        load_trip<T, ROWS, UNROLL, false>(w_rows, k0, k_end, lane, w_raw);
+        for (; k0 + 2 * STEP <= k_end; k0 += STEP) {
+            uint4 next[ROWS][UNROLL];
+            load_trip<T, ROWS, UNROLL, false>(w_rows, k0 + STEP, k_end, lane, next);
+            use_trip<T, BATCH, PROLOGUE, ROWS, UNROLL, false>(w_raw, x, g, p.K, p.batch, k0, k_end, lane, acc, squares);
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) w_raw[i][u] = next[i][u];
+        }
+        use_trip<T, BATCH, PROLOGUE, ROWS, UNROLL, false>(w_raw, x, g, p.K, p.batch, k0, k_end, lane, acc, squares);
+        k0 += STEP;
+    }
+    for (; k0 + STEP <= k_end; k0 += STEP) {  // (without prefetch: every whole trip here)
+        load_trip<T, ROWS, UNROLL, false>(w_rows, k0, k_end, lane, w_raw);
+        use_trip<T, BATCH, PROLOGUE, ROWS, UNROLL, false>(w_raw, x, g, p.K, p.batch, k0, k_end, lane, acc, squares);
+    }
+    if (k0 < k_end) {
+        load_trip<T, ROWS, UNROLL, true>(w_rows, k0, k_end, lane, w_raw);
+        use_trip<T, BATCH, PROLOGUE, ROWS, UNROLL, true>(w_raw, x, g, p.K, p.batch, k0, k_end, lane, acc, squares);
+    }
 
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
