@@ -227,7 +227,7 @@ def test_the_deterministic_order_is_bit_identical_and_the_atomic_one_is_not(caus
     the tolerance rule."""
     q, k, v, out, lse, dout, _ = _problem(1, 1, 512, 512, 1, 64, causal, False)
     runs = {mode: [bm.backward(q, k, v, out, lse, dout, causal=causal, mode=mode, seed=seed,
-                               return_accumulator=True)[3] for seed in range(6)] for mode in ("atomic", "deterministic")}
+                               return_accumulator=True)[3] for seed in range(4)] for mode in ("atomic", "deterministic")}
     first = runs["deterministic"][0]
     assert all(np.array_equal(first.view(np.uint32), run.view(np.uint32)) for run in runs["deterministic"][1:])
     assert any(not np.array_equal(runs["atomic"][0].view(np.uint32), run.view(np.uint32)) for run in runs["atomic"][1:])
