@@ -297,7 +297,7 @@ def predictions(batch: int = 1, gpu: Gpu = H100) -> list:
 
 
 def copy_time_us(nbytes: float, copy_gbps: float) -> float:
-    """Time to move `nbytes` at a copy's rate, the rate the decoder's roofline uses (models/NOTES.md): a copy's
+    """Time to move `nbytes` at a copy's rate, the rate the decoder's roofline uses (wb_kernels/models/NOTES.md): a copy's
     rate counts the bytes it reads and writes, which share HBM's bandwidth, so a stream that only reads moves its
     bytes at that rate too. (A copy of W's own bytes, which reads and writes them, thus takes twice the ceiling of a
     product that reads W once.)"""
