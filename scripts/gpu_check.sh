@@ -28,6 +28,11 @@
 #                                        before it and the same command resumes the file (FlexAttention's compilations
 #                                        may need a second run). VARIANTS_PRESET=full, window-sweep, memory or all: the
 #                                        other presets, into the same file
+#   scripts/gpu_check.sh build hopper-backward   the Hopper rung's backward (issue 47): the dQ product alone, the
+#                                        checks against float64 and the deterministic mode, memcheck and racecheck,
+#                                        tests/test_hopper_backward.py (about 10 min at most)
+#   scripts/gpu_check.sh build gemv     the decode step's GEMV kernels (issue 48): checks, sanitizers, tests, then
+#                                        the benchmark into results/gemv/bench_<gpu>.json and variants_<gpu>.json
 #   scripts/gpu_check.sh build tokens   the decoder's tokens/s with SDPA and wb.decode (lesson 07), into
 #                                        results/decode/decoder_<gpu>.json (about 1 min on an H100 after build)
 #   scripts/gpu_check.sh distributed    exact attention across GPUs (issue #32; needs 2 or more GPUs of one host):
@@ -230,6 +235,37 @@ if has variants; then
   gpu=$(gpu_name)
   run_step variants "${VARIANTS_LIMIT:-540}" python3 -m wb_kernels.bench.variants --preset "${VARIANTS_PRESET:-bar}" \
     --no-progress --json "results/triton/variants_$gpu.json" --time-budget $(( ${VARIANTS_LIMIT:-540} - 60 ))
+fi
+if has hopper-backward; then
+  # the Hopper rung's backward (issue 47; not yet the stage's Backward): the dQ product alone first (a wrong wgmma
+  # descriptor shows there alone), then the quick and full checks against float64, the deterministic mode's bits and
+  # its cost, memcheck and racecheck, and the rung's backward tests. Every launch has the barrier watchdog.
+  has build || build_rungs hopper
+  run_step hopper_dq_product 120 python3 -m wb_kernels.stages.hopper.gpu_checks dq_product
+  run_step hopper_backward_quick 300 python3 -m wb_kernels.stages.hopper.gpu_checks backward_quick
+  run_step hopper_backward 600 python3 -m wb_kernels.stages.hopper.gpu_checks backward deterministic
+  run_step hopper_backward_memcheck 600 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    python3 -m wb_kernels.stages.hopper.gpu_checks dq_product backward_quick
+  run_step hopper_backward_racecheck 600 compute-sanitizer --tool racecheck --error-exitcode 1 \
+    python3 -m wb_kernels.stages.hopper.gpu_checks backward_quick
+  run_step hopper_backward_tests 900 python3 -m pytest tests/test_hopper_backward.py -q
+fi
+if has gemv; then
+  # the decode step's matrix-vector products (issue 48; not yet used by the decoder): every kernel against float64
+  # and the NumPy model's bits, memcheck and racecheck, the rung's tests, then each version against cuBLAS and the
+  # copy ceiling at the model's shapes (L2 flushed) into results/gemv/bench_<gpu>.json and the batch-1 build variants
+  # into results/gemv/variants_<gpu>.json
+  has build || build_rungs gemv
+  gpu=$(gpu_name)
+  run_step gemv_checks 300 python3 -m wb_kernels.stages.gemv.gpu_checks v1 v2 v3 fused in_place
+  run_step gemv_memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    python3 -m wb_kernels.stages.gemv.gpu_checks quick
+  run_step gemv_racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
+    python3 -m wb_kernels.stages.gemv.gpu_checks quick
+  run_step gemv_tests 300 python3 -m pytest tests/test_gemv.py -q
+  run_step gemv_bench "${GEMV_LIMIT:-300}" python3 -m wb_kernels.stages.gemv.bench --json "results/gemv/bench_$gpu.json"
+  run_step gemv_variants "${GEMV_LIMIT:-300}" python3 -m wb_kernels.stages.gemv.bench --batches 1 --variants all \
+    --json "results/gemv/variants_$gpu.json"
 fi
 if has tokens; then
   # the LLaMA-shaped decoder's tokens per second (lesson 07): eager with SDPA, wb.decode and FlashInfer on contiguous
