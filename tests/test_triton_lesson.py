@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from wb_kernels.lesson_sync import notebook_regions, region_source  # noqa: E402
-from wb_kernels.stages.triton import exercises, figures, solutions  # noqa: E402
+from wb_kernels.stages.triton import compiled, exercises, figures, solutions  # noqa: E402
 
 try:
     import triton
@@ -179,7 +179,7 @@ def test_signature_specializes_as_a_launch_does():
         ("X", False), ("n", False), ("m", False), ("scale", False), ("FLAG", False), ("Unused", False),
         ("stride", False), ("BLOCK", True))])
     x = torch.empty(4, dtype=torch.float16, device="meta")
-    signature, constexprs, attrs = figures._signature(fn, dict(X=x, n=64, m=7, scale=0.5, FLAG=True, Unused=None,
+    signature, constexprs, attrs = compiled._signature(fn, dict(X=x, n=64, m=7, scale=0.5, FLAG=True, Unused=None,
                                                                stride=1, BLOCK=32))
     assert signature == {"X": "*fp16", "n": "i32", "m": "i32", "scale": "fp32", "FLAG": "constexpr",
                          "Unused": "constexpr", "stride": "constexpr", "BLOCK": "constexpr"}
@@ -192,15 +192,15 @@ def test_compile_report_without_a_gpu():
     with more than one stage."""
     _needs_triton()
     problem = dict(B=1, H=2, L=256, D=64, dtype="float16", causal="top_left")
-    rows = figures.compile_report([problem, dict(problem, num_stages=1)])
-    count = {(r["arch"], r["num_stages"] > 1): {family: figures.instruction_count(r, family) for family in
+    rows = compiled.compile_report([problem, dict(problem, num_stages=1)])
+    count = {(r["arch"], r["num_stages"] > 1): {family: compiled.instruction_count(r, family) for family in
                                                  ("mma.sync", "wgmma", "cp.async")} for r in rows}
     assert count["sm_80", True]["mma.sync"] > 0 and count["sm_80", True]["wgmma"] == 0
     assert count["sm_90a", True]["wgmma"] > 0 and count["sm_90a", True]["mma.sync"] == 0
     assert count["sm_80", True]["cp.async"] > 0 and count["sm_80", False]["cp.async"] == 0
     assert all(r["registers"] > 0 and r["shared_bytes"] > 0 for r in rows)
     with pytest.raises(KeyError):
-        figures.instruction_count(rows[0], "no such family")
+        compiled.instruction_count(rows[0], "no such family")
 
 
 
@@ -216,7 +216,7 @@ def test_every_variant_compiles_for_the_h100_pipelined_without_spills():
 
     base = dict(B=1, H=2, L=256, D=128, dtype="float16", causal="top_left", targets=["sm_90a"])
     names = ("plain", *VARIANT_NAMES)
-    rows = figures.compile_report([dict(base, variants=name, **{"pass": p}) for name in names
+    rows = compiled.compile_report([dict(base, variants=name, **{"pass": p}) for name in names
                                    for p in ("forward", "backward")], timeout=900)
     found = {(r["kernel"], r["variants"]): r for r in rows}
     kernels = ("attention_forward", "backward_preprocess", "backward_dk_dv", "backward_dq")
@@ -225,8 +225,8 @@ def test_every_variant_compiles_for_the_h100_pipelined_without_spills():
         if kernel == "backward_preprocess":
             assert row["spill_bytes"] == 0
             continue
-        assert figures.instruction_count(row, "wgmma") > 0, (kernel, name)
-        assert figures.instruction_count(row, "cp.async") > 0, (kernel, name)
+        assert compiled.instruction_count(row, "wgmma") > 0, (kernel, name)
+        assert compiled.instruction_count(row, "cp.async") > 0, (kernel, name)
         if kernel == "backward_dk_dv":  # (a blow-up, not the few dozen registers' worth it spills today)
             assert row["spill_bytes"] < 256, (kernel, name, row["spill_bytes"])
         else:
@@ -243,17 +243,17 @@ def test_mods_compile_pipelined_and_wrong_ones_are_refused_by_the_compiler():
     base = dict(B=1, H=2, L=256, D=64, dtype="float16", causal=None, targets=["sm_90a"])
     good = dict(file=MODS_FILE, score_mod="alibi_mod", score_mod_derivative="unit_derivative",
                 mask_mod="causal_mask")
-    rows = figures.compile_report([dict(base, mods=good, **{"pass": p}) for p in ("forward", "backward")],
+    rows = compiled.compile_report([dict(base, mods=good, **{"pass": p}) for p in ("forward", "backward")],
                                   timeout=900)
     names = [row["kernel"] for row in rows]
     assert names.count("block_mask_tiles") == 2 and {"attention_forward", "backward_dk_dv", "backward_dq"} <= set(names)
     for row in rows:
         if row["kernel"] in ("attention_forward", "backward_dk_dv", "backward_dq"):
-            assert figures.instruction_count(row, "cp.async") > 0, row["kernel"]
+            assert compiled.instruction_count(row, "cp.async") > 0, row["kernel"]
     for bad, said in ((dict(score_mod="summed_score_mod"), "score_mod must return one score per"),
                       (dict(mask_mod="numeric_mask"), "mask_mod must return booleans")):
         with pytest.raises(RuntimeError, match=f"ValueError: {said}"):
-            figures.compile_report([dict(base, mods=dict(file=MODS_FILE, **bad))], timeout=900)
+            compiled.compile_report([dict(base, mods=dict(file=MODS_FILE, **bad))], timeout=900)
 
 
 def test_a_new_length_compiles_no_new_kernel():
@@ -267,7 +267,7 @@ def test_a_new_length_compiles_no_new_kernel():
                "every named variant": ((1001, 1003, 4097), (2048, 4096, 4112))}  # (Lq·Lk odd in the first)
     problems = [dict(base, L=L, variants=variants, **{"pass": p}) for variants, lengths in classes.items()
                 for p in ("forward", "backward") for group in lengths for L in group]
-    keys = figures.compile_report(problems, keys_only=True)
+    keys = compiled.compile_report(problems, keys_only=True)
     for first in range(0, len(problems), 6):
         ragged, aligned = keys[first:first + 3], keys[first + 3:first + 6]
         assert ragged[0] == ragged[1] == ragged[2], problems[first]

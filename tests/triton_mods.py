@@ -1,5 +1,5 @@
 """score_mod / mask_mod functions the triton stage's tests share, in a file of their own so that a compiling
-process (``figures.compile_report``, ``TRITON_INTERPRET=0``) can load them by path as well as the tests' own process:
+process (``compiled.compile_report``, ``TRITON_INTERPRET=0``) can load them by path as well as the tests' own process:
 Triton compiles a jit function from its source file. Each uses triton.language only (no helper of the kernels)."""
 
 import triton

@@ -103,7 +103,7 @@ def load_kernels():
 
 def use_compiled_kernels(kernels) -> None:
     """Use `kernels`, a :mod:`.kernels` module imported with ``TRITON_INTERPRET=0``, as the compiled ones, whatever
-    this machine has: for compiling without a GPU (lesson 11's generated-code cells, :mod:`.figures`), where nothing
+    this machine has: for compiling without a GPU (lesson 11's generated-code cells, :mod:`.compiled`), where nothing
     is launched and :func:`kernel_arguments` must give what a GPU's launch would get."""
     global _KERNELS, _INTERPRETING
     _KERNELS, _INTERPRETING = kernels, False
