@@ -29,7 +29,7 @@
 #                                        may need a second run). VARIANTS_PRESET=full, window-sweep, memory or all: the
 #                                        other presets, into the same file
 #   scripts/gpu_check.sh build hopper-backward   the Hopper rung's backward (issue 47): the dQ product alone, the
-#                                        checks against float64 and the deterministic mode, memcheck and racecheck,
+#                                        checks against float64 and the deterministic mode, memcheck (watchdog 60 s),
 #                                        tests/test_hopper_backward.py (about 10 min at most)
 #   scripts/gpu_check.sh build gemv     the decode step's GEMV kernels (issue 48): checks, sanitizers, tests, then
 #                                        the benchmark into results/gemv/bench_<gpu>.json and variants_<gpu>.json
@@ -244,10 +244,10 @@ if has hopper-backward; then
   run_step hopper_dq_product 120 python3 -m wb_kernels.stages.hopper.gpu_checks dq_product
   run_step hopper_backward_quick 300 python3 -m wb_kernels.stages.hopper.gpu_checks backward_quick
   run_step hopper_backward 600 python3 -m wb_kernels.stages.hopper.gpu_checks backward deterministic
-  run_step hopper_backward_memcheck 600 compute-sanitizer --tool memcheck --error-exitcode 1 \
+  # memcheck slows the kernels past the 2 s watchdog (a false trap in the deterministic mode's waits): a build with
+  # 60 s instead. No racecheck: it does not see the TMA's, the bulk copies' and wgmma's accesses (the async proxy)
+  WB_WATCHDOG_SECONDS=60 run_step hopper_backward_memcheck 600 compute-sanitizer --tool memcheck --error-exitcode 1 \
     python3 -m wb_kernels.stages.hopper.gpu_checks dq_product backward_quick
-  run_step hopper_backward_racecheck 600 compute-sanitizer --tool racecheck --error-exitcode 1 \
-    python3 -m wb_kernels.stages.hopper.gpu_checks backward_quick
   run_step hopper_backward_tests 900 python3 -m pytest tests/test_hopper_backward.py -q
 fi
 if has gemv; then

@@ -329,3 +329,24 @@ def test_the_backward_on_the_gpu(name, built_extension):
         pytest.fail(f"gpu check {name!r} did not finish in {limit} s: {hung.stdout!r} {hung.stderr!r}")
     assert done.returncode == 0 and f"CHECK {name} ok" in done.stdout, done.stdout + done.stderr[-3000:]
     print(done.stdout)
+
+
+STATIC_SHARED_LIMIT = 48 * 1024  # a block's static shared memory; more must be dynamic, with the kernel's opt-in
+
+
+def test_no_kernel_declares_more_static_shared_memory_than_a_block_may():
+    """Every kernel of the forward and the backward keeps its static shared memory within 48 KB: ptxas for sm_90a
+    accepts more without a word (for sm_80 and sm_90 it refuses), and such a launch is not one a GPU promises to run.
+    The dQ product's tiles at D = 128 are 48 KB themselves, so they are dynamic shared memory (ptxas said 49,168
+    bytes of static before)."""
+    import re
+
+    from wb_kernels.cuda_build import compile_cubin
+
+    for part in hb.PARTS:
+        _, log = compile_cubin(hb.ARCH, hb.package_source(), hb.LINE_NAME, hb.SOURCE_NAME,
+                               extra_flags=tuple(hb.build_options(hb.WATCHDOG_SECONDS)) + hb.PARTS[part])
+        kernels = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes smem", log, flags=re.S)
+        assert kernels, log[-1000:]
+        over = [(name, int(smem)) for name, smem in kernels if int(smem) > STATIC_SHARED_LIMIT]
+        assert not over, over

@@ -392,6 +392,10 @@ __device__ __forceinline__ void add_dq(const float (&dq)[HEAD_DIM / 4], float* d
 }
 // endregion
 
+// the dQ product kernel's dynamic shared memory: A^T's tile, B's HEAD_DIM / 64 tiles, and 1 KB to align them
+template <int HEAD_DIM>
+constexpr int dq_product_smem_bytes() { return (1 + HEAD_DIM / 64) * BWD_BLOCK_N * TILE_ROW_BYTES + 1024; }
+
 // region: backward_dq_product_kernel
 // issue_dq alone, before the backward relies on it (the lab's gemm check runs B transposed, never A): one warpgroup,
 // C (64 x HEAD_DIM / 2, fp32) = A B[:, consumer HEAD_DIM / 2 ...] with A given as its transpose A^T (128 x 64,
@@ -402,8 +406,11 @@ __global__ void __launch_bounds__(WARPGROUP) dq_product_kernel(const __grid_cons
                                                              const __grid_constant__ CUtensorMap b_map, int consumer,
                                                              float* __restrict__ c) {
     constexpr int BLOCK_BYTES = BWD_BLOCK_N * TILE_ROW_BYTES;  // 128 rows x 64 16-bit columns
-    __shared__ __align__(1024) uint8_t a_t_tile[BLOCK_BYTES];
-    __shared__ __align__(1024) uint8_t b_tile[HEAD_DIM / 64 * BLOCK_BYTES];
+    // dynamic shared memory (dq_product_smem_bytes, with the launch's opt-in): at D = 128 the tiles are 48 KB, and a
+    // block's static shared memory may not exceed 48 KB in all (ptxas for sm_90a accepts more without a word)
+    extern __shared__ uint8_t raw_smem[];
+    uint8_t* a_t_tile = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+    uint8_t* b_tile = a_t_tile + BLOCK_BYTES;
     __shared__ __align__(8) uint64_t loaded;
     if (threadIdx.x == 0) {  // the thread that initialises the barrier may use it at once; the others after the sync
         mbarrier_init(&loaded, 1);

@@ -340,6 +340,17 @@ void run_flash_backward(const torch::Tensor& q, const torch::Tensor& k, const to
 // endregion
 
 // region: backward_dq_product_entry
+namespace wb {
+// the dQ product alone: its tiles are dynamic shared memory (48 KB and more at D = 128 need the kernel's opt-in)
+template <typename T, int HEAD_DIM>
+void launch_dq_product(const CUtensorMap& a_map, const CUtensorMap& b_map, int consumer, float* c, cudaStream_t stream) {
+    constexpr int smem = dq_product_smem_bytes<HEAD_DIM>();
+    auto kernel = dq_product_kernel<T, HEAD_DIM>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<1, WARPGROUP, smem, stream>>>(a_map, b_map, consumer, c);
+}
+}  // namespace wb
+
 // The dQ product alone (dq_product_kernel): a_t (128, 64), b (128, D) 16-bit, D = 64 or 128, consumer 0 or 1;
 // returns (64, D / 2) float32 = a_t^T b[:, consumer D / 2 : (consumer + 1) D / 2].
 torch::Tensor hopper_backward_dq_product(torch::Tensor a_t, torch::Tensor b, int64_t consumer) {
@@ -355,12 +366,13 @@ torch::Tensor hopper_backward_dq_product(torch::Tensor a_t, torch::Tensor b, int
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const bool is_half = a_t.scalar_type() == torch::kHalf;
     const int which = static_cast<int>(consumer);
+    float* out = c.data_ptr<float>();
     if (D == 64) {
-        if (is_half) wb::dq_product_kernel<__half, 64><<<1, wb::WARPGROUP, 0, stream>>>(a_map, b_map, which, c.data_ptr<float>());
-        else wb::dq_product_kernel<__nv_bfloat16, 64><<<1, wb::WARPGROUP, 0, stream>>>(a_map, b_map, which, c.data_ptr<float>());
+        if (is_half) wb::launch_dq_product<__half, 64>(a_map, b_map, which, out, stream);
+        else wb::launch_dq_product<__nv_bfloat16, 64>(a_map, b_map, which, out, stream);
     } else {
-        if (is_half) wb::dq_product_kernel<__half, 128><<<1, wb::WARPGROUP, 0, stream>>>(a_map, b_map, which, c.data_ptr<float>());
-        else wb::dq_product_kernel<__nv_bfloat16, 128><<<1, wb::WARPGROUP, 0, stream>>>(a_map, b_map, which, c.data_ptr<float>());
+        if (is_half) wb::launch_dq_product<__half, 128>(a_map, b_map, which, out, stream);
+        else wb::launch_dq_product<__nv_bfloat16, 128>(a_map, b_map, which, out, stream);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return c;
