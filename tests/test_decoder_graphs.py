@@ -170,6 +170,20 @@ def test_a_run_stopped_by_its_budget_resumes_where_it_stopped(tmp_path, capsys, 
     assert "starting a new one" in capsys.readouterr().err
 
 
+
+def test_a_sigterm_whose_exception_was_swallowed_stops_at_the_next_row_without_a_budget(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """SIGTERM raises in whatever code runs; when that code swallows the exception (a weakref callback did, in a
+    garbage collection), the flag stops the run at the next row, with no --time-budget to quote (that message once
+    raised a TypeError formatting None, and the run lost its table)."""
+    settings = tokens.Settings(**{**tokens.SMOKE_SETTINGS.__dict__, "batches": (1,), "contexts": (8,),
+                                  "sweep_batches": (1,), "sweep_contexts": (8,), "compile_cells": (),
+                                  "greedy_tokens": 2, "steps": 2})
+    monkeypatch.setitem(tokens._STOP, "requested", True)
+    results = tokens.run_tokens(settings, tmp_path / "decoder_smoke.json", smoke=True)
+    assert results["complete"] is False and results["records"] == []
+    assert "--time-budget" not in capsys.readouterr().err
+
 def test_the_gpu_plan_runs_every_row_once_with_the_compiled_rows_last(capsys):
     settings = tokens.GPU_SETTINGS
     staged = [row for _, phase, work in tokens._stages(settings) if phase == "rows" for row in work]

@@ -634,7 +634,7 @@ def run_tokens(settings: Settings, out_path, *, smoke: bool = False, command: st
     results.update(complete=not stopped, elapsed_s=round(results.get("elapsed_s", 0) + elapsed, 1)
                    if results.get("resumed") else elapsed)
     save_results(results, out_path)
-    if stopped:
+    if stopped and not _STOP["requested"]:  # (a SIGTERM whose exception some code swallowed: main says so)
         log(f"stopped after {time_budget:.0f} s (--time-budget), {len(results['records'])} of {len(plan)} rows done: "
             "run the same command again to continue")
     return results
